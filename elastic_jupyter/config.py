@@ -1,0 +1,132 @@
+"""Options of pools and runs, their defaults and their validation.
+
+Defaults (the README's table is generated from the same values):
+
+=====================  ===========================================================
+pool ``-n``            number of GPUs; 2 without GPUs
+pool ``--min``         1
+pool ``--max``         number of GPUs; 4 without GPUs
+pool ``--gpus``        all (``none`` forces CPU slots; ``0,2`` picks GPUs)
+engine start timeout   60 s
+``--global-batch``     64
+``--micro-batch``      none (a rank's whole share in one pass)
+``--epochs``           1 (unless ``--steps``)
+``--checkpoint-every`` 100 steps, and always at the end
+``--checkpoint-dir``   ``checkpoints/<name>/`` beside the notebook
+``--keep``             3 checkpoints
+``--seed``             0
+collective timeout     60 s (a rank stuck in a collective longer fails the run)
+=====================  ===========================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
+
+
+class UsageError(ValueError):
+    """A request that cannot be carried out as given; the message says what to change."""
+
+
+def _gpu_ids(gpus: str) -> list[int]:
+    if gpus in ("none", "", None):
+        return []
+    try:
+        import torch
+        available = torch.cuda.device_count()
+    except Exception:
+        available = 0
+    if gpus == "all":
+        return list(range(available))
+    try:
+        ids = [int(g) for g in str(gpus).split(",")]
+    except ValueError:
+        raise UsageError(f"--gpus takes all, none or a list like 0,2; got {gpus!r}") from None
+    bad = [g for g in ids if not 0 <= g < available]
+    if bad:
+        raise UsageError(f"GPU {bad[0]} does not exist: this machine has {available} GPU(s)")
+    return ids
+
+
+@dataclass
+class PoolConfig:
+    n: int
+    min_size: int
+    max_size: int
+    gpus: list = field(default_factory=list)
+    engine_timeout: float = 60.0
+    threads_per_engine: int = 1
+
+    @classmethod
+    def resolve(cls, n, min_size, max_size, gpus, engine_timeout) -> "PoolConfig":
+        ids = _gpu_ids(gpus)
+        if ids:
+            max_size = len(ids) if max_size is None else max_size
+            if max_size > len(ids):
+                raise UsageError(f"--max {max_size} exceeds the {len(ids)} GPU(s) selected: one "
+                                 "engine per GPU")
+            n = max_size if n is None else n
+        else:
+            max_size = DEFAULT_CPU_MAX if max_size is None else max_size
+            n = min(DEFAULT_CPU_SLOTS, max_size) if n is None else n
+        min_size = 1 if min_size is None else min_size
+        for label, v in (("-n", n), ("--min", min_size), ("--max", max_size)):
+            if not isinstance(v, int) or v < 1:
+                raise UsageError(f"{label} must be a positive integer, got {v!r}")
+        if not min_size <= n <= max_size:
+            raise UsageError(f"need --min <= -n <= --max, got {min_size} <= {n} <= {max_size}")
+        threads = max(1, (os.cpu_count() or 1) // max_size) if not ids else 4
+        return cls(n, min_size, max_size, ids, engine_timeout, threads)
+
+
+@dataclass
+class RunConfig:
+    """A run's options; plain data, stored in every checkpoint.
+
+    Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given.
+    """
+
+    name: str
+    global_batch: int = 64
+    micro_batch: int | None = None
+    epochs: int | None = None
+    steps: int | None = None
+    eval_every: int | None = None
+    clip_grad_norm: float | None = None
+    checkpoint_every: int = 100
+    checkpoint_dir: str | None = None
+    keep: int = 3
+    seed: int = 0
+    collective_timeout: float = 60.0
+    total_steps: int = 0
+
+    def validate(self) -> None:
+        def positive(label, v, allow_none=False):
+            if v is None and allow_none:
+                return
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"{label} must be a positive integer, got {v!r}")
+
+        if not self.name or any(c in self.name for c in "/\\") or self.name.startswith("."):
+            raise UsageError(f"--name must be a plain name (no slashes), got {self.name!r}")
+        positive("--global-batch", self.global_batch)
+        positive("--micro-batch", self.micro_batch, allow_none=True)
+        positive("--epochs", self.epochs, allow_none=True)
+        positive("--steps", self.steps, allow_none=True)
+        positive("--eval-every", self.eval_every, allow_none=True)
+        positive("--keep", self.keep)
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")
+        if self.epochs is not None and self.steps is not None:
+            raise UsageError("give --epochs or --steps, not both")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# options that fix the data order and the update: a resume must keep them
+RESUME_KEYS = ("global_batch", "seed")

@@ -1,0 +1,48 @@
+"""The rendezvous store the owner serves to its engines, kept off the network.
+
+``torch.distributed.TCPStore(is_master=True)`` listens on every interface even when given
+127.0.0.1 (measured; see shared/DESIGN.md). We bind the listening socket ourselves to loopback
+and hand its descriptor to the store, so a single-host pool is unreachable from the network.
+Each generation reads and writes only under its own prefix ``gen<g>/``: no key of an old
+generation is ever read by a new one.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch.distributed as dist
+
+LOOPBACK = "127.0.0.1"
+
+
+class Rendezvous:
+    """A TCPStore server in this process, listening on ``host`` (loopback by default).
+
+    Attributes:
+        host, port: the address engines connect to.
+    """
+
+    def __init__(self, host: str = LOOPBACK, timeout: float = 60.0):
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, 0))
+        listener.listen(512)
+        self.host, self.port = host, listener.getsockname()[1]
+        # the store takes ownership of the descriptor and closes it when it is destroyed
+        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
+                                   master_listen_fd=listener.detach(),
+                                   timeout=datetime.timedelta(seconds=timeout))
+
+    def control(self, generation: int):
+        """The store seen by generation `generation` (its own key prefix)."""
+        return dist.PrefixStore(f"gen{generation}/", self.store)
+
+    def request_end(self, generation: int, end_at: int | None) -> None:
+        """Ask the ranks of `generation` to leave after step `end_at` (0: after the current
+        step; None: keep training). Rank 0 reads it at its next step boundary."""
+        control = self.control(generation)
+        control.set("end_at", "none" if end_at is None else str(end_at))
+        control.add("version", 1)
+
+    def close(self) -> None:
+        self.store = None

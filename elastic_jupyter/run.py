@@ -1,0 +1,598 @@
+"""TrainingRun: one elastic training run on an EnginePool, driven from the owner thread.
+
+The run is a sequence of generations (see engine.worker). Between two generations the owner
+changes the membership: a shrink stops the youngest engines after they left the group; a grow
+adds engines that were started and set up in the background while the others trained, so
+training pauses only for forming the new group and one broadcast of the state.
+"""
+from __future__ import annotations
+
+import asyncio
+import bisect
+import os
+import threading
+import time
+
+from . import registry
+from .config import RESUME_KEYS, RunConfig, UsageError
+from .engine import checkpoint as ckpt
+from .engine import worker
+from .rendezvous import Rendezvous
+
+STATES = ("starting", "training", "resizing", "finished", "failed", "stopped")
+POLL = 0.05  # seconds between the owner's looks at a running generation
+
+
+class RunSetupError(RuntimeError):
+    """The run's setup failed on an engine; the message carries that engine's traceback."""
+
+
+def _remote_message(error: BaseException) -> str:
+    """The engine-side traceback of an ipyparallel RemoteError, or the error itself."""
+    tb = getattr(error, "traceback", None)
+    if tb:
+        return tb if isinstance(tb, str) else "\n".join(tb)
+    return f"{type(error).__name__}: {error}"
+
+
+def _remote_summary(error: BaseException) -> str:
+    ename, evalue = getattr(error, "ename", None), getattr(error, "evalue", None)
+    return f"{ename}: {evalue}" if ename else f"{type(error).__name__}: {error}"
+
+
+class TrainingRun:
+    """An elastic data-parallel training run.
+
+    Args:
+        pool: the EnginePool to train on (started if needed); one run at a time per pool.
+        config: RunConfig (name, global batch, steps or epochs, checkpoints...).
+        source: Python source run on every engine that defines ``model``, ``optimizer``,
+            ``dataset`` and ``loss_fn(model, batch)`` (the ``%%elastic_train`` cell); or
+        setup: a function returning a dict of the same objects (pickled by value).
+        push: notebook variables to define on the engines before the source runs.
+        resume: continue from the newest checkpoint in the run's checkpoint folder.
+        engines: starting world size (default: the pool's size).
+        workspace: folder that holds ``checkpoints/<name>/`` (default: the current folder).
+
+    Attributes:
+        state: one of "starting", "training", "resizing", "finished", "failed", "stopped".
+        world_size: current number of ranks; requested_size: the newest requested size.
+    """
+
+    def __init__(self, pool, config: RunConfig, source: str | None = None, setup=None,
+                 push: dict | None = None, resume: bool = False, engines: int | None = None,
+                 workspace: str | None = None, notebook: str | None = None):
+        if (source is None) == (setup is None):
+            raise UsageError("give the run's code as source (a cell) or as a setup function")
+        config.validate()
+        self.pool, self.config, self.name = pool, config, config.name
+        self.source, self.setup_fn, self.push = source, setup, dict(push or {})
+        self.resume, self.engines_at_start = resume, engines
+        self.notebook = notebook
+        workspace = os.path.abspath(workspace or os.getcwd())
+        self.checkpoint_dir = os.path.abspath(
+            config.checkpoint_dir or os.path.join(workspace, "checkpoints", config.name))
+        self.log_dir = os.path.join(self.checkpoint_dir, "logs")
+        self.state = "starting"
+        self.error: str | None = None
+        self.total_steps = 0
+        self.world_size = 0
+        self.requested_size = 0
+        self.members = []  # Engines in rank order
+        self._records: dict[int, dict] = {}
+        self.events: list[dict] = []
+        self._schedule: list[tuple[int, int]] = []  # (at_step, size), sorted
+        self._spares, self._booting = [], None
+        self._stop_requested = False
+        self._pending_resize = None  # event dict of the resize being carried out
+        self._pending_request_time = None
+        self._final_state = None
+        self._done = threading.Event()
+        self._rendezvous = None
+        self._task = None
+        self._registration = None
+
+    # ---------------------------------------------------------------- public API (any thread)
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("starting", "training", "resizing")
+
+    @property
+    def step(self) -> int:
+        return max(self._records) if self._records else 0
+
+    @property
+    def history(self) -> list[dict]:
+        """Per-step records: step, epoch, loss, lr, world_size, samples_per_s, time (s since
+        the epoch), extra metrics from loss_fn, and val_* metrics at evaluation steps."""
+        return [self._records[s] for s in sorted(self._records)]
+
+    @property
+    def checkpoints(self) -> list[dict]:
+        """Checkpoint files of this run, oldest first: file, path, step, bytes, time."""
+        return ckpt.list_checkpoints(self.checkpoint_dir)
+
+    def start(self) -> "TrainingRun":
+        """Set up the run on every engine and start training in the background.
+
+        Blocks until the setup succeeded everywhere. Raises UsageError (bad options, busy pool,
+        checkpoint folder problems) or RunSetupError (the cell failed on an engine, with its
+        traceback); either way the pool stays usable.
+        """
+        self.pool.owner.call(self._start())
+        return self
+
+    def resize(self, n: int, at_step: int | None = None) -> None:
+        """Request world size `n`, now (the newest immediate request wins) or exactly after
+        step `at_step`. Returns at once; ``events`` records when the resize took effect.
+
+        Raises UsageError if `n` is outside the pool's bounds, or the run is not training, or
+        `at_step` has already passed.
+        """
+        n = self.pool.check_size(n)
+        if not self.active:
+            raise UsageError(f"run {self.name!r} is {self.state}; nothing to resize")
+        if at_step is not None:
+            if isinstance(at_step, bool) or not isinstance(at_step, int):
+                raise UsageError(f"at_step must be an integer step, got {at_step!r}")
+            if at_step <= self.step or (self.total_steps and at_step >= self.total_steps):
+                raise UsageError(f"at_step={at_step} must be after the current step {self.step} "
+                                 f"and before the last step {self.total_steps}")
+        self.pool.owner.post(self._on_resize, n, at_step, time.time())
+
+    def stop(self) -> None:
+        """Stop after the current step (a checkpoint is written). Returns at once."""
+        if self.active:
+            self.pool.owner.post(self._on_stop)
+
+    def wait(self, timeout: float | None = None, progress: bool = False) -> str:
+        """Block until the run ends or `timeout` seconds pass; returns the state.
+
+        With progress=True, prints the loss about twice a second and every resize and
+        checkpoint as it happens. Interrupting the wait (the kernel's stop button) only stops
+        waiting: the run keeps training.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        printed_events, printed_step = 0, -1
+        try:
+            while not self._done.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._done.wait(min(left, 0.5) if left is not None else 0.5)
+                if progress:
+                    printed_events = self._print_events(printed_events)
+                    if self._records and self.step != printed_step:
+                        print(self._progress_line(), flush=True)
+                        printed_step = self.step
+        except KeyboardInterrupt:
+            print(f"Stopped waiting; run {self.name!r} keeps training (step {self.step}).")
+            return self.state
+        if progress:
+            self._print_events(printed_events)
+            print(self.summary(), flush=True)
+        return self.state
+
+    def _print_events(self, printed: int) -> int:
+        for event in self.events[printed:]:
+            line = describe_event(event)
+            if line:
+                print(line, flush=True)
+        return len(self.events)
+
+    def _progress_line(self) -> str:
+        r = self._records[self.step]
+        vals = " ".join(f"{k} {v:.4f}" for k, v in r.items() if k.startswith("val_"))
+        return (f"step {r['step']:>5}/{self.total_steps}  epoch {r['epoch']}  loss {r['loss']:.4f}"
+                f"  world size {r['world_size']}  {r['samples_per_s']:.0f} samples/s  {vals}")
+
+    def summary(self) -> str:
+        """One-line text summary of the run (for plain-text front ends)."""
+        last = self._records.get(self.step, {})
+        loss = f"{last['loss']:.4f}" if "loss" in last else "-"
+        text = (f"run {self.name!r}: {self.state}, step {self.step}/{self.total_steps}, "
+                f"world size {self.world_size}, loss {loss}")
+        return text + (f"\n{self.error}" if self.error else "")
+
+    def __repr__(self) -> str:
+        return f"<TrainingRun {self.summary()}>"
+
+    def state_dict(self) -> dict:
+        """The model's trained weights (tensors on the CPU), keyed like ``model.state_dict()``.
+
+        Comes from the engines while the run is alive, else from its newest checkpoint.
+        """
+        return self.training_state()["model"]
+
+    def training_state(self) -> dict:
+        """Full training state (model, optimizer, scheduler, progress, RNG, history, config)."""
+        if self._final_state is not None:
+            return self._final_state
+        if self.active and self.members:
+            return self.pool.owner.call(self._fetch_state())
+        path = ckpt.latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            raise UsageError(f"run {self.name!r} has no state in memory and no checkpoint in "
+                             f"{self.checkpoint_dir}")
+        return ckpt.load_checkpoint(path)
+
+    def load_into(self, model):
+        """Copy the trained weights into `model` (a torch.nn.Module of the same architecture)."""
+        model.load_state_dict(self.state_dict())
+        return model
+
+    def export(self, path: str) -> str:
+        """Write the model's plain ``state_dict`` to `path`, loadable by ``torch.load`` alone."""
+        import torch
+        path = os.path.abspath(path)
+        ckpt._atomic_write(path, lambda f: torch.save(self.state_dict(), f))
+        return path
+
+    def logs(self, tail: int = 40) -> str:
+        """The run's log and the last `tail` lines of each engine's log (prints, warnings,
+        tracebacks), as text."""
+        parts = []
+        if os.path.isdir(self.log_dir):
+            for name in sorted(os.listdir(self.log_dir)):
+                with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                    lines = f.read().splitlines()
+                parts.append(f"==> {name} <==\n" + "\n".join(lines[-tail:]))
+        return "\n\n".join(parts) or "(no logs yet)"
+
+    # ---------------------------------------------------------------- owner thread: setup
+
+    def _log(self, text: str) -> None:
+        os.makedirs(self.log_dir, exist_ok=True)
+        with open(os.path.join(self.log_dir, "run.log"), "a") as f:
+            f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+
+    def _event(self, kind: str, **fields) -> dict:
+        event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
+        self.events.append(event)
+        self._log(f"{kind} " + " ".join(f"{k}={v}" for k, v in event.items() if k != "kind"))
+        return event
+
+    def _engine_log(self, engine) -> str:
+        return os.path.join(self.log_dir, f"engine-slot{engine.slot}.log")
+
+    def _prepare_checkpoint_dir(self) -> str | None:
+        """Create and probe the folder; returns the checkpoint to resume from (or None)."""
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            probe = os.path.join(self.checkpoint_dir, f".write-test-{os.getpid()}")
+            with open(probe, "w") as f:
+                f.write("ok")
+            os.unlink(probe)
+        except OSError as e:
+            raise UsageError(f"checkpoint folder {self.checkpoint_dir} is not writable "
+                             f"({e.strerror or e}); pass --checkpoint-dir with a writable "
+                             "folder") from None
+        latest = ckpt.latest_checkpoint(self.checkpoint_dir)
+        if latest and not self.resume:
+            raise UsageError(f"run name {self.name!r} already has checkpoints in "
+                             f"{self.checkpoint_dir}: pass --resume to continue it, or choose "
+                             "another --name")
+        if self.resume and not latest:
+            raise UsageError(f"--resume: no checkpoint of run {self.name!r} in "
+                             f"{self.checkpoint_dir}")
+        return latest
+
+    async def _start(self) -> None:
+        pool = self.pool
+        if pool.run is not None and pool.run.active:
+            raise UsageError(f"the pool is busy with run {pool.run.name!r}: stop it "
+                             "(%elastic_stop or run.stop()) or wait for it to finish")
+        if not pool.running:
+            await pool._start()
+        size = pool.check_size(self.engines_at_start or pool.size)
+        if size < pool.size or size > pool.size:
+            await pool._resize_idle(size)
+        if self.config.global_batch < size:
+            raise UsageError(f"--global-batch {self.config.global_batch} is smaller than the "
+                             f"world size {size}: every rank needs at least one sample")
+        resume_from = self._prepare_checkpoint_dir()
+        pool.run = self
+        try:
+            self.members = list(pool.engines[:size])
+            await self._setup_engines(self.members)
+            if resume_from:
+                await self._load_checkpoint(resume_from)
+            self._rendezvous = Rendezvous(timeout=self.config.collective_timeout)
+            await self._connect(self.members)
+        except BaseException:
+            pool.run = None
+            self.state = "failed"
+            await self._drop(self.members)
+            raise
+        self.world_size = self.requested_size = size
+        self.state = "training"
+        self._event("start", world_size=size, resumed_from=resume_from)
+        self._registration = registry.register(self)
+        self._task = asyncio.ensure_future(self._drive())
+
+    async def _setup_engines(self, engines) -> None:
+        setup_bytes = None
+        if self.setup_fn is not None:
+            setup_bytes = _pickle_by_value(self.setup_fn)
+        config = self.config.as_dict()
+        config["checkpoint_dir"] = self.checkpoint_dir
+        ars = [self.pool.client[e.engine_id].apply_async(
+            worker.setup_run, config, self.source, setup_bytes, self.push, self._engine_log(e))
+            for e in engines]
+        results = await asyncio.gather(*(asyncio.wrap_future(a) for a in ars),
+                                       return_exceptions=True)
+        for engine, result in zip(engines, results):
+            if isinstance(result, BaseException):
+                detail = _remote_message(result)
+                self._log(f"setup failed on engine slot {engine.slot}:\n{detail}")
+                raise RunSetupError(
+                    f"the cell failed on engine slot {engine.slot}: {_remote_summary(result)}\n"
+                    f"--- engine traceback ---\n{detail}")
+        self.total_steps = results[0]["total_steps"]
+
+    async def _load_checkpoint(self, path: str) -> None:
+        ar = self.pool.client[self.members[0].engine_id].apply_async(worker.load_state, path)
+        try:
+            loaded = await asyncio.wrap_future(ar)
+        except Exception as e:
+            raise RunSetupError(f"cannot resume from {path}: {_remote_summary(e)}") from None
+        old, new = loaded["config"], self.config.as_dict()
+        diffs = [f"{k}: {old.get(k)!r} in the checkpoint, {new[k]!r} now"
+                 for k in RESUME_KEYS if old.get(k) != new[k]]
+        if diffs:
+            raise UsageError("cannot resume with a different config (" + "; ".join(diffs) +
+                             "): use the checkpoint's values, or start a new run with another "
+                             "--name")
+        for record in loaded["history"]:
+            self._records[record["step"]] = record
+
+    async def _connect(self, engines) -> None:
+        ars = [self.pool.client[e.engine_id].apply_async(
+            worker.connect_store, self._rendezvous.host, self._rendezvous.port,
+            self.config.collective_timeout) for e in engines]
+        await asyncio.gather(*(asyncio.wrap_future(a) for a in ars))
+
+    async def _drop(self, engines) -> None:
+        if not engines or self.pool.client is None:
+            return
+        ar = self.pool.client[[e.engine_id for e in engines]].apply_async(worker.drop_run)
+        await asyncio.gather(asyncio.wrap_future(ar), return_exceptions=True)
+
+    async def _fetch_state(self) -> dict:
+        ar = self.pool.client[self.members[0].engine_id].apply_async(worker.training_state)
+        return await asyncio.wrap_future(ar)
+
+    # ---------------------------------------------------------------- owner thread: requests
+
+    def _on_resize(self, n: int, at_step: int | None, requested: float) -> None:
+        if not self.active:
+            return
+        if at_step is None:
+            self.requested_size = n
+            self._pending_request_time = requested
+        else:
+            bisect.insort(self._schedule, (at_step, n))
+        self._log(f"resize request size={n} at_step={at_step}")
+        self._boot_spares(max([n] + [size for _, size in self._schedule]))
+
+    def _on_stop(self) -> None:
+        self._stop_requested = True
+
+    def _boot_spares(self, target: int) -> None:
+        """Start engines in the background so that `target` ranks can be formed later."""
+        if self._booting is not None and not self._booting.done():
+            return  # one boot at a time; the drive loop calls again when it finishes
+        missing = target - len(self.members) - len(self._spares)
+        if missing > 0:
+            self._booting = asyncio.ensure_future(self._boot(missing))
+
+    async def _boot(self, k: int) -> None:
+        t0 = time.time()
+        engines = await self.pool.add_engines(k)
+        try:
+            await self._setup_engines(engines)
+            await self._connect(engines)
+        except Exception as e:
+            self._event("error", message=f"new engines failed to set up: {_remote_summary(e)}")
+            await self.pool.remove_engines(engines)
+            return
+        self._spares.extend(engines)
+        self._log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
+
+    # ---------------------------------------------------------------- owner thread: generations
+
+    async def _drive(self) -> None:
+        generation, newcomers = 0, set(e.engine_id for e in self.members[1:])
+        broadcast = True  # generation 0: every rank takes rank 0's state (same initial weights)
+        try:
+            while True:
+                result = await self._run_generation(generation, newcomers, broadcast)
+                if result["reason"] == "finished":
+                    await self._finish("finished")
+                    return
+                if self._stop_requested:
+                    await self._finish("stopped")
+                    return
+                newcomers = await self._change_membership(result["progress"]["step"])
+                broadcast = bool(newcomers)
+                generation += 1
+        except Exception as e:
+            await self._fail(e)
+        finally:
+            self._done.set()
+
+    def _desired_end(self) -> int | None:
+        """The step after which the current generation should end, or None."""
+        if self._stop_requested:
+            return 0
+        want = None
+        W = len(self.members)
+        if self.requested_size < W or (self.requested_size > W and
+                                       len(self._spares) >= self.requested_size - W):
+            want = 0
+        for at_step, _ in self._schedule:
+            if want is None:
+                want = at_step
+            break
+        return want
+
+    async def _run_generation(self, generation: int, newcomers: set, broadcast: bool) -> dict:
+        end_at = self._desired_end()
+        self._rendezvous.request_end(generation, end_at)
+        W = len(self.members)
+        ars = []
+        for rank, engine in enumerate(self.members):
+            spec = {"rank": rank, "world_size": W, "generation": generation,
+                    "backend": self.pool.backend, "timeout": self.config.collective_timeout,
+                    "receive_state": engine.engine_id in newcomers, "broadcast": broadcast,
+                    "end_at": end_at}
+            ars.append(self.pool.client[engine.engine_id].apply_async(
+                worker.train_generation, spec, self._engine_log(engine)))
+        futures = [asyncio.wrap_future(a) for a in ars]
+        while not all(f.done() for f in futures):
+            await asyncio.sleep(POLL)
+            self._merge(ars[0].data or {})
+            want = self._desired_end()
+            if want != end_at:
+                end_at = want
+                self._rendezvous.request_end(generation, end_at)
+            if self._booting is not None and self._booting.done():
+                self._booting = None
+                self._boot_spares(max([self.requested_size] + [n for _, n in self._schedule]))
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        failed = [(e, r) for e, r in zip(self.members, results) if isinstance(r, BaseException)]
+        if failed:
+            # a rank's own error makes its peers fail in the collective: report the cause
+            causes = [f for f in failed if not _is_collective_error(f[1])]
+            raise _GenerationError(*(causes or failed)[0])
+        self._merge(results[0])
+        return results[0]
+
+    def _merge(self, data: dict) -> None:
+        """Take records and events streamed by rank 0 (repeats are harmless)."""
+        for record in data.get("records", ()):
+            self._records[record["step"]] = record
+            if self._pending_resize is not None and record["world_size"] == self.world_size \
+                    and record["step"] > self._pending_resize["step"]:
+                event = self._pending_resize
+                event["latency_s"] = record["time"] - event["requested_time"]
+                self._event("resized", step=record["step"], latency_s=event["latency_s"],
+                            **{"from": event["from"], "to": event["to"]})
+                self._pending_resize = None
+        seen = {(e["kind"], e["step"]) for e in self.events}
+        for event in data.get("events", ()):
+            if (event["kind"], event["step"]) not in seen:
+                fields = dict(event)
+                self._event(fields.pop("kind"), **fields)
+
+    async def _change_membership(self, step: int) -> set:
+        """Apply the requests due at `step`; returns the engine ids that join."""
+        requested_time = self._pending_request_time
+        scheduled = False
+        while self._schedule and self._schedule[0][0] <= step:
+            _, self.requested_size = self._schedule.pop(0)
+            scheduled = True
+        target, W = self.requested_size, len(self.members)
+        if scheduled:
+            requested_time = self._records[step]["time"]
+        if target == W:
+            return set()
+        self.state = "resizing"
+        event = self._event("resize", step=step, requested_time=requested_time or time.time(),
+                            scheduled=scheduled, **{"from": W, "to": target})
+        joined = set()
+        if target < W:
+            leaving = self.members[target:]
+            self.members = self.members[:target]
+            self.pool.remove_engines(leaving)  # they left the group; stop them in the background
+        else:
+            while len(self._spares) < target - W:  # training waits here for engines still starting
+                self._boot_spares(target)
+                await asyncio.sleep(POLL)
+            newcomers = self._spares[:target - W]
+            self._spares = self._spares[target - W:]
+            self.members += newcomers
+            joined = {e.engine_id for e in newcomers}
+        self.world_size = len(self.members)
+        self._pending_resize = event
+        self.state = "training"
+        return joined
+
+    async def _finish(self, state: str) -> None:
+        self._final_state = await self._fetch_state()
+        self.state = state
+        self._event(state, world_size=self.world_size)
+        await self._release()
+
+    async def _fail(self, error: Exception) -> None:
+        if isinstance(error, _GenerationError):
+            message = (f"training failed on engine slot {error.engine.slot}: "
+                       f"{_remote_summary(error.error)}\n--- engine traceback ---\n"
+                       f"{_remote_message(error.error)}")
+        else:
+            message = f"{type(error).__name__}: {error}"
+        self.error = message
+        self.state = "failed"
+        self._event("error", message=message)
+        await self._release()
+
+    async def _release(self) -> None:
+        spares = self._spares
+        self._spares = []
+        if self._booting is not None:
+            await asyncio.gather(self._booting, return_exceptions=True)
+            spares += self._spares
+        if spares:
+            await self.pool.remove_engines(spares)
+        if self.pool.run is self:
+            self.pool.run = None
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+        registry.update(self._registration, self)
+
+
+def describe_event(event: dict) -> str | None:
+    """One human-readable line for an event (None for events not worth a line)."""
+    kind, step = event["kind"], event["step"]
+    if kind == "resize":
+        how = "scheduled" if event.get("scheduled") else "requested"
+        return f"[step {step}] resize {event['from']} -> {event['to']} ({how})"
+    if kind == "resized":
+        return (f"[step {step}] world size is now {event['to']}: resize took "
+                f"{event['latency_s']:.3f} s (request to first step at the new size)")
+    if kind == "checkpoint":
+        return f"[step {step}] checkpoint {event['path']} ({event['bytes'] / 1e6:.2f} MB)"
+    if kind == "checkpoint_failed":
+        return f"[step {step}] WARNING checkpoint not written: {event['message']}"
+    if kind in ("error", "finished", "stopped", "start"):
+        extra = event.get("message") or f"world size {event.get('world_size')}"
+        return f"[step {step}] {kind}: {extra}"
+    return None
+
+
+def _is_collective_error(error: BaseException) -> bool:
+    text = f"{getattr(error, 'ename', '')} {getattr(error, 'evalue', '')} {error}"
+    return any(s in text for s in ("DistBackendError", "DistNetworkError", "gloo", "NCCL",
+                                   "Connection closed by peer", "Connection reset by peer"))
+
+
+class _GenerationError(Exception):
+    def __init__(self, engine, error):
+        super().__init__(str(error))
+        self.engine, self.error = engine, error
+
+
+def _pickle_by_value(fn) -> bytes:
+    """Pickle a setup function with its module's code, so engines need not import the module."""
+    import sys
+    import cloudpickle
+    module = sys.modules.get(fn.__module__)
+    by_value = module is not None and fn.__module__ not in ("__main__",)
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(fn)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
