@@ -53,6 +53,8 @@ class TrainingRun:
         resume: continue from the newest checkpoint in the run's checkpoint folder.
         engines: starting world size (default: the pool's size).
         workspace: folder that holds ``checkpoints/<name>/`` (default: the current folder).
+        schedule: resizes as (at_step, size) pairs, the same as ``resize(size, at_step)``
+            called before training starts.
 
     Attributes:
         state: one of "starting", "training", "resizing", "finished", "failed", "stopped".
@@ -61,7 +63,8 @@ class TrainingRun:
 
     def __init__(self, pool, config: RunConfig, source: str | None = None, setup=None,
                  push: dict | None = None, resume: bool = False, engines: int | None = None,
-                 workspace: str | None = None, notebook: str | None = None):
+                 workspace: str | None = None, notebook: str | None = None,
+                 schedule: list[tuple[int, int]] | None = None):
         if (source is None) == (setup is None):
             raise UsageError("give the run's code as source (a cell) or as a setup function")
         config.validate()
@@ -81,7 +84,7 @@ class TrainingRun:
         self.members = []  # Engines in rank order
         self._records: dict[int, dict] = {}
         self.events: list[dict] = []
-        self._schedule: list[tuple[int, int]] = []  # (at_step, size), sorted
+        self._schedule = sorted(schedule or [])  # (at_step, size) pairs
         self._spares, self._booting = [], None
         self._stop_requested = False
         self._pending_resize = None  # event dict of the resize being carried out
@@ -296,6 +299,7 @@ class TrainingRun:
         try:
             self.members = list(pool.engines[:size])
             await self._setup_engines(self.members)
+            self._check_schedule()
             if resume_from:
                 await self._load_checkpoint(resume_from)
             self._rendezvous = Rendezvous(timeout=self.config.collective_timeout)
@@ -310,6 +314,14 @@ class TrainingRun:
         self._event("start", world_size=size, resumed_from=resume_from)
         self._registration = registry.register(self)
         self._task = asyncio.ensure_future(self._drive())
+        self._boot_spares(max([size] + [n for _, n in self._schedule]))
+
+    def _check_schedule(self) -> None:
+        for at_step, n in self._schedule:
+            self.pool.check_size(n)
+            if not 0 < at_step < self.total_steps:
+                raise UsageError(f"scheduled resize at step {at_step} is outside the run's "
+                                 f"steps 1..{self.total_steps - 1}")
 
     async def _setup_engines(self, engines) -> None:
         setup_bytes = None
@@ -521,9 +533,24 @@ class TrainingRun:
 
     async def _finish(self, state: str) -> None:
         self._final_state = await self._fetch_state()
+        if state == "stopped":
+            await self._final_checkpoint()
         self.state = state
         self._event(state, world_size=self.world_size)
         await self._release()
+
+    async def _final_checkpoint(self) -> None:
+        """Write the stopped run's state (off the owner loop: the disk may be slow)."""
+        step = self._final_state["progress"]["step"]
+        if any(c["step"] == step for c in self.checkpoints):
+            return
+        try:
+            record = await asyncio.get_running_loop().run_in_executor(
+                None, ckpt.write_checkpoint, self.checkpoint_dir, self._final_state,
+                self.config.keep)
+            self._event("checkpoint", step=step, path=record["path"], bytes=record["bytes"])
+        except ckpt.CheckpointError as e:
+            self._event("checkpoint_failed", step=step, message=str(e))
 
     async def _fail(self, error: Exception) -> None:
         if isinstance(error, _GenerationError):

@@ -1,0 +1,233 @@
+"""IPython magics: %elastic_pool, %%elastic_train, %elastic_resize, %elastic_stop.
+
+Each magic parses its line with argparse (``--help`` prints the usage) and calls the same
+Python API a script would use. Errors become IPython UsageErrors: a message, no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+
+from IPython.core.error import UsageError as IPythonUsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from .config import RunConfig, UsageError
+from .pool import EnginePool
+from .run import RunSetupError, TrainingRun
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{message}\n{self.format_usage()}")
+
+    def exit(self, status=0, message=None):
+        raise _HelpShown()
+
+
+class _HelpShown(Exception):
+    pass
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _schedule(text: str) -> list[tuple[int, int]]:
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        try:
+            step, size = (int(v) for v in item.split(":"))
+        except ValueError:
+            raise UsageError(f"--schedule takes STEP:SIZE pairs like 100:3,300:1; got {item!r}") from None
+        out.append((step, size))
+    return out
+
+
+def _pool_parser() -> _Parser:
+    p = _Parser(prog="%elastic_pool", description="Start, inspect, resize or stop the engine pool.")
+    p.add_argument("action", choices=["start", "status", "resize", "stop"])
+    p.add_argument("size", nargs="?", help="new size (resize only)")
+    p.add_argument("-n", type=_positive_int, help="engines to start (default: #GPUs, or 2)")
+    p.add_argument("--min", type=_positive_int, help="smallest size (default 1)")
+    p.add_argument("--max", type=_positive_int, help="largest size (default: #GPUs, or 4)")
+    p.add_argument("--gpus", default="all", help="all | none | a list like 0,2 (default all)")
+    p.add_argument("--engine-timeout", type=float, default=60.0,
+                   help="seconds to wait for an engine to start (default 60)")
+    return p
+
+
+def _train_parser() -> _Parser:
+    p = _Parser(prog="%%elastic_train",
+                description="Train the model the cell defines across the pool. The cell runs on "
+                            "every engine and must define model, optimizer, dataset and "
+                            "loss_fn(model, batch).")
+    p.add_argument("variable", nargs="?", default="run",
+                   help="notebook variable for the run handle (default: run)")
+    p.add_argument("--name", required=True, help="run name; checkpoints go to checkpoints/NAME/")
+    p.add_argument("--engines", type=_positive_int, help="starting world size (default: pool size)")
+    p.add_argument("--global-batch", type=_positive_int, default=64,
+                   help="samples per optimizer step, whatever the world size (default 64)")
+    p.add_argument("--micro-batch", type=_positive_int,
+                   help="largest batch per forward pass; more is accumulated (default: no limit)")
+    p.add_argument("--epochs", type=_positive_int, help="epochs to train (default 1)")
+    p.add_argument("--steps", type=_positive_int, help="optimizer steps to train (instead of --epochs)")
+    p.add_argument("--eval-every", type=_positive_int,
+                   help="evaluate eval_dataset every N steps (and always at the end)")
+    p.add_argument("--clip-grad-norm", type=float, help="clip the gradient's total norm")
+    p.add_argument("--checkpoint-every", type=int, default=100,
+                   help="checkpoint every N steps, and at the end (default 100; 0: end only)")
+    p.add_argument("--checkpoint-dir", help="folder (default: checkpoints/NAME/ beside the notebook)")
+    p.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of initial weights and data order")
+    p.add_argument("--push", default="", help="notebook variables to send to the engines: a,b")
+    p.add_argument("--collective-timeout", type=float, default=60.0,
+                   help="seconds a collective may block before the run fails (default 60)")
+    p.add_argument("--schedule", default="",
+                   help="resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, at_step=STEP))")
+    p.add_argument("--wait", action="store_true", help="block until training ends, printing progress")
+    return p
+
+
+def _resize_parser() -> _Parser:
+    p = _Parser(prog="%elastic_resize", description="Resize the running run's pool.")
+    p.add_argument("size", help="new world size")
+    p.add_argument("--at-step", type=_positive_int, help="apply exactly after this step")
+    return p
+
+
+@magics_class
+class ElasticMagics(Magics):
+    """The magics; one pool per kernel."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.pool: EnginePool | None = None
+        self.run: TrainingRun | None = None
+
+    def _parse(self, parser: _Parser, line: str):
+        try:
+            return parser.parse_args(shlex.split(line))
+        except ValueError as e:  # shlex: unbalanced quotes
+            raise IPythonUsageError(f"cannot parse options: {e}") from None
+
+    def _guard(self, fn, *args):
+        try:
+            return fn(*args)
+        except _HelpShown:
+            return None
+        except (UsageError, RunSetupError) as e:
+            raise IPythonUsageError(str(e)) from None
+
+    # %elastic_pool -------------------------------------------------------------------------
+
+    @line_magic
+    def elastic_pool(self, line):
+        """%elastic_pool start|status|resize N|stop [-n N] [--min N] [--max N] [--gpus all|0,2|none]"""
+        return self._guard(self._pool, line)
+
+    def _pool(self, line):
+        args = self._parse(_pool_parser(), line)
+        if args.action == "start":
+            if self.pool is not None and self.pool.running:
+                raise UsageError(f"a pool is already running ({self.pool!r}); "
+                                 "%elastic_pool stop it first")
+            self.pool = EnginePool(args.n, args.min, args.max, args.gpus,
+                                   args.engine_timeout).start()
+            print(f"Started {self.pool!r}: " + ", ".join(
+                f"slot {e.slot} ({e.device}, pid {e.pid})" for e in self.pool.engines))
+            return None
+        if self.pool is None or not self.pool.running:
+            raise UsageError("no pool is running: start one with %elastic_pool start")
+        if args.action == "status":
+            return self.pool.status()
+        if args.action == "resize":
+            if args.size is None:
+                raise UsageError("%elastic_pool resize needs a size, like %elastic_pool resize 3")
+            self.pool.resize(args.size)
+            print(f"Resize to {args.size} requested." if self._training() else f"{self.pool!r}")
+            return None
+        self.pool.stop()
+        print("Pool stopped.")
+        return None
+
+    def _training(self) -> bool:
+        return self.run is not None and self.run.active
+
+    # %%elastic_train -----------------------------------------------------------------------
+
+    @cell_magic
+    def elastic_train(self, line, cell):
+        """%%elastic_train [VARIABLE] --name NAME [options]: train the cell's model elastically."""
+        return self._guard(self._train, line, cell)
+
+    def _train(self, line, cell):
+        args = self._parse(_train_parser(), line)
+        if not args.variable.isidentifier():
+            raise UsageError(f"{args.variable!r} is not a valid variable name for the run handle")
+        push = self._pushed(args.push)
+        config = RunConfig(
+            name=args.name, global_batch=args.global_batch, micro_batch=args.micro_batch,
+            epochs=args.epochs, steps=args.steps, eval_every=args.eval_every,
+            clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
+            checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
+            collective_timeout=args.collective_timeout)
+        if self.pool is None or not self.pool.running:
+            self.pool = EnginePool().start()
+            print(f"Started {self.pool!r}")
+        run = TrainingRun(self.pool, config, source=cell, push=push, resume=args.resume,
+                          engines=args.engines, notebook=os.environ.get("JPY_SESSION_NAME"),
+                          schedule=_schedule(args.schedule))
+        run.start()
+        self.run = run
+        self.shell.user_ns[args.variable] = run
+        print(f"Run {run.name!r} training on {run.world_size} engine(s) "
+              f"({self.pool.backend}), {run.total_steps} steps; handle: {args.variable}. "
+              f"Checkpoints: {run.checkpoint_dir}")
+        if args.wait:
+            run.wait(progress=True)
+        return None
+
+    def _pushed(self, names: str) -> dict:
+        pushed = {}
+        for name in filter(None, (n.strip() for n in names.split(","))):
+            if name not in self.shell.user_ns:
+                raise UsageError(f"--push {name}: no variable {name!r} in the notebook")
+            pushed[name] = self.shell.user_ns[name]
+        return pushed
+
+    # %elastic_resize, %elastic_stop ----------------------------------------------------------
+
+    @line_magic
+    def elastic_resize(self, line):
+        """%elastic_resize N [--at-step K]: resize the running training run."""
+        return self._guard(self._resize, line)
+
+    def _resize(self, line):
+        args = self._parse(_resize_parser(), line)
+        if not self._training():
+            raise UsageError("no run is training: start one with %%elastic_train")
+        self.run.resize(self.pool.check_size(args.size), at_step=args.at_step)
+        when = f"after step {args.at_step}" if args.at_step else "at the next step boundary"
+        print(f"Resize of {self.run.name!r} to {args.size} requested ({when}).")
+
+    @line_magic
+    def elastic_stop(self, line):
+        """%elastic_stop: stop the running run after its current step (a checkpoint is written)."""
+        return self._guard(self._stop, line)
+
+    def _stop(self, line):
+        _Parser(prog="%elastic_stop", description=self.elastic_stop.__doc__).parse_args(
+            shlex.split(line))
+        if not self._training():
+            raise UsageError("no run is training: nothing to stop")
+        self.run.stop()
+        state = self.run.wait(timeout=60)
+        print(f"Run {self.run.name!r} {state} at step {self.run.step}.")

@@ -1,0 +1,35 @@
+"""Shared fixtures: one real ipyparallel pool for the whole session (starting one costs seconds)."""
+import pytest
+
+from elastic_jupyter import EnginePool
+
+DIGITS_CELL = '''
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, torch.tensor(y))
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+
+
+@pytest.fixture(scope="session")
+def pool():
+    p = EnginePool(n=2, min_size=1, max_size=4, gpus="none").start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def idle_pool(pool):
+    """The shared pool, with no run left active by an earlier test."""
+    if pool.run is not None and pool.run.active:
+        pool.run.stop()
+        pool.run.wait(timeout=60)
+    yield pool
+    if pool.run is not None and pool.run.active:
+        pool.run.stop()
+        pool.run.wait(timeout=60)
