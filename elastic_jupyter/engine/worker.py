@@ -8,7 +8,8 @@ optimizer stay in this process between generations; newcomers get them by broadc
 rank 0, the oldest survivor.
 
 The update is the mean gradient of the global batch B whatever the world size: each rank scales
-the mean loss of a micro-batch of m samples by m / B, and gradients are summed across ranks.
+the mean loss of a micro-batch of m samples by m / B, and gradients are summed across ranks. (The
+last step of an epoch has fewer samples than B; there B is that step's sample count.)
 
 This module imports nothing from IPython or the UI: it runs the same way from a script.
 """
@@ -128,10 +129,9 @@ class Worker:
 
     # one optimizer step ----------------------------------------------------------------------
 
-    def _local_pass(self, indices: torch.Tensor) -> tuple[float, list[float]]:
-        """Forward and backward over this rank's share; returns (loss, extra metrics), each
-        already weighted by the share's fraction of the global batch."""
-        B = self.config["global_batch"]
+    def _local_pass(self, indices: torch.Tensor, B: int) -> tuple[float, list[float]]:
+        """Forward and backward over this rank's share of a batch of `B` samples; returns
+        (loss, extra metrics), each already weighted by the share's fraction of the batch."""
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
         for chunk in micro_batches(indices, self.config.get("micro_batch")):
             batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
@@ -173,7 +173,7 @@ class Worker:
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, extras = self._local_pass(batch[rank_share(len(batch), rank, world_size)])
+        loss, extras = self._local_pass(batch[rank_share(len(batch), rank, world_size)], len(batch))
         loss, extras, leave = self._all_reduce(loss, extras, leave_flag)
         if self.config.get("clip_grad_norm"):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["clip_grad_norm"])

@@ -1,0 +1,49 @@
+"""Exactly-once data: every sample is used once per epoch across mid-epoch resizes."""
+import collections
+import glob
+
+from elastic_jupyter import RunConfig, TrainingRun
+
+CELL = '''
+import os
+import torch
+
+class RecordingDataset(torch.utils.data.Dataset):
+    """100 samples; every __getitem__ is appended to a per-engine file."""
+    def __init__(self):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(100, 4, generator=g), torch.randint(0, 2, (100,), generator=g)
+        self.log = open(f"{LOG_PREFIX}-{os.getpid()}.txt", "a", buffering=1)
+    def __len__(self):
+        return 100
+    def __getitem__(self, i):
+        self.log.write(f"{i}\\n")
+        return self.x[i], self.y[i]
+
+dataset = RecordingDataset()
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+
+
+def test_every_sample_once_per_epoch_across_resizes(idle_pool, tmp_path):
+    prefix = str(tmp_path / "indices")
+    # 100 samples, batch 24: 5 steps per epoch, the last of 4 samples; 3 epochs = 15 steps.
+    # Resizes after step 7 (mid-epoch 1) and step 12 (mid-epoch 2); 24 over 3 ranks and the
+    # remainder 4 over 3 ranks give uneven shares.
+    config = RunConfig(name="once", global_batch=24, epochs=3, checkpoint_every=0)
+    run = TrainingRun(idle_pool, config, source=CELL, push={"LOG_PREFIX": prefix}, engines=2,
+                      schedule=[(7, 3), (12, 2)], workspace=str(tmp_path)).start()
+    assert run.wait(timeout=240) == "finished", run.logs()
+    assert [(e["step"], e["to"]) for e in run.events if e["kind"] == "resize"] == [(7, 3), (12, 2)]
+
+    counts = collections.Counter()
+    files = glob.glob(prefix + "-*.txt")
+    assert len(files) == 3  # two engines from the start, one joined for steps 8..12
+    for path in files:
+        counts.update(int(line) for line in open(path))
+    assert counts == {i: 3 for i in range(100)}
+    assert [r["world_size"] for r in run.history] == [2] * 7 + [3] * 5 + [2] * 3

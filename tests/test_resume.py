@@ -1,0 +1,55 @@
+"""Resume: a run stopped after a checkpoint continues in a fresh pool of another size and ends
+with the parameters of an uninterrupted run."""
+import time
+
+import torch
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+
+CELL = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=50, gamma=0.5)
+def loss_fn(model, batch):
+    time.sleep(0.005)  # slow enough to stop mid-run
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+STEPS = 150
+
+
+def _config():
+    return RunConfig(name="resumable", global_batch=50, steps=STEPS, checkpoint_every=20, seed=3)
+
+
+def test_resume_in_another_pool_equals_an_uninterrupted_run(idle_pool, tmp_path):
+    whole = TrainingRun(idle_pool, _config(), source=CELL, engines=2,
+                        workspace=str(tmp_path / "whole")).start()
+    assert whole.wait(timeout=240) == "finished"
+
+    first = TrainingRun(idle_pool, _config(), source=CELL, engines=2,
+                        workspace=str(tmp_path / "cut")).start()
+    while first.step < 30:
+        time.sleep(0.02)
+    first.stop()
+    assert first.wait(timeout=60) == "stopped"
+    stopped_at = first.step
+    assert stopped_at < STEPS and first.checkpoints[-1]["step"] == stopped_at
+
+    fresh = EnginePool(n=3, max_size=3, gpus="none").start()
+    try:
+        second = TrainingRun(fresh, _config(), source=CELL, resume=True,
+                             workspace=str(tmp_path / "cut")).start()
+        assert second.wait(timeout=240) == "finished", second.logs()
+    finally:
+        fresh.stop()
+    assert [r["step"] for r in second.history] == list(range(1, STEPS + 1))
+    assert {r["world_size"] for r in second.history if r["step"] > stopped_at} == {3}
+    expected, got = whole.state_dict(), second.state_dict()
+    for k in expected:
+        assert torch.allclose(got[k], expected[k], rtol=1e-7, atol=1e-9), k
