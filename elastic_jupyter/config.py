@@ -100,6 +100,7 @@ class RunConfig:
     keep: int = 3
     seed: int = 0
     collective_timeout: float = 60.0
+    sync_batchnorm: bool = False
     total_steps: int = 0
 
     def validate(self) -> None:

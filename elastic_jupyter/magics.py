@@ -90,6 +90,8 @@ def _train_parser() -> _Parser:
     p.add_argument("--push", default="", help="notebook variables to send to the engines: a,b")
     p.add_argument("--collective-timeout", type=float, default=60.0,
                    help="seconds a collective may block before the run fails (default 60)")
+    p.add_argument("--sync-batchnorm", action="store_true",
+                   help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",
                    help="resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, at_step=STEP))")
     p.add_argument("--wait", action="store_true", help="block until training ends, printing progress")
@@ -178,7 +180,7 @@ class ElasticMagics(Magics):
             epochs=args.epochs, steps=args.steps, eval_every=args.eval_every,
             clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
-            collective_timeout=args.collective_timeout)
+            collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool().start()
             print(f"Started {self.pool!r}")

@@ -87,6 +87,8 @@ class Worker:
         self.eval_dataset = objects.get("eval_dataset")
         self.metric_fn = objects.get("metric_fn")
         self._check_objects()
+        if config.get("sync_batchnorm"):
+            self._convert_batchnorm()
         self.model.to(self.device)
         self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"])
         if not config.get("total_steps"):
@@ -116,6 +118,15 @@ class Worker:
                              f"{self.config['global_batch']}: lower --global-batch")
         if self.eval_dataset is not None and self.metric_fn is None:
             raise SetupError("eval_dataset is defined but metric_fn(model, batch) -> dict is not")
+
+    def _convert_batchnorm(self) -> None:
+        """BatchNorm statistics over the whole global batch instead of each rank's share."""
+        if self.device.type != "cuda":
+            raise SetupError("--sync-batchnorm needs GPU slots: torch's SyncBatchNorm runs only "
+                             "on CUDA. On CPU slots, BatchNorm statistics are per rank, so "
+                             "results depend on the world size")
+        # the converted layers keep the same Parameter objects, so the optimizer still holds them
+        self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
 
     # state -------------------------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""Discovery and the control channel: another process of this user finds the run and resizes it."""
+import json
+import os
+import stat
+import subprocess
+import sys
+import time
+
+import psutil
+
+from elastic_jupyter import RunConfig, TrainingRun, registry
+
+CELL = '''
+import time
+import torch
+dataset = torch.utils.data.TensorDataset(torch.randn(256, 4), torch.randint(0, 2, (256,)))
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def loss_fn(model, batch):
+    time.sleep(0.01)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+
+CLIENT = '''
+import json, sys
+from elastic_jupyter import registry
+entry = [e for e in registry.list_runs() if e["id"] == sys.argv[1]][0]
+print(json.dumps({"live": entry["live"],
+                  "status": registry.request(entry["control"], {"op": "status"}),
+                  "bad": registry.request(entry["control"], {"op": "resize", "world_size": 99}),
+                  "resize": registry.request(entry["control"], {"op": "resize", "world_size": 1})}))
+'''
+
+
+def _listeners(pids):
+    return [c for c in psutil.net_connections("inet") if c.status == psutil.CONN_LISTEN and c.pid in pids]
+
+
+def test_another_process_finds_and_resizes_the_run(idle_pool, tmp_path):
+    run = TrainingRun(idle_pool, RunConfig(name="findme", steps=2000, checkpoint_every=0),
+                      source=CELL, engines=2, workspace=str(tmp_path)).start()
+    try:
+        reg = run._registration
+        deadline = time.time() + 10
+        while not os.path.exists(reg.socket_path) and time.time() < deadline:
+            time.sleep(0.05)
+        for path in (reg.path, reg.socket_path, os.path.dirname(reg.path)):
+            mode = stat.S_IMODE(os.stat(path).st_mode)
+            assert mode & 0o077 == 0, (path, oct(mode))  # owner only
+
+        out = subprocess.run([sys.executable, "-c", CLIENT, reg.run_id], capture_output=True,
+                             text=True, timeout=60, check=True)
+        reply = json.loads(out.stdout)
+        assert reply["live"] is True
+        assert reply["status"]["name"] == "findme" and reply["status"]["world_size"] == 2
+        assert reply["bad"]["code"] == 400 and "[1, 4]" in reply["bad"]["error"]
+        assert reply["resize"] == {"ok": True}
+        deadline = time.time() + 30
+        while run.world_size != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert run.world_size == 1
+    finally:
+        run.stop()
+        run.wait(timeout=60)
+    entry = [e for e in registry.list_runs() if e["id"] == reg.run_id][0]
+    assert entry["state"] == "stopped" and not os.path.exists(reg.socket_path)
+
+
+def test_nothing_the_pool_opens_listens_beyond_loopback(idle_pool, tmp_path):
+    run = TrainingRun(idle_pool, RunConfig(name="net", steps=300, checkpoint_every=0),
+                      source=CELL, engines=2, workspace=str(tmp_path)).start()
+    try:
+        time.sleep(1.0)  # the group is formed and gloo's sockets are open
+        me = psutil.Process()
+        pids = {me.pid} | {p.pid for p in me.children(recursive=True)}
+        assert {e.pid for e in idle_pool.engines} <= pids
+        listeners = _listeners(pids)
+        assert listeners, "expected the controller, the store and gloo to listen somewhere"
+        exposed = [(c.laddr, c.pid) for c in listeners if not c.laddr.ip.startswith("127.")]
+        assert exposed == []
+    finally:
+        run.stop()
+        run.wait(timeout=60)
