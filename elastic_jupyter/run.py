@@ -246,9 +246,12 @@ class TrainingRun:
     # ---------------------------------------------------------------- owner thread: setup
 
     def _log(self, text: str) -> None:
-        os.makedirs(self.log_dir, exist_ok=True)
-        with open(os.path.join(self.log_dir, "run.log"), "a") as f:
-            f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            with open(os.path.join(self.log_dir, "run.log"), "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        except OSError:
+            pass  # a lost log line must not stop training; events keep the record
 
     def _event(self, kind: str, **fields) -> dict:
         event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
@@ -399,6 +402,14 @@ class TrainingRun:
         if missing > 0:
             self._booting = asyncio.ensure_future(self._boot(missing))
 
+    def _trim_spares(self) -> None:
+        """Stop ready spares that no pending request needs any more."""
+        needed = max([self.requested_size] + [n for _, n in self._schedule]) - len(self.members)
+        if len(self._spares) > max(needed, 0):
+            extra = self._spares[max(needed, 0):]
+            self._spares = self._spares[:max(needed, 0)]
+            self.pool.remove_engines(extra)
+
     async def _boot(self, k: int) -> None:
         t0 = time.time()
         engines = await self.pool.add_engines(k)
@@ -509,6 +520,7 @@ class TrainingRun:
         if scheduled:
             requested_time = self._records[step]["time"]
         if target == W:
+            self._trim_spares()
             return set()
         self.state = "resizing"
         event = self._event("resize", step=step, requested_time=requested_time or time.time(),
@@ -527,6 +539,7 @@ class TrainingRun:
             self.members += newcomers
             joined = {e.engine_id for e in newcomers}
         self.world_size = len(self.members)
+        self._trim_spares()
         self._pending_resize = event
         self.state = "training"
         return joined
