@@ -10,7 +10,7 @@ import os
 import shlex
 
 from IPython.core.error import UsageError as IPythonUsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 
 from .config import RunConfig, UsageError
 from .pool import EnginePool
@@ -116,9 +116,10 @@ class ElasticMagics(Magics):
 
     def _parse(self, parser: _Parser, line: str):
         try:
-            return parser.parse_args(shlex.split(line))
-        except ValueError as e:  # shlex: unbalanced quotes
-            raise IPythonUsageError(f"cannot parse options: {e}") from None
+            words = shlex.split(line)
+        except ValueError as e:  # unbalanced quotes
+            raise UsageError(f"cannot parse options: {e}") from None
+        return parser.parse_args(words)
 
     def _guard(self, fn, *args):
         try:
@@ -165,10 +166,20 @@ class ElasticMagics(Magics):
 
     # %%elastic_train -----------------------------------------------------------------------
 
-    @cell_magic
-    def elastic_train(self, line, cell):
+    @line_cell_magic
+    def elastic_train(self, line, cell=None):
         """%%elastic_train [VARIABLE] --name NAME [options]: train the cell's model elastically."""
+        if cell is None:  # the line form only shows the usage
+            return self._guard(self._train_line, line)
         return self._guard(self._train, line, cell)
+
+    def _train_line(self, line):
+        try:
+            self._parse(_train_parser(), line)  # --help prints the usage and stops here
+        except UsageError:
+            pass
+        raise UsageError("%%elastic_train is a cell magic: put the training code in the cell "
+                         "below the %%elastic_train line")
 
     def _train(self, line, cell):
         args = self._parse(_train_parser(), line)

@@ -100,7 +100,8 @@ class EnginePool:
                 else:
                     raise ValueError
             except ValueError:
-                raise UsageError(f"pool size must be an integer, got {n!r}") from None
+                raise UsageError(f"pool size must be an integer in this pool's bounds "
+                                 f"[{self.min_size}, {self.max_size}], got {n!r}") from None
         if not self.min_size <= n <= self.max_size:
             raise UsageError(f"pool size {n} is outside this pool's bounds [{self.min_size}, "
                              f"{self.max_size}]; choose a size in range or start a pool with "

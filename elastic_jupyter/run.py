@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import os
+import re
 import threading
 import time
 
@@ -19,7 +20,7 @@ from .engine import checkpoint as ckpt
 from .engine import worker
 from .rendezvous import Rendezvous
 
-STATES = ("starting", "training", "resizing", "finished", "failed", "stopped")
+STATES = ("created", "starting", "training", "resizing", "finished", "failed", "stopped")
 POLL = 0.05  # seconds between the owner's looks at a running generation
 
 
@@ -27,12 +28,20 @@ class RunSetupError(RuntimeError):
     """The run's setup failed on an engine; the message carries that engine's traceback."""
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _remote_message(error: BaseException) -> str:
-    """The engine-side traceback of an ipyparallel RemoteError, or the error itself."""
+    """The engine-side traceback of an ipyparallel RemoteError (plain text), or the error."""
     tb = getattr(error, "traceback", None)
-    if tb:
-        return tb if isinstance(tb, str) else "\n".join(tb)
-    return f"{type(error).__name__}: {error}"
+    if not tb:
+        return f"{type(error).__name__}: {error}"
+    text = _ANSI.sub("", tb if isinstance(tb, str) else "\n".join(tb))
+    # drop ipyparallel's own frames (the task wrapper): they say nothing about the user's code
+    blocks = [b for b in text.split("\n\n")
+              if not (b.startswith("File <string>") or
+                      (b.startswith("File ") and "/ipyparallel/" in b.splitlines()[0]))]
+    return "\n\n".join(blocks)
 
 
 def _remote_summary(error: BaseException) -> str:
@@ -57,7 +66,8 @@ class TrainingRun:
             called before training starts.
 
     Attributes:
-        state: one of "starting", "training", "resizing", "finished", "failed", "stopped".
+        state: one of "created", "starting", "training", "resizing", "finished", "failed",
+            "stopped".
         world_size: current number of ranks; requested_size: the newest requested size.
     """
 
@@ -67,6 +77,8 @@ class TrainingRun:
                  schedule: list[tuple[int, int]] | None = None):
         if (source is None) == (setup is None):
             raise UsageError("give the run's code as source (a cell) or as a setup function")
+        if push is not None and not isinstance(push, dict):
+            raise UsageError("push takes a dict of notebook variables, like push={'lr': lr}")
         config.validate()
         self.pool, self.config, self.name = pool, config, config.name
         self.source, self.setup_fn, self.push = source, setup, dict(push or {})
@@ -76,7 +88,7 @@ class TrainingRun:
         self.checkpoint_dir = os.path.abspath(
             config.checkpoint_dir or os.path.join(workspace, "checkpoints", config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
-        self.state = "starting"
+        self.state = "created"
         self.error: str | None = None
         self.total_steps = 0
         self.world_size = 0
@@ -91,6 +103,7 @@ class TrainingRun:
         self._pending_request_time = None
         self._final_state = None
         self._done = threading.Event()
+        self._resumed_from = None
         self._rendezvous = None
         self._task = None
         self._registration = None
@@ -134,8 +147,10 @@ class TrainingRun:
         `at_step` has already passed.
         """
         n = self.pool.check_size(n)
-        if not self.active:
-            raise UsageError(f"run {self.name!r} is {self.state}; nothing to resize")
+        if self.state not in ("training", "resizing"):
+            hint = ("resize once it trains" if self.state in ("created", "starting") else
+                    "to resize the idle pool use pool.resize(n) or %elastic_pool resize N")
+            raise UsageError(f"run {self.name!r} is {self.state}: {hint}")
         if at_step is not None:
             if isinstance(at_step, bool) or not isinstance(at_step, int):
                 raise UsageError(f"at_step must be an integer step, got {at_step!r}")
@@ -156,6 +171,8 @@ class TrainingRun:
         checkpoint as it happens. Interrupting the wait (the kernel's stop button) only stops
         waiting: the run keeps training.
         """
+        if self.state == "created":
+            raise UsageError(f"run {self.name!r} was not started: call run.start() first")
         deadline = None if timeout is None else time.monotonic() + timeout
         printed_events, printed_step = 0, -1
         try:
@@ -272,19 +289,35 @@ class TrainingRun:
             os.unlink(probe)
         except OSError as e:
             raise UsageError(f"checkpoint folder {self.checkpoint_dir} is not writable "
-                             f"({e.strerror or e}); pass --checkpoint-dir with a writable "
-                             "folder") from None
+                             f"({e.strerror or e}); pass --checkpoint-dir (checkpoint_dir=) "
+                             "with a writable folder") from None
         latest = ckpt.latest_checkpoint(self.checkpoint_dir)
         if latest and not self.resume:
             raise UsageError(f"run name {self.name!r} already has checkpoints in "
-                             f"{self.checkpoint_dir}: pass --resume to continue it, or choose "
-                             "another --name")
+                             f"{self.checkpoint_dir}: pass --resume (resume=True) to continue "
+                             "it, or choose another --name")
         if self.resume and not latest:
             raise UsageError(f"--resume: no checkpoint of run {self.name!r} in "
                              f"{self.checkpoint_dir}")
         return latest
 
     async def _start(self) -> None:
+        if self.state != "created":
+            raise UsageError(f"run {self.name!r} was already started ({self.state})")
+        try:
+            await self._claim_pool_and_setup()
+        except BaseException as e:
+            self.state = "failed"
+            self.error = str(e)
+            self._done.set()
+            raise
+        self.state = "training"
+        self._event("start", world_size=self.world_size, resumed_from=self._resumed_from)
+        self._registration = registry.register(self)
+        self._task = asyncio.ensure_future(self._drive())
+        self._boot_spares(max([self.world_size] + [n for _, n in self._schedule]))
+
+    async def _claim_pool_and_setup(self) -> None:
         pool = self.pool
         if pool.run is not None and pool.run.active:
             raise UsageError(f"the pool is busy with run {pool.run.name!r}: stop it "
@@ -292,14 +325,16 @@ class TrainingRun:
         if not pool.running:
             await pool._start()
         size = pool.check_size(self.engines_at_start or pool.size)
-        if size < pool.size or size > pool.size:
-            await pool._resize_idle(size)
         if self.config.global_batch < size:
             raise UsageError(f"--global-batch {self.config.global_batch} is smaller than the "
-                             f"world size {size}: every rank needs at least one sample")
+                             f"world size {size}: every rank needs at least one sample; raise "
+                             f"the global batch to at least {size} or use fewer --engines")
         resume_from = self._prepare_checkpoint_dir()
+        self.state = "starting"
         pool.run = self
         try:
+            if size != pool.size:
+                await pool._resize_idle(size)
             self.members = list(pool.engines[:size])
             await self._setup_engines(self.members)
             self._check_schedule()
@@ -309,15 +344,10 @@ class TrainingRun:
             await self._connect(self.members)
         except BaseException:
             pool.run = None
-            self.state = "failed"
             await self._drop(self.members)
             raise
         self.world_size = self.requested_size = size
-        self.state = "training"
-        self._event("start", world_size=size, resumed_from=resume_from)
-        self._registration = registry.register(self)
-        self._task = asyncio.ensure_future(self._drive())
-        self._boot_spares(max([size] + [n for _, n in self._schedule]))
+        self._resumed_from = resume_from
 
     def _check_schedule(self) -> None:
         for at_step, n in self._schedule:

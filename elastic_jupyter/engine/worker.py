@@ -339,6 +339,19 @@ def init_engine(slot: int, device: str, threads: int) -> dict:
     return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename}
 
 
+def _cell_file(source: str, log_path: str | None) -> str:
+    """A real file holding the cell, so tracebacks (formatted by IPython on the engine) show
+    the cell's lines; it lands beside the engine logs."""
+    if not log_path:
+        return "<elastic_train cell>"
+    path = os.path.join(os.path.dirname(log_path), "cell.py")
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path
+
+
 def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: dict,
               log_path: str | None) -> dict:
     """Run the cell `source` (or the cloudpickled `setup_fn`) and keep the Worker it defines.
@@ -363,10 +376,10 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
             namespace.update(objects)
         else:
             try:
-                exec(compile(source, "<elastic_train cell>", "exec"), namespace)
+                exec(compile(source, _cell_file(source, log_path), "exec"), namespace)
             except NameError as e:
                 raise NameError(f"{e}. Engines cannot see notebook variables: send them with "
-                                "--push NAME (or push=[...] in the Python API)") from None
+                                "--push NAME (or push={'NAME': value} in the Python API)") from None
         _worker = Worker(namespace, config, _engine.get("device", "cpu"))
     return {"samples": len(_worker.dataset), "total_steps": config["total_steps"],
             "parameters": sum(p.numel() for p in _worker.model.parameters()),
