@@ -7,10 +7,11 @@ CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot ch
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 import uuid
 from dataclasses import dataclass
+
+import psutil
 
 from .config import PoolConfig, UsageError
 from .owner import get_owner
@@ -224,6 +225,9 @@ class EnginePool:
         return task
 
     async def _stop_engines(self, engines: list[Engine]) -> None:
+        # ipyparallel's stop waits for the process with a blocking join, which would freeze
+        # the owner loop for seconds: end the processes here first, then let it clean up.
+        await _terminate([e.pid for e in engines])
         await asyncio.gather(*(self.cluster.stop_engines(e.set_id) for e in engines),
                              return_exceptions=True)
         for e in engines:
@@ -233,6 +237,30 @@ class EnginePool:
         deadline = time.monotonic() + timeout
         while engine_id in self.client.ids and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
+
+
+async def _terminate(pids: list[int], grace: float = 5.0) -> None:
+    """SIGTERM the processes, SIGKILL those still alive after `grace` seconds; never blocks
+    the event loop."""
+    procs = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            proc.terminate()
+            procs.append(proc)
+        except psutil.Error:
+            pass
+    deadline = time.monotonic() + grace
+    while procs:
+        procs = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if procs and time.monotonic() > deadline:
+            for p in procs:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            deadline = float("inf")
+        await asyncio.sleep(0.02)
 
 
 def _init_from_env(init_engine):

@@ -22,6 +22,7 @@ from .rendezvous import Rendezvous
 
 STATES = ("created", "starting", "training", "resizing", "finished", "failed", "stopped")
 POLL = 0.05  # seconds between the owner's looks at a running generation
+MAX_BOOT_FAILURES = 3
 
 
 class RunSetupError(RuntimeError):
@@ -98,6 +99,7 @@ class TrainingRun:
         self.events: list[dict] = []
         self._schedule = sorted(schedule or [])  # (at_step, size) pairs
         self._spares, self._booting = [], None
+        self._boot_failures = 0  # consecutive; past MAX_BOOT_FAILURES a grow gives up
         self._stop_requested = False
         self._pending_resize = None  # event dict of the resize being carried out
         self._pending_request_time = None
@@ -428,6 +430,8 @@ class TrainingRun:
         """Start engines in the background so that `target` ranks can be formed later."""
         if self._booting is not None and not self._booting.done():
             return  # one boot at a time; the drive loop calls again when it finishes
+        if self._boot_failures >= MAX_BOOT_FAILURES:
+            return
         missing = target - len(self.members) - len(self._spares)
         if missing > 0:
             self._booting = asyncio.ensure_future(self._boot(missing))
@@ -440,17 +444,29 @@ class TrainingRun:
             self._spares = self._spares[:max(needed, 0)]
             self.pool.remove_engines(extra)
 
+    def _boot_failed(self, message: str) -> None:
+        self._boot_failures += 1
+        if self._boot_failures >= MAX_BOOT_FAILURES:
+            self.requested_size = min(self.requested_size, len(self.members))
+            message += f"; gave up growing after {MAX_BOOT_FAILURES} tries"
+        self._event("warning", message=message)
+
     async def _boot(self, k: int) -> None:
         t0 = time.time()
-        engines = await self.pool.add_engines(k)
+        try:
+            engines = await self.pool.add_engines(k)
+        except Exception as e:
+            self._boot_failed(f"could not start {k} engine(s): {e}")
+            return
         try:
             await self._setup_engines(engines)
             await self._connect(engines)
         except Exception as e:
-            self._event("error", message=f"new engines failed to set up: {_remote_summary(e)}")
             await self.pool.remove_engines(engines)
+            self._boot_failed(f"new engines failed to set up: {_remote_summary(e)}")
             return
         self._spares.extend(engines)
+        self._boot_failures = 0
         self._log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
 
     # ---------------------------------------------------------------- owner thread: generations
@@ -526,13 +542,13 @@ class TrainingRun:
         """Take records and events streamed by rank 0 (repeats are harmless)."""
         for record in data.get("records", ()):
             self._records[record["step"]] = record
-            if self._pending_resize is not None and record["world_size"] == self.world_size \
-                    and record["step"] > self._pending_resize["step"]:
-                event = self._pending_resize
-                event["latency_s"] = record["time"] - event["requested_time"]
-                self._event("resized", step=record["step"], latency_s=event["latency_s"],
-                            **{"from": event["from"], "to": event["to"]})
-                self._pending_resize = None
+        event = self._pending_resize
+        first = self._records.get(event["step"] + 1) if event is not None else None
+        if first is not None:  # the first step at the new size: the resize is done
+            event["latency_s"] = first["time"] - event["requested_time"]
+            self._event("resized", step=first["step"], latency_s=event["latency_s"],
+                        **{"from": event["from"], "to": event["to"]})
+            self._pending_resize = None
         seen = {(e["kind"], e["step"]) for e in self.events}
         for event in data.get("events", ()):
             if (event["kind"], event["step"]) not in seen:
@@ -562,12 +578,20 @@ class TrainingRun:
             self.pool.remove_engines(leaving)  # they left the group; stop them in the background
         else:
             while len(self._spares) < target - W:  # training waits here for engines still starting
+                if self._boot_failures >= MAX_BOOT_FAILURES:
+                    break
                 self._boot_spares(target)
                 await asyncio.sleep(POLL)
             newcomers = self._spares[:target - W]
-            self._spares = self._spares[target - W:]
+            self._spares = self._spares[len(newcomers):]
             self.members += newcomers
             joined = {e.engine_id for e in newcomers}
+            if len(self.members) < target:
+                self.requested_size = len(self.members)
+                self._event("warning", message=f"could not grow to {target} engines after "
+                            f"{MAX_BOOT_FAILURES} failed starts; training goes on with "
+                            f"{len(self.members)}")
+            event["to"] = len(self.members)
         self.world_size = len(self.members)
         self._trim_spares()
         self._pending_resize = event
@@ -635,7 +659,7 @@ def describe_event(event: dict) -> str | None:
         return f"[step {step}] checkpoint {event['path']} ({event['bytes'] / 1e6:.2f} MB)"
     if kind == "checkpoint_failed":
         return f"[step {step}] WARNING checkpoint not written: {event['message']}"
-    if kind in ("error", "finished", "stopped", "start"):
+    if kind in ("error", "warning", "finished", "stopped", "start"):
         extra = event.get("message") or f"world size {event.get('world_size')}"
         return f"[step {step}] {kind}: {extra}"
     return None
