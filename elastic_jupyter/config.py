@@ -15,7 +15,8 @@ engine start timeout   60 s
 ``--checkpoint-dir``   ``checkpoints/<name>/`` beside the notebook
 ``--keep``             3 checkpoints
 ``--seed``             0
-collective timeout     60 s (a rank stuck in a collective longer fails the run)
+collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
+``--commit-every``     10 steps (in-memory commits a fault rolls back to)
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -99,8 +100,10 @@ class RunConfig:
     checkpoint_dir: str | None = None
     keep: int = 3
     seed: int = 0
-    collective_timeout: float = 60.0
+    collective_timeout: float = 30.0
+    commit_every: int = 10
     sync_batchnorm: bool = False
+    fault_dir: str | None = None  # fault-injection hook for tests (see engine.worker.fault_point)
     total_steps: int = 0
 
     def validate(self) -> None:

@@ -69,6 +69,7 @@ class EnginePool:
         self.client = None
         self.run = None
         self._stopping: set = set()  # background tasks stopping removed engines
+        self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
 
     # properties --------------------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class EnginePool:
     def status(self) -> dict:
         return {"running": self.running, "size": self.size, "min": self.min_size,
                 "max": self.max_size, "backend": self.backend,
+                "excluded_slots": dict(self.excluded_slots),
                 "engines": [vars(e).copy() for e in self.engines],
                 "run": self.run.name if self.run is not None and self.run.active else None}
 
@@ -172,8 +174,16 @@ class EnginePool:
             self.cluster = self.client = None
             self.engines = []
 
+    @property
+    def usable_slots(self) -> int:
+        return self.max_size - len(self.excluded_slots)
+
+    def exclude_slot(self, slot: int, reason: str) -> None:
+        """Leave `slot` out of future engine starts (it keeps failing)."""
+        self.excluded_slots[slot] = reason
+
     def _free_slots(self, k: int) -> list[int]:
-        used = {e.slot for e in self.engines}
+        used = {e.slot for e in self.engines} | set(self.excluded_slots)
         free = [s for s in range(self.max_size) if s not in used]
         if len(free) < k:
             raise UsageError(f"no free slot: the pool has {self.max_size} slots")

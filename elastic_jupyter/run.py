@@ -14,7 +14,7 @@ import re
 import threading
 import time
 
-from . import registry
+from . import faults, registry
 from .config import RESUME_KEYS, RunConfig, UsageError
 from .engine import checkpoint as ckpt
 from .engine import worker
@@ -100,6 +100,10 @@ class TrainingRun:
         self._schedule = sorted(schedule or [])  # (at_step, size) pairs
         self._spares, self._booting = [], None
         self._boot_failures = 0  # consecutive; past MAX_BOOT_FAILURES a grow gives up
+        self._slot_faults: dict[int, int] = {}
+        self._faults_without_progress = 0
+        self._last_rollback = 0
+        self._joining = []  # replacements that join at the next generation
         self._stop_requested = False
         self._pending_resize = None  # event dict of the resize being carried out
         self._pending_request_time = None
@@ -452,6 +456,10 @@ class TrainingRun:
         self._event("warning", message=message)
 
     async def _boot(self, k: int) -> None:
+        # a slot that keeps failing is restarted ever more slowly (1, 2, 4... s)
+        repeats = max(self._slot_faults.values(), default=0)
+        if repeats > 1:
+            await asyncio.sleep(min(2.0 ** (repeats - 2), 16.0))
         t0 = time.time()
         try:
             engines = await self.pool.add_engines(k)
@@ -477,6 +485,10 @@ class TrainingRun:
         try:
             while True:
                 result = await self._run_generation(generation, newcomers, broadcast)
+                generation += 1
+                if result["reason"] == "fault":
+                    newcomers, broadcast = await self._recover(result["outcome"])
+                    continue
                 if result["reason"] == "finished":
                     await self._finish("finished")
                     return
@@ -485,7 +497,8 @@ class TrainingRun:
                     return
                 newcomers = await self._change_membership(result["progress"]["step"])
                 broadcast = bool(newcomers)
-                generation += 1
+        except _Stopped:
+            pass
         except Exception as e:
             await self._fail(e)
         finally:
@@ -519,9 +532,19 @@ class TrainingRun:
             ars.append(self.pool.client[engine.engine_id].apply_async(
                 worker.train_generation, spec, self._engine_log(engine)))
         futures = [asyncio.wrap_future(a) for a in ars]
+        first_failure = None
         while not all(f.done() for f in futures):
             await asyncio.sleep(POLL)
             self._merge(ars[0].data or {})
+            failed = [e for e, f in zip(self.members, futures) if f.done() and f.exception()]
+            for engine in failed:
+                if not faults.alive(engine.pid) or faults.is_engine_death(
+                        futures[self.members.index(engine)].exception()):
+                    faults.kill(engine.pid)  # a zombie's sockets may still hold peers
+            if failed and first_failure is None:
+                first_failure = time.monotonic()
+            if first_failure is not None and time.monotonic() - first_failure > faults.HANG_GRACE:
+                break  # the ranks still out are hung
             want = self._desired_end()
             if want != end_at:
                 end_at = want
@@ -529,14 +552,14 @@ class TrainingRun:
             if self._booting is not None and self._booting.done():
                 self._booting = None
                 self._boot_spares(max([self.requested_size] + [n for _, n in self._schedule]))
-        results = await asyncio.gather(*futures, return_exceptions=True)
-        failed = [(e, r) for e, r in zip(self.members, results) if isinstance(r, BaseException)]
-        if failed:
-            # a rank's own error makes its peers fail in the collective: report the cause
-            causes = [f for f in failed if not _is_collective_error(f[1])]
-            raise _GenerationError(*(causes or failed)[0])
-        self._merge(results[0])
-        return results[0]
+        outcome = faults.classify(self.members, futures)
+        if outcome.fault:
+            return {"reason": "fault", "outcome": outcome}
+        if outcome.errors:  # the user's code raised: the run ends with that engine's traceback
+            raise _GenerationError(*outcome.errors[0])
+        result = outcome.results[self.members[0].engine_id]
+        self._merge(result)
+        return result
 
     def _merge(self, data: dict) -> None:
         """Take records and events streamed by rank 0 (repeats are harmless)."""
@@ -597,6 +620,99 @@ class TrainingRun:
         self._pending_resize = event
         self.state = "training"
         return joined
+
+    # ---------------------------------------------------------------- owner thread: faults
+
+    async def _recover(self, outcome) -> tuple[set, bool]:
+        """Drop lost engines, roll survivors back to their last common commit, and start
+        replacements. Returns (newcomers, broadcast) for the next generation."""
+        for engine in outcome.lost:
+            faults.kill(engine.pid)
+        self.members = [m for m in self.members if m not in outcome.lost]
+        self.pool.remove_engines(outcome.lost)
+        for engine in outcome.lost:
+            self._slot_faults[engine.slot] = self._slot_faults.get(engine.slot, 0) + 1
+            if self._slot_faults[engine.slot] >= faults.MAX_SLOT_FAULTS:
+                self.pool.exclude_slot(engine.slot, f"{faults.MAX_SLOT_FAULTS} faults in this run")
+                self._event("warning", message=f"slot {engine.slot} left out after "
+                            f"{faults.MAX_SLOT_FAULTS} faults")
+        self.requested_size = min(self.requested_size, self.pool.usable_slots)
+        if self.step > self._last_rollback:
+            self._faults_without_progress = 0
+        self._faults_without_progress += 1
+        if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.pool.max_size):
+            raise RuntimeError("the run keeps failing without making progress; see run.logs()")
+        self._boot_spares(max(self.requested_size, self.pool.min_size))
+        await self._wait_for_minimum()
+        fault_step, target, newcomers = await self._roll_back()
+        self._last_rollback = target
+        for step in [s for s in self._records if s > target]:
+            del self._records[step]
+        self.world_size = len(self.members)
+        self._event("fault", step=fault_step, rolled_back_to=target, lost_steps=fault_step - target,
+                    lost_slots=[e.slot for e in outcome.lost],
+                    hung_slots=[e.slot for e in outcome.hung], world_size=self.world_size)
+        return newcomers, bool(newcomers)
+
+    async def _wait_for_minimum(self) -> None:
+        """With fewer than --min survivors, wait (visibly) for replacements, then add them."""
+        needed = max(self.pool.min_size, 1) - len(self.members)
+        if needed <= 0:
+            return
+        self._event("warning", message=f"{len(self.members)} engine(s) left, below the minimum "
+                    f"{self.pool.min_size}: waiting up to {faults.MIN_WAIT_TIMEOUT:.0f} s for "
+                    "replacements")
+        deadline = time.monotonic() + faults.MIN_WAIT_TIMEOUT
+        while len(self._spares) < needed:
+            if time.monotonic() > deadline or self._boot_failures >= MAX_BOOT_FAILURES:
+                await self._stop_below_minimum()
+            self._boot_spares(max(self.requested_size, self.pool.min_size))
+            await asyncio.sleep(POLL)
+        self._joining = self._spares[:needed]
+        self._spares = self._spares[needed:]
+
+    async def _stop_below_minimum(self) -> None:
+        message = (f"stopped: fewer than --min {self.pool.min_size} engines and no replacement "
+                   f"started within {faults.MIN_WAIT_TIMEOUT:.0f} s; resume later with --resume")
+        if self.members:
+            await self._roll_back()
+            await self._finish("stopped")
+        else:
+            self.error = message + " (from the newest checkpoint: all engines were lost)"
+            self.state = "failed"
+            self._event("error", message=self.error)
+            await self._release()
+        self._event("warning", message=message)
+        raise _Stopped()
+
+    async def _roll_back(self) -> tuple[int, int, set]:
+        """Bring every member to one consistent state; returns (step reached before, step
+        restored, engine ids to receive it by broadcast). Prefers the newest in-memory commit
+        all survivors hold."""
+        joining, self._joining = self._joining, []
+        survivors = list(self.members)
+        self.members = survivors + joining
+        client = self.pool.client
+        if survivors:
+            ars = [client[e.engine_id].apply_async(worker.commit_steps) for e in survivors]
+            held = await asyncio.gather(*(asyncio.wrap_future(a) for a in ars))
+            reached = max(h["step"] for h in held)
+            common = set.intersection(*(set(h["commits"]) for h in held))
+            if common:
+                target = max(common)
+                ars = [client[e.engine_id].apply_async(worker.rollback, target) for e in survivors]
+                await asyncio.gather(*(asyncio.wrap_future(a) for a in ars))
+                return reached, target, {e.engine_id for e in joining}
+        else:
+            reached = self.step
+        path = ckpt.latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            raise RuntimeError("engines were lost before any commit or checkpoint; start the "
+                               "run again")
+        ar = client[self.members[0].engine_id].apply_async(worker.load_state, path)
+        loaded = await asyncio.wrap_future(ar)
+        self._event("warning", message=f"no common in-memory commit: restored {path}")
+        return reached, loaded["progress"]["step"], {e.engine_id for e in self.members[1:]}
 
     async def _finish(self, state: str) -> None:
         self._final_state = await self._fetch_state()
@@ -665,10 +781,8 @@ def describe_event(event: dict) -> str | None:
     return None
 
 
-def _is_collective_error(error: BaseException) -> bool:
-    text = f"{getattr(error, 'ename', '')} {getattr(error, 'evalue', '')} {error}"
-    return any(s in text for s in ("DistBackendError", "DistNetworkError", "gloo", "NCCL",
-                                   "Connection closed by peer", "Connection reset by peer"))
+class _Stopped(Exception):
+    """The run ended inside fault recovery (its state is already final)."""
 
 
 class _GenerationError(Exception):

@@ -365,7 +365,7 @@ def test_bad_run_config(idle_pool, tmp_path, options, expected):
 # ----------------------------------------------------------------------------- waiting
 
 def test_interrupting_wait_keeps_the_run_training(idle_pool, tmp_path):
-    run = TrainingRun(idle_pool, RunConfig(name=unique("interrupted"), steps=400,
+    run = TrainingRun(idle_pool, RunConfig(name=unique("interrupted"), steps=1500,
                                            checkpoint_every=0),
                       source=SLOW_CELL, workspace=tmp_path).start()
     timer = threading.Timer(0.5, _thread.interrupt_main)  # the kernel's stop button
@@ -378,8 +378,8 @@ def test_interrupting_wait_keeps_the_run_training(idle_pool, tmp_path):
         timer.cancel()
     assert state == "training"
     assert run.active
-    assert 0 < run.step < 400
+    assert 0 < run.step < 1500
     assert run.wait(timeout=120) == "finished"
-    assert run.step == 400
+    assert run.step == 1500
     assert_pool_still_trains(idle_pool, tmp_path)
 

@@ -132,8 +132,8 @@ class CheckpointWriter:
     waits for pending writes and returns their outcomes as event dicts.
     """
 
-    def __init__(self, folder: str, keep: int):
-        self.folder, self.keep = folder, keep
+    def __init__(self, folder: str, keep: int, before_write=None):
+        self.folder, self.keep, self._before_write = folder, keep, before_write
         self._queue: queue.Queue = queue.Queue()
         self._done: list[dict] = []
         self._lock = threading.Lock()
@@ -148,6 +148,8 @@ class CheckpointWriter:
             state, queued = self._queue.get()
             step = state["progress"]["step"]
             try:
+                if self._before_write is not None:
+                    self._before_write()
                 record = write_checkpoint(self.folder, state, self.keep)
                 event = {"kind": "checkpoint", "step": step, "path": record["path"],
                          "bytes": record["bytes"], "seconds": time.time() - queued}

@@ -74,7 +74,7 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
         "lr_scheduler": _to_cpu(lr_scheduler.state_dict()) if lr_scheduler is not None else None,
         "progress": progress.as_dict(),
         "rng": rng_state(),
-        "history": [dict(r) for r in history],
+        "history": list(history),  # records are never changed once appended
         "config": dict(config),
     }
 

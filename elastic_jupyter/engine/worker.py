@@ -15,6 +15,7 @@ This module imports nothing from IPython or the UI: it runs the same way from a 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import os
@@ -34,6 +35,7 @@ from .checkpoint import CheckpointWriter, load_checkpoint
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
 PUBLISH_WINDOW = 512  # records per update: more than the owner can miss between two polls
+FAULT_HOLD = 30.0  # seconds an armed fault point waits for its kill
 
 
 class SetupError(RuntimeError):
@@ -96,9 +98,11 @@ class Worker:
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
         self.progress = state_mod.Progress()
         self.history: list[dict] = []
+        self._commits: collections.deque = collections.deque(maxlen=2)  # (step, state, #records)
         self.writer = None
         if config.get("checkpoint_dir"):
-            self.writer = CheckpointWriter(config["checkpoint_dir"], config["keep"])
+            self.writer = CheckpointWriter(config["checkpoint_dir"], config["keep"],
+                                           before_write=lambda: fault_point("checkpoint", self))
 
     def _check_objects(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
@@ -138,6 +142,30 @@ class Worker:
         self.progress, self.history = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler)
 
+    # commit / restore in memory: a fault rolls every survivor back to a commit all reached
+
+    def commit(self) -> None:
+        """Keep an in-memory copy of the state at this step (the last two are kept, since
+        ranks may be one commit apart when a peer dies inside a collective)."""
+        state = state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
+                                  [], self.config)
+        self._commits.append((self.progress.step, state, len(self.history)))
+
+    def commit_steps(self) -> list[int]:
+        return [step for step, _, _ in self._commits]
+
+    def rollback(self, step: int) -> None:
+        """Restore the commit of `step`; raises KeyError if this rank has none."""
+        for commit_step, state, n_records in self._commits:
+            if commit_step == step:
+                history = self.history[:n_records]
+                self.restore(state)
+                self.history = history
+                while self._commits[-1][0] != step:
+                    self._commits.pop()
+                return
+        raise KeyError(f"no commit at step {step} (have {self.commit_steps()})")
+
     # one optimizer step ----------------------------------------------------------------------
 
     def _local_pass(self, indices: torch.Tensor, B: int) -> tuple[float, list[float]]:
@@ -146,9 +174,11 @@ class Worker:
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
         for chunk in micro_batches(indices, self.config.get("micro_batch")):
             batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
+            fault_point("forward", self)
             out = self.loss_fn(self.model, batch)
             loss, metrics = out if isinstance(out, tuple) else (out, {})
             weight = len(chunk) / B
+            fault_point("backward", self)
             (loss * weight).backward()
             loss_sum += float(loss.detach()) * weight
             if metrics and not self.progress.metric_names:
@@ -185,10 +215,12 @@ class Worker:
         batch = self.plan.batch(p.epoch, p.position)
         self.optimizer.zero_grad(set_to_none=True)
         loss, extras = self._local_pass(batch[rank_share(len(batch), rank, world_size)], len(batch))
+        fault_point("allreduce", self)
         loss, extras, leave = self._all_reduce(loss, extras, leave_flag)
         if self.config.get("clip_grad_norm"):
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["clip_grad_norm"])
         lr = self.optimizer.param_groups[0]["lr"]
+        fault_point("optimizer", self)
         self.optimizer.step()
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
@@ -249,10 +281,15 @@ class Worker:
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=spec["timeout"]))
         try:
+            fault_point("resize", self)
             if spec["broadcast"]:
                 self._broadcast_state(rank, spec["receive_state"])
+            if self.commit_steps()[-1:] != [self.progress.step]:
+                self.commit()
             return self._loop(rank, world_size, gen, prefix, spec.get("end_at"))
         finally:
+            # closing this rank's sockets makes peers blocked in a collective fail now
+            # instead of at the group timeout
             dist.destroy_process_group()
 
     def _broadcast_state(self, rank: int, receive: bool) -> None:
@@ -287,6 +324,8 @@ class Worker:
             if p.step >= cfg["total_steps"]:
                 record.update(self.evaluate(rank, world_size))
             self.history.append(record)
+            if cfg.get("commit_every") and p.step % cfg["commit_every"] == 0:
+                self.commit()
             if rank == 0:
                 self._maybe_checkpoint(p.step, cfg)
                 if self.writer:
@@ -309,6 +348,31 @@ class Worker:
         every = cfg.get("checkpoint_every") or 0
         if self.writer and ((every and step % every == 0) or step >= cfg["total_steps"]):
             self.writer.submit(self.capture())
+
+
+def fault_point(phase: str, worker: "Worker | None") -> None:
+    """Fault-injection hook for tests and benchmarks (off unless the run's config names a
+    ``fault_dir``). When ``<fault_dir>/arm.<phase>`` holds this engine's slot, the engine
+    claims it, writes ``hit.<phase>.<slot>.<step>`` and stays in this phase until it is killed
+    (or for ``FAULT_HOLD`` seconds), so an external SIGKILL lands exactly here."""
+    folder = worker.config.get("fault_dir") if worker is not None else None
+    if not folder:
+        return
+    arm = os.path.join(folder, f"arm.{phase}")
+    slot = _engine.get("slot")
+    try:
+        with open(arm) as f:
+            if int(f.read().strip() or -1) != slot:
+                return
+        os.rename(arm, f"{arm}.claimed")  # atomic: one hit per arming
+    except (OSError, ValueError):
+        return
+    with open(os.path.join(folder, f"hit.{phase}.{slot}.{worker.progress.step}"), "w") as f:
+        f.write(str(os.getpid()))
+    hold = float(worker.config.get("fault_hold", FAULT_HOLD))
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 # Entry points called by the owner through ipyparallel. State lives in this module between
@@ -425,3 +489,14 @@ def drop_run() -> None:
     if _worker is not None and _worker.writer is not None:
         _worker.writer.drain()
     _worker = None
+
+
+def commit_steps() -> dict:
+    """{"commits": steps of the in-memory commits this engine holds, "step": its progress}."""
+    return {"commits": _worker.commit_steps(), "step": _worker.progress.step}
+
+
+def rollback(step: int) -> dict:
+    """Roll this engine's Worker back to its commit of `step`; returns the progress."""
+    _worker.rollback(step)
+    return _worker.progress.as_dict()

@@ -1,0 +1,85 @@
+"""Telling faults from errors when a generation ends badly.
+
+A *fault* is an engine that died (SIGKILL, out-of-memory kill, segfault: ipyparallel reports
+``EngineError`` within milliseconds) or hung (a rank that did not return while its peers' collective
+timed out). The run survives a fault: survivors roll back to their last common in-memory commit and
+go on without the lost engine. An *error* is an exception raised by the user's code on a live
+engine; it ends the run. A peer's failure makes the other ranks fail inside the collective; those
+secondary errors are neither.
+"""
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass, field
+
+import psutil
+
+HANG_GRACE = 3.0  # seconds the owner waits for the other ranks once one has failed
+MAX_SLOT_FAULTS = 3  # faults of one slot before it is left out of the pool
+MIN_WAIT_TIMEOUT = 120.0  # seconds to wait for replacements when fewer than --min survive
+
+
+def is_engine_death(error: BaseException) -> bool:
+    """ipyparallel's report of an engine that went away while running the task."""
+    name = getattr(error, "ename", None) or type(error).__name__
+    return name in ("EngineError", "DeadEngineError")
+
+
+def is_collective_error(error: BaseException) -> bool:
+    """An error raised because a peer failed inside a collective (not the cause itself)."""
+    text = f"{getattr(error, 'ename', '')} {getattr(error, 'evalue', '')} {error}"
+    return any(s in text for s in ("DistBackendError", "DistNetworkError", "DistError", "gloo",
+                                   "NCCL", "Connection closed by peer",
+                                   "Connection reset by peer", "Timed out", "timed out"))
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill(pid: int) -> None:
+    """SIGKILL a lost or hung engine: also closes its sockets, so peers blocked in a collective
+    with it fail now instead of at the group timeout."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclass
+class Outcome:
+    """How each rank's generation task ended."""
+
+    results: dict = field(default_factory=dict)  # engine_id -> result dict (finished normally)
+    lost: list = field(default_factory=list)  # Engines that died or hung
+    hung: list = field(default_factory=list)  # the subset that hung
+    errors: list = field(default_factory=list)  # (Engine, error) raised by user code
+    collective: list = field(default_factory=list)  # (Engine, error) secondary failures
+
+    @property
+    def fault(self) -> bool:
+        return bool(self.lost) or (bool(self.collective) and not self.errors)
+
+
+def classify(members, futures) -> Outcome:
+    """Sort the ranks of a generation by how their tasks ended (futures not done = hung)."""
+    out = Outcome()
+    for engine, fut in zip(members, futures):
+        if not fut.done():
+            out.lost.append(engine)
+            out.hung.append(engine)
+            continue
+        error = fut.exception()
+        if error is None:
+            out.results[engine.engine_id] = fut.result()
+        elif is_engine_death(error) or not alive(engine.pid):
+            out.lost.append(engine)
+        elif is_collective_error(error):
+            out.collective.append((engine, error))
+        else:
+            out.errors.append((engine, error))
+    return out
