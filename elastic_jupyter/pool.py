@@ -7,6 +7,8 @@ CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot ch
 from __future__ import annotations
 
 import asyncio
+import atexit
+import os
 import time
 import uuid
 from dataclasses import dataclass
@@ -15,6 +17,8 @@ import psutil
 
 from .config import PoolConfig, UsageError
 from .owner import get_owner
+from .reaper import start_reaper, write_pidfile
+from .registry import registry_dir
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
 
@@ -70,6 +74,7 @@ class EnginePool:
         self.run = None
         self._stopping: set = set()  # background tasks stopping removed engines
         self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
+        self._pidfile = None
 
     # properties --------------------------------------------------------------------------------
 
@@ -153,8 +158,26 @@ class EnginePool:
         self.cluster = ipp.Cluster(n=0, cluster_id=f"elastic-{uuid.uuid4().hex[:8]}",
                                    controller_args=list(CONTROLLER_ARGS), log_level=40)
         await self.cluster.start_controller()
+        self._pidfile = os.path.join(registry_dir(), f"pool-{self.cluster.cluster_id}.pids")
+        self._update_pidfile()
+        start_reaper(self._pidfile)
+        atexit.register(self._shutdown_at_exit)
         self.client = await self.cluster.connect_client()
         await self.add_engines(self.config.n)
+
+    def _update_pidfile(self) -> None:
+        """Tell the reaper which processes to end if this process dies without stopping us."""
+        if self._pidfile is not None:
+            write_pidfile(self._pidfile, [self.cluster.controller.pid] +
+                          [e.pid for e in self.engines])
+
+    def _shutdown_at_exit(self) -> None:
+        """Graceful kernel shutdown: stop the run (it writes a checkpoint), then the pool."""
+        try:
+            if self.running:
+                self.stop()
+        except Exception:
+            pass  # the reaper still ends what is left
 
     async def _resize_idle(self, n: int) -> None:
         if n > self.size:
@@ -169,6 +192,9 @@ class EnginePool:
         try:
             await self.cluster.stop_cluster()
         finally:
+            if self._pidfile is not None and os.path.exists(self._pidfile):
+                os.unlink(self._pidfile)  # the reaper exits
+            self._pidfile = None
             if self.client is not None:
                 self.client.close()
             self.cluster = self.client = None
@@ -222,6 +248,7 @@ class EnginePool:
                                   set_id=set_ids[info["slot"]], pid=info["pid"],
                                   started=time.time()))
         self.engines.extend(sorted(engines, key=lambda e: e.slot))
+        self._update_pidfile()
         return engines
 
     def remove_engines(self, engines: list[Engine]) -> asyncio.Task:
@@ -229,6 +256,7 @@ class EnginePool:
         background; await the returned task to wait until they are gone."""
         for e in engines:
             self.engines.remove(e)
+        self._update_pidfile()
         task = asyncio.ensure_future(self._stop_engines(engines))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)

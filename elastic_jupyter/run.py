@@ -96,7 +96,9 @@ class TrainingRun:
         self.requested_size = 0
         self.members = []  # Engines in rank order
         self._records: dict[int, dict] = {}
+        self._merged_upto = 0  # newest step merged from rank 0's stream
         self.events: list[dict] = []
+        self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
         self._schedule = sorted(schedule or [])  # (at_step, size) pairs
         self._spares, self._booting = [], None
         self._boot_failures = 0  # consecutive; past MAX_BOOT_FAILURES a grow gives up
@@ -237,11 +239,10 @@ class TrainingRun:
             return self._final_state
         if self.active and self.members:
             return self.pool.owner.call(self._fetch_state())
-        path = ckpt.latest_checkpoint(self.checkpoint_dir)
-        if path is None:
-            raise UsageError(f"run {self.name!r} has no state in memory and no checkpoint in "
-                             f"{self.checkpoint_dir}")
-        return ckpt.load_checkpoint(path)
+        try:
+            return ckpt.load_latest(self.checkpoint_dir)[1]
+        except ckpt.CheckpointError as e:
+            raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
 
     def load_into(self, model):
         """Copy the trained weights into `model` (a torch.nn.Module of the same architecture)."""
@@ -279,6 +280,7 @@ class TrainingRun:
     def _event(self, kind: str, **fields) -> dict:
         event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
         self.events.append(event)
+        self._event_keys.add((kind, event["step"]))
         self._log(f"{kind} " + " ".join(f"{k}={v}" for k, v in event.items() if k != "kind"))
         return event
 
@@ -345,7 +347,7 @@ class TrainingRun:
             await self._setup_engines(self.members)
             self._check_schedule()
             if resume_from:
-                await self._load_checkpoint(resume_from)
+                resume_from = await self._load_checkpoint()
             self._rendezvous = Rendezvous(timeout=self.config.collective_timeout)
             await self._connect(self.members)
         except BaseException:
@@ -382,12 +384,17 @@ class TrainingRun:
                     f"--- engine traceback ---\n{detail}")
         self.total_steps = results[0]["total_steps"]
 
-    async def _load_checkpoint(self, path: str) -> None:
-        ar = self.pool.client[self.members[0].engine_id].apply_async(worker.load_state, path)
+    async def _load_checkpoint(self) -> str:
+        """Load the newest usable checkpoint on rank 0; returns its path."""
+        ar = self.pool.client[self.members[0].engine_id].apply_async(
+            worker.load_state, self.checkpoint_dir)
         try:
             loaded = await asyncio.wrap_future(ar)
         except Exception as e:
-            raise RunSetupError(f"cannot resume from {path}: {_remote_summary(e)}") from None
+            raise RunSetupError(f"cannot resume from {self.checkpoint_dir}: "
+                                f"{_remote_summary(e)}") from None
+        for message in loaded["warnings"]:
+            self._event("warning", message=message)
         old, new = loaded["config"], self.config.as_dict()
         diffs = [f"{k}: {old.get(k)!r} in the checkpoint, {new[k]!r} now"
                  for k in RESUME_KEYS if old.get(k) != new[k]]
@@ -397,6 +404,8 @@ class TrainingRun:
                              "--name")
         for record in loaded["history"]:
             self._records[record["step"]] = record
+        self._merged_upto = loaded["progress"]["step"]
+        return loaded["path"]
 
     async def _connect(self, engines) -> None:
         ars = [self.pool.client[e.engine_id].apply_async(
@@ -562,9 +571,11 @@ class TrainingRun:
         return result
 
     def _merge(self, data: dict) -> None:
-        """Take records and events streamed by rank 0 (repeats are harmless)."""
+        """Take records and events streamed by rank 0 (repeats are skipped)."""
         for record in data.get("records", ()):
-            self._records[record["step"]] = record
+            if record["step"] > self._merged_upto:
+                self._records[record["step"]] = record
+                self._merged_upto = record["step"]
         event = self._pending_resize
         first = self._records.get(event["step"] + 1) if event is not None else None
         if first is not None:  # the first step at the new size: the resize is done
@@ -572,9 +583,8 @@ class TrainingRun:
             self._event("resized", step=first["step"], latency_s=event["latency_s"],
                         **{"from": event["from"], "to": event["to"]})
             self._pending_resize = None
-        seen = {(e["kind"], e["step"]) for e in self.events}
         for event in data.get("events", ()):
-            if (event["kind"], event["step"]) not in seen:
+            if (event["kind"], event["step"]) not in self._event_keys:
                 fields = dict(event)
                 self._event(fields.pop("kind"), **fields)
 
@@ -645,7 +655,7 @@ class TrainingRun:
         self._boot_spares(max(self.requested_size, self.pool.min_size))
         await self._wait_for_minimum()
         fault_step, target, newcomers = await self._roll_back()
-        self._last_rollback = target
+        self._last_rollback = self._merged_upto = target
         for step in [s for s in self._records if s > target]:
             del self._records[step]
         self.world_size = len(self.members)
@@ -705,13 +715,12 @@ class TrainingRun:
                 return reached, target, {e.engine_id for e in joining}
         else:
             reached = self.step
-        path = ckpt.latest_checkpoint(self.checkpoint_dir)
-        if path is None:
+        if ckpt.latest_checkpoint(self.checkpoint_dir) is None:
             raise RuntimeError("engines were lost before any commit or checkpoint; start the "
                                "run again")
-        ar = client[self.members[0].engine_id].apply_async(worker.load_state, path)
+        ar = client[self.members[0].engine_id].apply_async(worker.load_state, self.checkpoint_dir)
         loaded = await asyncio.wrap_future(ar)
-        self._event("warning", message=f"no common in-memory commit: restored {path}")
+        self._event("warning", message=f"no common in-memory commit: restored {loaded['path']}")
         return reached, loaded["progress"]["step"], {e.engine_id for e in self.members[1:]}
 
     async def _finish(self, state: str) -> None:

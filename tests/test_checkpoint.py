@@ -68,4 +68,4 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
     with pytest.raises(Exception):
         ckpt.write_checkpoint(str(tmp_path), bad, keep=3)
     assert ckpt.latest_checkpoint(str(tmp_path)).endswith("step-00000010.pt")
-    assert sorted(os.listdir(tmp_path)) == ["latest.json", "step-00000010.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["latest.json", "step-00000010.json", "step-00000010.pt"]

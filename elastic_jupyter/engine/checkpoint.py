@@ -3,10 +3,13 @@
 Layout of a checkpoint folder::
 
     step-00000040.pt      torch.save of the plain-data state (see engine.state)
-    latest.json           {"file", "step", "sha256", "bytes", "time"} of the newest complete file
+    step-00000040.json    {"file", "step", "sha256", "bytes", "time"} of that file
+    latest.json           the same record for the newest complete file
 
-A file is written to a temporary name, fsynced, then renamed; the pointer is replaced the same
-way afterwards, so a crash at any point leaves the previous checkpoint loadable.
+A file is written to a temporary name, fsynced, then renamed; its record and the pointer are
+replaced the same way afterwards, so a crash at any point leaves the previous checkpoint
+loadable. Loading checks the SHA-256 and falls back to the previous checkpoint when a file is
+torn or corrupted.
 """
 from __future__ import annotations
 
@@ -73,7 +76,9 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         _atomic_write(path, lambda f: torch.save(state, f))
         record = {"file": os.path.basename(path), "step": step, "sha256": _sha256(path),
                   "bytes": os.path.getsize(path), "time": time.time()}
-        _atomic_write(os.path.join(folder, POINTER), lambda f: f.write(json.dumps(record).encode()))
+        data = json.dumps(record).encode()
+        _atomic_write(path[:-3] + ".json", lambda f: f.write(data))
+        _atomic_write(os.path.join(folder, POINTER), lambda f: f.write(data))
     except OSError as e:
         raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}") from e
     _prune(folder, keep)
@@ -81,12 +86,26 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
 
 
 def _prune(folder: str, keep: int) -> None:
-    files = sorted(f for f in os.listdir(folder) if f.startswith("step-") and f.endswith(".pt"))
-    for old in files[:-keep] if keep > 0 else []:
+    names = os.listdir(folder)
+    files = sorted(f for f in names if f.startswith("step-") and f.endswith(".pt"))
+    doomed = [f for old in files[:-keep] for f in (old, old[:-3] + ".json")]
+    # temporary files of writers that died mid-write
+    doomed += [f for f in names if ".tmp-" in f and not _pid_alive(f.rsplit("-", 1)[-1])]
+    for name in doomed:
         try:
-            os.unlink(os.path.join(folder, old))
+            os.unlink(os.path.join(folder, name))
         except OSError:
             pass
+
+
+def _pid_alive(text: str) -> bool:
+    try:
+        os.kill(int(text), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def list_checkpoints(folder: str) -> list[dict]:
@@ -112,6 +131,44 @@ def latest_checkpoint(folder: str) -> str | None:
         files = list_checkpoints(folder)
         return files[-1]["path"] if files else None
     return os.path.join(folder, record["file"])
+
+
+def verify(path: str) -> str | None:
+    """Why the file at `path` cannot be trusted (its record's size or SHA-256 differs), or None."""
+    try:
+        with open(path[:-3] + ".json") as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None  # written before records existed: the load itself will tell
+    if not os.path.exists(path):
+        return "the file is missing"
+    if os.path.getsize(path) != record["bytes"] or _sha256(path) != record["sha256"]:
+        return "its contents do not match the SHA-256 recorded when it was written (torn or corrupted)"
+    return None
+
+
+def load_latest(folder: str) -> tuple[str, dict, list[str]]:
+    """Load the newest checkpoint of `folder` that verifies and loads, newest first.
+
+    Returns (path, state, warnings about the newer files that were skipped).
+    Raises CheckpointError when none can be used.
+    """
+    candidates = [c["path"] for c in reversed(list_checkpoints(folder))]
+    pointed = latest_checkpoint(folder)
+    if pointed in candidates:
+        candidates.remove(pointed)
+        candidates.insert(0, pointed)
+    warnings = []
+    for path in candidates:
+        problem = verify(path)
+        if problem is None:
+            try:
+                return path, load_checkpoint(path), warnings
+            except CheckpointError as e:
+                problem = str(e)
+        warnings.append(f"skipped checkpoint {path}: {problem}")
+    raise CheckpointError(f"no usable checkpoint in {folder}" +
+                          ("".join(f"\n  {w}" for w in warnings) if warnings else ""))
 
 
 def load_checkpoint(path: str) -> dict:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import state as state_mod
 from .batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
-from .checkpoint import CheckpointWriter, load_checkpoint
+from .checkpoint import CheckpointWriter, load_latest
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
@@ -311,6 +311,7 @@ class Worker:
     def _loop(self, rank: int, world_size: int, gen: int, control, end_at) -> dict:
         cfg, p = self.config, self.progress
         events, cache, last_publish = [], {}, 0.0
+        published = [p.step, p.step]  # steps of the last two updates: each resends both windows
         first_step = p.step
         reason = "left"
         while p.step < cfg["total_steps"]:
@@ -332,7 +333,12 @@ class Worker:
                     events += self.writer.take_events()
                 now = time.time()
                 if now - last_publish >= PUBLISH_INTERVAL:
-                    _publish({"records": self.history[-PUBLISH_WINDOW:], "events": events})
+                    # the owner sees only the newest update: overlapping windows survive one
+                    # missed poll, and the generation's result carries every record anyway
+                    window = min(p.step - published[0], PUBLISH_WINDOW)
+                    _publish({"records": self.history[len(self.history) - window:],
+                              "events": events})
+                    published = [published[1], p.step]
                     last_publish = now
             if leave:
                 break
@@ -450,15 +456,16 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
             "eval_samples": len(_worker.eval_dataset) if _worker.eval_dataset is not None else 0}
 
 
-def load_state(path: str) -> dict:
-    """Restore this engine's Worker from the checkpoint at `path`.
+def load_state(folder: str) -> dict:
+    """Restore this engine's Worker from the newest usable checkpoint in `folder`.
 
-    Returns {"progress", "config", "history"} as written in the checkpoint.
+    Returns {"path", "warnings", "progress", "config", "history"}; warnings name newer files
+    that were skipped as torn or corrupted.
     """
-    state = load_checkpoint(path)
+    path, state, warnings = load_latest(folder)
     _worker.restore(state)
-    return {"progress": _worker.progress.as_dict(), "config": state["config"],
-            "history": _worker.history}
+    return {"path": path, "warnings": warnings, "progress": _worker.progress.as_dict(),
+            "config": state["config"], "history": _worker.history}
 
 
 def connect_store(host: str, port: int, timeout: float) -> None:

@@ -1,0 +1,81 @@
+"""Reaper: ends a pool's controller and engines when the process that owns them dies.
+
+A graceful kernel shutdown stops the pool itself (atexit), but a kernel killed by SIGKILL or the
+out-of-memory killer runs no code, and its ipyparallel processes would linger as orphans holding
+memory and GPUs. Each pool starts one small reaper process in its own session; it watches the
+owner (pid and start time, so a reused pid is not mistaken for it) and, once the owner is gone,
+kills every process listed in the pool's pid file. A pool that stops normally deletes the file,
+and the reaper exits.
+
+    python -m elastic_jupyter.reaper OWNER_PID OWNER_START_TIME PIDFILE
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+POLL = 0.5  # seconds
+
+
+def _owner_alive(pid: int, start_time: float) -> bool:
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill_listed(pidfile: str) -> None:
+    try:
+        with open(pidfile) as f:
+            listed = json.load(f)
+    except (OSError, ValueError):
+        return
+    for pid, start_time in listed:
+        try:
+            proc = psutil.Process(pid)
+            if abs(proc.create_time() - start_time) < 1.0:
+                proc.kill()
+        except psutil.Error:
+            pass
+    os.unlink(pidfile)
+
+
+def main(owner_pid: int, owner_start: float, pidfile: str) -> None:
+    while os.path.exists(pidfile):
+        if not _owner_alive(owner_pid, owner_start):
+            _kill_listed(pidfile)
+            return
+        time.sleep(POLL)
+
+
+def write_pidfile(pidfile: str, pids: list[int]) -> None:
+    """Record the processes the reaper must end (with their start times), atomically."""
+    listed = []
+    for pid in pids:
+        try:
+            listed.append((pid, psutil.Process(pid).create_time()))
+        except psutil.Error:
+            pass
+    tmp = f"{pidfile}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(listed, f)
+    os.replace(tmp, pidfile)
+
+
+def start_reaper(pidfile: str) -> subprocess.Popen:
+    """Start the reaper for this process; it outlives us (own session, no pipes)."""
+    me = psutil.Process()
+    return subprocess.Popen(
+        [sys.executable, "-m", "elastic_jupyter.reaper", str(me.pid), repr(me.create_time()),
+         pidfile], start_new_session=True, stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])
