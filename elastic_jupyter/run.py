@@ -567,15 +567,16 @@ class TrainingRun:
         if outcome.errors:  # the user's code raised: the run ends with that engine's traceback
             raise _GenerationError(*outcome.errors[0])
         result = outcome.results[self.members[0].engine_id]
-        self._merge(result)
+        self._merge(result, complete=True)
         return result
 
-    def _merge(self, data: dict) -> None:
-        """Take records and events streamed by rank 0 (repeats are skipped)."""
+    def _merge(self, data: dict, complete: bool = False) -> None:
+        """Take records and events streamed by rank 0 (repeats are skipped, unless the data
+        is `complete`: a generation's result fills any gap the live stream left)."""
         for record in data.get("records", ()):
-            if record["step"] > self._merged_upto:
+            if complete or record["step"] > self._merged_upto:
                 self._records[record["step"]] = record
-                self._merged_upto = record["step"]
+                self._merged_upto = max(self._merged_upto, record["step"])
         event = self._pending_resize
         first = self._records.get(event["step"] + 1) if event is not None else None
         if first is not None:  # the first step at the new size: the resize is done
@@ -655,9 +656,14 @@ class TrainingRun:
         self._boot_spares(max(self.requested_size, self.pool.min_size))
         await self._wait_for_minimum()
         fault_step, target, newcomers = await self._roll_back()
-        self._last_rollback = self._merged_upto = target
+        self._last_rollback = target
         for step in [s for s in self._records if s > target]:
             del self._records[step]
+        # records the live stream had not delivered before the fault
+        ar = self.pool.client[self.members[0].engine_id].apply_async(
+            worker.history_since, min(self._merged_upto, target))
+        self._merged_upto = min(self._merged_upto, target)
+        self._merge({"records": await asyncio.wrap_future(ar)})
         self.world_size = len(self.members)
         self._event("fault", step=fault_step, rolled_back_to=target, lost_steps=fault_step - target,
                     lost_slots=[e.slot for e in outcome.lost],

@@ -79,8 +79,13 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         data = json.dumps(record).encode()
         _atomic_write(path[:-3] + ".json", lambda f: f.write(data))
         _atomic_write(os.path.join(folder, POINTER), lambda f: f.write(data))
-    except OSError as e:
-        raise CheckpointError(f"could not write checkpoint {path}: {e.strerror or e}") from e
+    except (OSError, RuntimeError) as e:
+        # torch.save reports a full disk as its own RuntimeError; the OSError is its context
+        cause = e
+        while not isinstance(cause, OSError) and cause.__context__ is not None:
+            cause = cause.__context__
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+        raise CheckpointError(f"could not write checkpoint {path}: {reason}") from e
     _prune(folder, keep)
     return dict(record, path=path)
 
@@ -89,6 +94,9 @@ def _prune(folder: str, keep: int) -> None:
     names = os.listdir(folder)
     files = sorted(f for f in names if f.startswith("step-") and f.endswith(".pt"))
     doomed = [f for old in files[:-keep] for f in (old, old[:-3] + ".json")]
+    # records whose checkpoint is gone (a writer killed between the two deletions)
+    doomed += [f for f in names if f.startswith("step-") and f.endswith(".json")
+               and f[:-5] + ".pt" not in names]
     # temporary files of writers that died mid-write
     doomed += [f for f in names if ".tmp-" in f and not _pid_alive(f.rsplit("-", 1)[-1])]
     for name in doomed:

@@ -507,3 +507,8 @@ def rollback(step: int) -> dict:
     """Roll this engine's Worker back to its commit of `step`; returns the progress."""
     _worker.rollback(step)
     return _worker.progress.as_dict()
+
+
+def history_since(step: int) -> list[dict]:
+    """This engine's history records after `step`."""
+    return [r for r in _worker.history if r["step"] > step]

@@ -1,0 +1,185 @@
+"""Fault injection on a real cluster: a lost engine costs time, never the result.
+
+Each kill is an external SIGKILL sent when the engine reaches a chosen phase: the run's
+``fault_dir`` arms a fault point (engine.worker.fault_point), the engine claims it, writes a
+``hit`` marker and stays in that phase until the kill arrives, so the marker proves where it
+landed. After the fault the run must end with the parameters of a fault-free run.
+"""
+import glob
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun, faults
+
+CELL = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X[:1200], dtype=torch.float64) / 16, torch.tensor(y[:1200]))
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+def loss_fn(model, batch):
+    time.sleep(0.004)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+STEPS, COMMIT_EVERY = 300, 5
+
+
+def config(name, tmp_path, **extra):
+    fault_dir = tmp_path / "faults"
+    fault_dir.mkdir(exist_ok=True)
+    return RunConfig(name=name, global_batch=64, steps=STEPS, checkpoint_every=25,
+                     commit_every=COMMIT_EVERY, collective_timeout=5, seed=11,
+                     fault_dir=str(fault_dir), **extra)
+
+
+@pytest.fixture(scope="module")
+def expected(pool, tmp_path_factory):
+    """Parameters of the fault-free run."""
+    tmp = tmp_path_factory.mktemp("fault-free")
+    run = TrainingRun(pool, config("clean", tmp), source=CELL, engines=2,
+                      workspace=str(tmp)).start()
+    assert run.wait(timeout=240) == "finished", run.logs()
+    return run.state_dict()
+
+
+def wait_for(predicate, timeout=60.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def kill_in_phase(run, phase: str, slot: int, after_step: int = 20) -> tuple[int, float]:
+    """Arm `phase` for the engine of `slot`, SIGKILL it once it is there; returns
+    (step at the hit, time of the kill)."""
+    fault_dir = run.config.fault_dir
+    wait_for(lambda: run.step >= after_step, what=f"step {after_step}")
+    with open(os.path.join(fault_dir, f"arm.{phase}"), "w") as f:
+        f.write(str(slot))
+    pattern = os.path.join(fault_dir, f"hit.{phase}.{slot}.*")
+    wait_for(lambda: glob.glob(pattern), what=f"engine of slot {slot} to reach {phase}")
+    marker = glob.glob(pattern)[0]
+    pid = int(open(marker).read())
+    os.kill(pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert not os.path.exists(os.path.join(fault_dir, f"arm.{phase}"))  # claimed by the engine
+    return int(marker.rsplit(".", 1)[-1]), killed_at
+
+
+def assert_same_result(run, expected):
+    assert run.wait(timeout=240) == "finished", run.logs()
+    got = run.state_dict()
+    for k in expected:
+        assert torch.allclose(got[k], expected[k], rtol=1e-7, atol=1e-9), k
+    assert [r["step"] for r in run.history] == list(range(1, STEPS + 1))
+
+
+def fault_events(run):
+    return [e for e in run.events if e["kind"] == "fault"]
+
+
+@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer", "checkpoint"])
+def test_crash_in_each_phase_changes_the_time_not_the_result(idle_pool, tmp_path, expected, phase):
+    run = TrainingRun(idle_pool, config(f"crash-{phase}", tmp_path), source=CELL, engines=2,
+                      workspace=str(tmp_path)).start()
+    # the checkpoint writer runs on rank 0; the other phases are hit on rank 1
+    victim = run.members[0 if phase == "checkpoint" else 1]
+    hit_step, killed_at = kill_in_phase(run, phase, victim.slot)
+    wait_for(lambda: not faults.alive(victim.pid), timeout=10, what="the kill")
+    wait_for(lambda: fault_events(run), timeout=30, what="the fault to be handled")
+    wait_for(lambda: run.step >= hit_step or not run.active, timeout=30, what="recovery")
+    print(f"{phase}: back at step {hit_step} {time.monotonic() - killed_at:.2f} s after the kill")
+    assert_same_result(run, expected)
+    fault = fault_events(run)[0]
+    assert fault["lost_slots"] == [victim.slot]
+    assert 0 <= fault["lost_steps"] <= COMMIT_EVERY + 1
+    if phase == "checkpoint":  # the torn write left the previous checkpoint usable
+        assert run.checkpoints and run.checkpoints[-1]["step"] == STEPS
+
+
+def test_crash_while_resizing(idle_pool, tmp_path, expected):
+    run = TrainingRun(idle_pool, config("crash-resize", tmp_path), source=CELL, engines=3,
+                      workspace=str(tmp_path)).start()
+    victim = run.members[1]
+    wait_for(lambda: run.step >= 20, what="step 20")
+    with open(os.path.join(run.config.fault_dir, "arm.resize"), "w") as f:
+        f.write(str(victim.slot))
+    run.resize(2)  # the next generation starts with the armed engine at rank 1
+    pattern = os.path.join(run.config.fault_dir, f"hit.resize.{victim.slot}.*")
+    wait_for(lambda: glob.glob(pattern), what="the new generation to form")
+    os.kill(int(open(glob.glob(pattern)[0]).read()), signal.SIGKILL)
+    assert_same_result(run, expected)
+    assert fault_events(run)[0]["lost_slots"] == [victim.slot]
+
+
+def test_hung_engine_is_detected_killed_and_replaced(idle_pool, tmp_path, expected):
+    run = TrainingRun(idle_pool, config("hang", tmp_path), source=CELL, engines=2,
+                      workspace=str(tmp_path)).start()
+    wait_for(lambda: run.step >= 20, what="step 20")
+    victim = run.members[1]
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    wait_for(lambda: fault_events(run), timeout=30, what="the hang to be detected")
+    detected = time.monotonic() - stopped_at
+    assert detected < run.config.collective_timeout + faults.HANG_GRACE + 5, detected
+    wait_for(lambda: not faults.alive(victim.pid), timeout=10, what="the kill")
+    assert_same_result(run, expected)
+
+
+def test_below_the_minimum_the_run_waits_for_a_replacement(tmp_path, expected):
+    pool = EnginePool(n=2, min_size=2, max_size=3, gpus="none").start()
+    try:
+        run = TrainingRun(pool, config("minimum", tmp_path), source=CELL,
+                          workspace=str(tmp_path)).start()
+        wait_for(lambda: run.step >= 20, what="step 20")
+        os.kill(run.members[1].pid, signal.SIGKILL)
+        assert_same_result(run, expected)
+        warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
+        assert any("below the minimum 2" in m for m in warnings), warnings
+        assert {r["world_size"] for r in run.history if r["step"] > fault_events(run)[0]["rolled_back_to"]} == {2}
+    finally:
+        pool.stop()
+
+
+def test_below_the_minimum_without_replacements_stops_with_a_checkpoint(tmp_path, monkeypatch):
+    pool = EnginePool(n=2, min_size=2, max_size=2, gpus="none").start()
+    try:
+        run = TrainingRun(pool, config("no-replacement", tmp_path), source=CELL,
+                          workspace=str(tmp_path)).start()
+        wait_for(lambda: run.step >= 20, what="step 20")
+        pool.config.engine_timeout = 0.01  # no replacement can register in time
+        os.kill(run.members[1].pid, signal.SIGKILL)
+        assert run.wait(timeout=120) == "stopped"
+        last = run.checkpoints[-1]
+        assert 0 < last["step"] < STEPS
+        warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
+        assert any("fewer than --min 2" in m for m in warnings), warnings
+    finally:
+        pool.stop()
+
+
+def test_chaos_random_kills(idle_pool, tmp_path, expected):
+    """Random SIGKILLs of any rank, rank 0 included; prints the number of recoveries."""
+    rng = random.Random(5)
+    run = TrainingRun(idle_pool, config("chaos", tmp_path), source=CELL, engines=3,
+                      workspace=str(tmp_path)).start()
+    kills = 0
+    while run.active and kills < 4:
+        time.sleep(rng.uniform(0.3, 1.0))
+        members = list(run.members)
+        if run.state == "training" and len(members) >= 2:
+            os.kill(rng.choice(members).pid, signal.SIGKILL)
+            kills += 1
+            wait_for(lambda: len(fault_events(run)) >= kills or not run.active, timeout=30,
+                     what="recovery")
+    assert_same_result(run, expected)
+    print(f"chaos: {kills} kills, {len(fault_events(run))} recoveries")
+    assert len(fault_events(run)) == kills
