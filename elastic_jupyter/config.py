@@ -17,6 +17,7 @@ engine start timeout   60 s
 ``--seed``             0
 collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
 ``--commit-every``     10 steps (in-memory commits a fault rolls back to)
+``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -102,6 +103,7 @@ class RunConfig:
     seed: int = 0
     collective_timeout: float = 30.0
     commit_every: int = 10
+    standby: int = 0
     sync_batchnorm: bool = False
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.worker.fault_point)
     total_steps: int = 0
@@ -121,6 +123,9 @@ class RunConfig:
         positive("--steps", self.steps, allow_none=True)
         positive("--eval-every", self.eval_every, allow_none=True)
         positive("--keep", self.keep)
+        if isinstance(self.standby, bool) or not isinstance(self.standby, int) or self.standby < 0:
+            raise UsageError(f"--standby must be an integer >= 0, got {self.standby!r}")
+        positive("--commit-every", self.commit_every)
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
             raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")
         if self.epochs is not None and self.steps is not None:

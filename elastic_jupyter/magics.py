@@ -88,8 +88,13 @@ def _train_parser() -> _Parser:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of initial weights and data order")
     p.add_argument("--push", default="", help="notebook variables to send to the engines: a,b")
-    p.add_argument("--collective-timeout", type=float, default=60.0,
-                   help="seconds a collective may block before the run fails (default 60)")
+    p.add_argument("--collective-timeout", type=float, default=30.0,
+                   help="seconds a rank may block in a collective before it counts as hung "
+                        "(default 30)")
+    p.add_argument("--commit-every", type=_positive_int, default=10,
+                   help="in-memory commit every N steps; a fault loses at most N (default 10)")
+    p.add_argument("--standby", type=int, default=0,
+                   help="engines kept set up outside the group so a grow is instant (default 0)")
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",
@@ -191,7 +196,8 @@ class ElasticMagics(Magics):
             epochs=args.epochs, steps=args.steps, eval_every=args.eval_every,
             clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
-            collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm)
+            collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm,
+            commit_every=args.commit_every, standby=args.standby)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool().start()
             print(f"Started {self.pool!r}")

@@ -323,7 +323,7 @@ class TrainingRun:
         self._event("start", world_size=self.world_size, resumed_from=self._resumed_from)
         self._registration = registry.register(self)
         self._task = asyncio.ensure_future(self._drive())
-        self._boot_spares(max([self.world_size] + [n for _, n in self._schedule]))
+        self._boot_spares()
 
     async def _claim_pool_and_setup(self) -> None:
         pool = self.pool
@@ -434,13 +434,21 @@ class TrainingRun:
         else:
             bisect.insort(self._schedule, (at_step, n))
         self._log(f"resize request size={n} at_step={at_step}")
-        self._boot_spares(max([n] + [size for _, size in self._schedule]))
+        self._boot_spares()
 
     def _on_stop(self) -> None:
         self._stop_requested = True
 
-    def _boot_spares(self, target: int) -> None:
-        """Start engines in the background so that `target` ranks can be formed later."""
+    def _engines_wanted(self) -> int:
+        """Members plus ready spares this run wants: the largest requested size (now or
+        scheduled), at least --min, plus the standby engines, within the usable slots."""
+        wanted = max([self.requested_size, self.pool.min_size] + [n for _, n in self._schedule])
+        return min(wanted + self.config.standby, self.pool.usable_slots)
+
+    def _boot_spares(self, target: int | None = None) -> None:
+        """Start engines in the background so that `target` engines (default: the engines
+        wanted) are set up: members and ready spares."""
+        target = self._engines_wanted() if target is None else target
         if self._booting is not None and not self._booting.done():
             return  # one boot at a time; the drive loop calls again when it finishes
         if self._boot_failures >= MAX_BOOT_FAILURES:
@@ -450,8 +458,8 @@ class TrainingRun:
             self._booting = asyncio.ensure_future(self._boot(missing))
 
     def _trim_spares(self) -> None:
-        """Stop ready spares that no pending request needs any more."""
-        needed = max([self.requested_size] + [n for _, n in self._schedule]) - len(self.members)
+        """Stop ready spares that no pending request or standby needs any more."""
+        needed = self._engines_wanted() - len(self.members)
         if len(self._spares) > max(needed, 0):
             extra = self._spares[max(needed, 0):]
             self._spares = self._spares[:max(needed, 0)]
@@ -483,6 +491,7 @@ class TrainingRun:
             self._boot_failed(f"new engines failed to set up: {_remote_summary(e)}")
             return
         self._spares.extend(engines)
+        self._trim_spares()
         self._boot_failures = 0
         self._log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
 
@@ -560,7 +569,7 @@ class TrainingRun:
                 self._rendezvous.request_end(generation, end_at)
             if self._booting is not None and self._booting.done():
                 self._booting = None
-                self._boot_spares(max([self.requested_size] + [n for _, n in self._schedule]))
+                self._boot_spares()
         outcome = faults.classify(self.members, futures)
         if outcome.fault:
             return {"reason": "fault", "outcome": outcome}
@@ -609,7 +618,10 @@ class TrainingRun:
         if target < W:
             leaving = self.members[target:]
             self.members = self.members[:target]
-            self.pool.remove_engines(leaving)  # they left the group; stop them in the background
+            # with standby engines, those that left stay set up for the next grow
+            room = max(0, self._engines_wanted() - target - len(self._spares))
+            self._spares += leaving[:room]
+            self.pool.remove_engines(leaving[room:])  # they left the group; stop them
         else:
             while len(self._spares) < target - W:  # training waits here for engines still starting
                 if self._boot_failures >= MAX_BOOT_FAILURES:
@@ -628,6 +640,7 @@ class TrainingRun:
             event["to"] = len(self.members)
         self.world_size = len(self.members)
         self._trim_spares()
+        self._boot_spares()  # standby engines used by this grow are replaced
         self._pending_resize = event
         self.state = "training"
         return joined
@@ -653,7 +666,7 @@ class TrainingRun:
         self._faults_without_progress += 1
         if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.pool.max_size):
             raise RuntimeError("the run keeps failing without making progress; see run.logs()")
-        self._boot_spares(max(self.requested_size, self.pool.min_size))
+        self._boot_spares()
         await self._wait_for_minimum()
         fault_step, target, newcomers = await self._roll_back()
         self._last_rollback = target
@@ -682,7 +695,7 @@ class TrainingRun:
         while len(self._spares) < needed:
             if time.monotonic() > deadline or self._boot_failures >= MAX_BOOT_FAILURES:
                 await self._stop_below_minimum()
-            self._boot_spares(max(self.requested_size, self.pool.min_size))
+            self._boot_spares()
             await asyncio.sleep(POLL)
         self._joining = self._spares[:needed]
         self._spares = self._spares[needed:]
