@@ -40,7 +40,12 @@ def _kill_listed(pidfile: str) -> None:
         try:
             proc = psutil.Process(pid)
             if abs(proc.create_time() - start_time) < 1.0:
-                proc.kill()
+                # the controller runs its schedulers as child processes
+                for child in proc.children(recursive=True) + [proc]:
+                    try:
+                        child.kill()
+                    except psutil.Error:
+                        pass
         except psutil.Error:
             pass
     os.unlink(pidfile)

@@ -755,10 +755,13 @@ class TrainingRun:
         step = self._final_state["progress"]["step"]
         if any(c["step"] == step for c in self.checkpoints):
             return
+        args = (self.checkpoint_dir, self._final_state, self.config.keep)
         try:
-            record = await asyncio.get_running_loop().run_in_executor(
-                None, ckpt.write_checkpoint, self.checkpoint_dir, self._final_state,
-                self.config.keep)
+            try:
+                record = await asyncio.get_running_loop().run_in_executor(
+                    None, ckpt.write_checkpoint, *args)
+            except RuntimeError:  # at interpreter exit the executor takes no work: write here
+                record = ckpt.write_checkpoint(*args)
             self._event("checkpoint", step=step, path=record["path"], bytes=record["bytes"])
         except ckpt.CheckpointError as e:
             self._event("checkpoint_failed", step=step, message=str(e))
