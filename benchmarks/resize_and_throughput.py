@@ -115,11 +115,11 @@ def engine_start_times(pool) -> list[float]:
 
 # ---------------------------------------------------------------- the elastic run
 
-def start_run(pool, workspace: str):
+def start_run(pool, workspace: str, standby: int = 0):
     from elastic_jupyter import RunConfig, TrainingRun
     # far more steps than needed: the run is stopped once everything is measured
-    config = RunConfig(name="benchmark", global_batch=GLOBAL_BATCH, steps=10**6,
-                       checkpoint_every=0, seed=SEED)
+    config = RunConfig(name=f"benchmark-{standby}", global_batch=GLOBAL_BATCH, steps=10**6,
+                       checkpoint_every=0, seed=SEED, standby=standby)
     return TrainingRun(pool, config, source=QUICKSTART_CELL, workspace=workspace).start()
 
 
@@ -187,11 +187,29 @@ def run_elastic() -> dict:
                 run.wait(timeout=TIMEOUT)
             if run.error:
                 raise RuntimeError(run.error)
-        return {"engine_start": engine_start, "run_start": run_start,
+            standby = standby_grows(pool, workspace)
+        return {"engine_start": engine_start, "run_start": run_start, "standby_grow": standby,
                 "threads": pool.config.threads_per_engine,
                 **analyse_run(run, raw["requests"], raw["windows"])}
     finally:
         pool.stop()
+
+
+def standby_grows(pool, workspace: str) -> list[float]:
+    """Grow latencies 2->3 with one standby engine set up outside the group (--standby 1):
+    after each shrink the engine that left stays set up, so no grow waits for a start."""
+    run = start_run(pool, workspace, standby=1)
+    try:
+        wait_until(lambda: pool.size == 3, "the standby engine to start")
+        train_through(run, run.step + SETTLE_STEPS)
+        for _ in range(REPEATS):
+            request_resize(run, pool, 3)
+            request_resize(run, pool, 2)
+    finally:
+        run.stop()
+        run.wait(timeout=TIMEOUT)
+    return [e["latency_s"] for e in run.events
+            if e["kind"] == "resized" and e["to"] > e["from"]]
 
 
 def print_run_state(run, pool) -> None:
@@ -265,6 +283,8 @@ def table_rows(ddp: list[float], ours: dict) -> list[tuple[str, ...]]:
          spread(lat["grow_setup"], 2), n_lat, ""),
         ("  -> new group formed, first step (s)", f"{med(lat['grow_switch']):.2f}",
          spread(lat["grow_switch"], 2), n_lat, ""),
+        ("grow 2->3 with --standby 1 (s)", f"{med(ours['standby_grow']):.2f}",
+         spread(ours["standby_grow"], 2), n_lat, f"< {engine + 1:.2f}"),
         ("shrink 3->2, run.events latency_s (s)", f"{med(shrink_rep):.2f}",
          spread(shrink_rep, 2), n_lat, "< 1"),
         ("shrink 3->2, recomputed from history (s)", f"{med(shrink_hist):.2f}",

@@ -7,7 +7,10 @@ owner (pid and start time, so a reused pid is not mistaken for it) and, once the
 kills every process listed in the pool's pid file. A pool that stops normally deletes the file,
 and the reaper exits.
 
-    python -m elastic_jupyter.reaper OWNER_PID OWNER_START_TIME PIDFILE
+    python .../elastic_jupyter/reaper.py OWNER_PID OWNER_START_TIME PIDFILE
+
+It runs as a plain script, not ``-m elastic_jupyter.reaper``: importing the package would load
+torch, costing the reaper seconds of CPU and hundreds of MB for nothing.
 """
 from __future__ import annotations
 
@@ -77,7 +80,7 @@ def start_reaper(pidfile: str) -> subprocess.Popen:
     """Start the reaper for this process; it outlives us (own session, no pipes)."""
     me = psutil.Process()
     return subprocess.Popen(
-        [sys.executable, "-m", "elastic_jupyter.reaper", str(me.pid), repr(me.create_time()),
+        [sys.executable, os.path.abspath(__file__), str(me.pid), repr(me.create_time()),
          pidfile], start_new_session=True, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -1,0 +1,146 @@
+"""The full fault matrix: SIGKILL an engine in every phase, many times, and check the result.
+
+For each phase (forward, backward, allreduce, optimizer, checkpoint, resize) one run on a pool
+of 3 engines takes KILLS kills, each landing in that phase: the run's ``fault_dir`` arms the
+phase's fault point (engine.worker.fault_point) on one engine, which writes a marker and holds
+there until this script SIGKILLs it. Between kills the run recovers and a replacement joins. The
+"resize" kills arm the point and then request a resize, so they land while a generation forms.
+Afterwards the run's parameters are compared with a fault-free run's (float64, allclose rtol
+1e-7, atol 1e-9). Printed per phase: kills, recoveries, median seconds from the kill until the
+run was back at the step it had reached, median steps lost, and whether the result matched.
+
+    .venv/bin/python benchmarks/fault_matrix.py [--kills 20]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import signal
+import statistics
+import tempfile
+import time
+
+import torch
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+
+CELL = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+def loss_fn(model, batch):
+    time.sleep(0.004)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "resize")
+SIZE = 3
+STEPS_PER_KILL = 1200
+
+
+def config(name: str, workspace: str, steps: int) -> RunConfig:
+    fault_dir = os.path.join(workspace, "faults")
+    os.makedirs(fault_dir, exist_ok=True)
+    # one standby engine: the lost rank is replaced at once, the standby in the background
+    return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=25,
+                     commit_every=5, collective_timeout=5, seed=3, fault_dir=fault_dir,
+                     standby=1)
+
+
+def wait_for(predicate, timeout: float = 120.0, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fault matrix stuck waiting for {what}")
+        time.sleep(0.01)
+
+
+def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
+    """One kill landing in `phase`; returns (seconds until back at the step reached, steps
+    lost)."""
+    start = run.step
+    wait_for(lambda: (run.world_size == SIZE and run.state == "training" and run.step > start + 20)
+             or not run.active, what="the run to be back at full size")
+    victim = run.members[0 if phase == "checkpoint" else 1]
+    with open(os.path.join(run.config.fault_dir, f"arm.{phase}"), "w") as f:
+        f.write(str(victim.slot))
+    if phase == "resize":
+        run.resize(SIZE - 1)  # the next generation forms with the armed engine in it
+    pattern = os.path.join(run.config.fault_dir, f"hit.{phase}.{victim.slot}.*")
+    wait_for(lambda: glob.glob(pattern), what=f"{pattern} ({os.listdir(run.config.fault_dir)}, "
+             f"{run.summary()}, members {[e.slot for e in run.members]})")
+    marker = glob.glob(pattern)[0]
+    os.kill(int(open(marker).read()), signal.SIGKILL)
+    killed = time.monotonic()
+    os.rename(marker, os.path.join(os.path.dirname(marker), f"done{kills_so_far}." +
+                                   os.path.basename(marker)))
+    faults = lambda: [e for e in run.events if e["kind"] == "fault"]  # noqa: E731
+    wait_for(lambda: len(faults()) > kills_so_far or not run.active)
+    fault = faults()[kills_so_far]
+    wait_for(lambda: run.step >= fault["step"] or not run.active)
+    recovered = time.monotonic() - killed
+    if phase == "resize":
+        run.resize(SIZE)
+    return recovered, fault["lost_steps"]
+
+
+def matrix_row(pool, phase: str, kills: int, expected: dict, workspace: str) -> dict:
+    steps = STEPS_PER_KILL * kills  # room for every kill, its recovery and the replacement
+    run = TrainingRun(pool, config(phase, workspace, steps), source=CELL, engines=SIZE,
+                      workspace=workspace).start()
+    costs, lost = [], []
+    for k in range(kills):
+        if not run.active:
+            break
+        cost, steps_lost = kill_once(run, phase, k)
+        costs.append(cost)
+        lost.append(steps_lost)
+    run.wait(timeout=600)
+    got = run.state_dict()
+    same = all(torch.allclose(got[k], expected[k], rtol=1e-7, atol=1e-9) for k in expected)
+    return {"phase": phase, "kills": len(costs), "state": run.state,
+            "recoveries": sum(e["kind"] == "fault" for e in run.events),
+            "cost": statistics.median(costs), "max_cost": max(costs),
+            "lost": statistics.median(lost), "max_lost": max(lost), "same": same}
+
+
+def reference(pool, workspace: str, steps: int) -> dict:
+    run = TrainingRun(pool, config(f"clean-{steps}", workspace, steps), source=CELL,
+                      engines=SIZE, workspace=workspace).start()
+    assert run.wait(timeout=600) == "finished", run.logs()
+    return run.state_dict()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kills", type=int, default=20, help="kills per phase (default 20)")
+    parser.add_argument("--phases", default=",".join(PHASES))
+    args = parser.parse_args()
+    t0 = time.perf_counter()
+    pool = EnginePool(n=SIZE, max_size=SIZE + 1, gpus="none").start()
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as workspace:
+            expected = reference(pool, workspace, STEPS_PER_KILL * args.kills)
+            for phase in args.phases.split(","):
+                row = matrix_row(pool, phase, args.kills, expected, workspace)
+                rows.append(row)
+                print(row, flush=True)
+    finally:
+        pool.stop()
+    print(f"\nphase       kills  recoveries  recovery s (median/max)  steps lost (median/max)  "
+          f"same result")
+    for r in rows:
+        print(f"{r['phase']:<11} {r['kills']:>5}  {r['recoveries']:>10}  "
+              f"{r['cost']:>10.2f} / {r['max_cost']:<5.2f}        {r['lost']:>6.0f} / "
+              f"{r['max_lost']:<4}            {r['same']}")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
