@@ -668,7 +668,7 @@ class TrainingRun:
             raise RuntimeError("the run keeps failing without making progress; see run.logs()")
         self._boot_spares()
         await self._wait_for_minimum()
-        fault_step, target, newcomers = await self._roll_back()
+        fault_step, target, newcomers = await self._roll_back_survivors()
         self._last_rollback = target
         for step in [s for s in self._records if s > target]:
             del self._records[step]
@@ -713,6 +713,19 @@ class TrainingRun:
             await self._release()
         self._event("warning", message=message)
         raise _Stopped()
+
+    async def _roll_back_survivors(self) -> tuple[int, int, set]:
+        """_roll_back, dropping engines that die meanwhile (a fault during recovery)."""
+        while True:
+            try:
+                return await self._roll_back()
+            except Exception:
+                lost = [m for m in self.members if not faults.alive(m.pid)]
+                if not lost:
+                    raise
+                self.members = [m for m in self.members if m not in lost]
+                self.pool.remove_engines(lost)
+                await self._wait_for_minimum()
 
     async def _roll_back(self) -> tuple[int, int, set]:
         """Bring every member to one consistent state; returns (step reached before, step
