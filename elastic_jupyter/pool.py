@@ -208,6 +208,13 @@ class EnginePool:
         """Leave `slot` out of future engine starts (it keeps failing)."""
         self.excluded_slots[slot] = reason
 
+    def next_free_slot(self) -> int | None:
+        """The slot the next started engine gets (None if every slot is taken)."""
+        try:
+            return self._free_slots(1)[0]
+        except UsageError:
+            return None
+
     def _free_slots(self, k: int) -> list[int]:
         used = {e.slot for e in self.engines} | set(self.excluded_slots)
         free = [s for s in range(self.max_size) if s not in used]

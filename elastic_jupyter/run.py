@@ -229,16 +229,17 @@ class TrainingRun:
     def state_dict(self) -> dict:
         """The model's trained weights (tensors on the CPU), keyed like ``model.state_dict()``.
 
-        Comes from the engines while the run is alive, else from its newest checkpoint.
+        Once the run ended, its final weights; while it trains, the newest checkpoint's.
+        Raises UsageError if there is neither.
         """
         return self.training_state()["model"]
 
     def training_state(self) -> dict:
-        """Full training state (model, optimizer, scheduler, progress, RNG, history, config)."""
+        """Full training state (model, optimizer, scheduler, progress, RNG, history, config):
+        the final state once the run ended; while it trains (the engines are busy), the newest
+        checkpoint's."""
         if self._final_state is not None:
             return self._final_state
-        if self.active and self.members:
-            return self.pool.owner.call(self._fetch_state())
         try:
             return ckpt.load_latest(self.checkpoint_dir)[1]
         except ckpt.CheckpointError as e:
@@ -474,7 +475,7 @@ class TrainingRun:
 
     async def _boot(self, k: int) -> None:
         # a slot that keeps failing is restarted ever more slowly (1, 2, 4... s)
-        repeats = max(self._slot_faults.values(), default=0)
+        repeats = self._slot_faults.get(self.pool.next_free_slot(), 0)
         if repeats > 1:
             await asyncio.sleep(min(2.0 ** (repeats - 2), 16.0))
         t0 = time.time()
@@ -550,7 +551,9 @@ class TrainingRun:
             ars.append(self.pool.client[engine.engine_id].apply_async(
                 worker.train_generation, spec, self._engine_log(engine)))
         futures = [asyncio.wrap_future(a) for a in ars]
-        first_failure = None
+        for f in futures:  # a hung rank's task is abandoned: its error must not go unread
+            f.add_done_callback(lambda f: f.cancelled() or f.exception())
+        first_failure, died = None, False
         while not all(f.done() for f in futures):
             await asyncio.sleep(POLL)
             self._merge(ars[0].data or {})
@@ -559,9 +562,13 @@ class TrainingRun:
                 if not faults.alive(engine.pid) or faults.is_engine_death(
                         futures[self.members.index(engine)].exception()):
                     faults.kill(engine.pid)  # a zombie's sockets may still hold peers
+                    died = True
             if failed and first_failure is None:
                 first_failure = time.monotonic()
-            if first_failure is not None and time.monotonic() - first_failure > faults.HANG_GRACE:
+            # a rank forming a group with a dead peer waits on the store until the collective
+            # timeout: give it that long before calling it hung
+            grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)
+            if first_failure is not None and time.monotonic() - first_failure > grace:
                 break  # the ranks still out are hung
             want = self._desired_end()
             if want != end_at:
