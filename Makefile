@@ -25,6 +25,7 @@ test: setup
 
 benchmark: setup
 	$(PY) benchmarks/resize_and_throughput.py
+	$(PY) benchmarks/fault_recovery.py
 
 clean:
 	rm -rf $(VENV) notebooks/checkpoints

@@ -133,8 +133,8 @@ def main() -> None:
                 print(row, flush=True)
     finally:
         pool.stop()
-    print(f"\nphase       kills  recoveries  recovery s (median/max)  steps lost (median/max)  "
-          f"same result")
+    print("\nphase       kills  recoveries  recovery s (median/max)  steps lost (median/max)  "
+          "same result")
     for r in rows:
         print(f"{r['phase']:<11} {r['kills']:>5}  {r['recoveries']:>10}  "
               f"{r['cost']:>10.2f} / {r['max_cost']:<5.2f}        {r['lost']:>6.0f} / "

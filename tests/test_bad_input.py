@@ -5,6 +5,7 @@ run still finishes on the same pool: a mistake must never leave the pool unusabl
 """
 import _thread
 import re
+import signal
 import threading
 import time
 import uuid
@@ -368,6 +369,8 @@ def test_interrupting_wait_keeps_the_run_training(idle_pool, tmp_path):
     run = TrainingRun(idle_pool, RunConfig(name=unique("interrupted"), steps=1500,
                                            checkpoint_every=0),
                       source=SLOW_CELL, workspace=tmp_path).start()
+    # a shell's background job starts with SIGINT ignored, which would swallow the interrupt
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, _thread.interrupt_main)  # the kernel's stop button
     timer.start()
     try:
@@ -376,6 +379,7 @@ def test_interrupting_wait_keeps_the_run_training(idle_pool, tmp_path):
         pytest.fail("run.wait() let the KeyboardInterrupt through")
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
     assert state == "training"
     assert run.active
     assert 0 < run.step < 1500
