@@ -20,7 +20,6 @@ from .engine import checkpoint as ckpt
 from .engine import worker
 from .rendezvous import Rendezvous
 
-STATES = ("created", "starting", "training", "resizing", "finished", "failed", "stopped")
 POLL = 0.05  # seconds between the owner's looks at a running generation
 MAX_BOOT_FAILURES = 3
 
@@ -607,7 +606,9 @@ class TrainingRun:
 
     async def _change_membership(self, step: int) -> set:
         """Apply the requests due at `step`; returns the engine ids that join."""
-        requested_time = self._pending_request_time
+        # an immediate request is timed from when it was made, a scheduled resize from the end
+        # of its step, a replacement after a fault from now (each request is used once)
+        requested_time, self._pending_request_time = self._pending_request_time, None
         scheduled = False
         while self._schedule and self._schedule[0][0] <= step:
             _, self.requested_size = self._schedule.pop(0)
