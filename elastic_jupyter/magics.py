@@ -11,6 +11,7 @@ import shlex
 
 from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.display import display
 
 from .config import RunConfig, UsageError
 from .pool import EnginePool
@@ -100,6 +101,8 @@ def _train_parser() -> _Parser:
     p.add_argument("--schedule", default="",
                    help="resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, at_step=STEP))")
     p.add_argument("--wait", action="store_true", help="block until training ends, printing progress")
+    p.add_argument("--no-dashboard", action="store_true",
+                   help="do not show the live dashboard (run.dashboard() shows it later)")
     return p
 
 
@@ -210,6 +213,8 @@ class ElasticMagics(Magics):
         print(f"Run {run.name!r} training on {run.world_size} engine(s) "
               f"({self.pool.backend}), {run.total_steps} steps; handle: {args.variable}. "
               f"Checkpoints: {run.checkpoint_dir}")
+        if not args.no_dashboard:
+            display(run.dashboard())
         if args.wait:
             run.wait(progress=True)
         return None

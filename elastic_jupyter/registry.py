@@ -118,7 +118,9 @@ def _answer(run, request: dict) -> dict:
         return run_model(run)
     if op == "history":
         since = int(request.get("since", 0))
-        return {"records": [r for r in run.history if r["step"] > since]}
+        return {"records": run.records_since(since)}
+    if op == "events":
+        return {"events": run.events[int(request.get("since", 0)):]}
     if op in ("resize", "stop") and not run.active:
         return {"error": f"run {run.name!r} is {run.state}", "code": 409}
     if op == "resize":

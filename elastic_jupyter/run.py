@@ -131,6 +131,11 @@ class TrainingRun:
         the epoch), extra metrics from loss_fn, and val_* metrics at evaluation steps."""
         return [self._records[s] for s in sorted(self._records)]
 
+    def records_since(self, step: int) -> list[dict]:
+        """History records after `step`, oldest first (cost: the new records only)."""
+        records = self._records
+        return [records[s] for s in range(step + 1, self.step + 1) if s in records]
+
     @property
     def checkpoints(self) -> list[dict]:
         """Checkpoint files of this run, oldest first: file, path, step, bytes, time."""
@@ -224,6 +229,23 @@ class TrainingRun:
 
     def __repr__(self) -> str:
         return f"<TrainingRun {self.summary()}>"
+
+    def dashboard(self):
+        """A live dashboard widget of this run (resize slider, loss chart, status line); in a
+        plain-text front end it shows as the text summary."""
+        from .dashboard import Dashboard  # the widget stack loads only when asked for
+        return Dashboard(self)
+
+    def plot(self, save: str | None = None, smoothing: float = 0.6, log: bool = False,
+             metric: str | None = None):
+        """The dashboard's picture drawn with matplotlib; see :func:`elastic_jupyter.plot.plot_run`.
+
+        Returns the matplotlib Figure; with ``save="loss.png"`` also writes it (PNG, SVG or PDF
+        by the file's extension) and returns the Figure.
+        """
+        from .plot import plot_run
+        return plot_run(self.history, self.events, title=f"run {self.name!r}", save=save,
+                        smoothing=smoothing, log=log, metric=metric)
 
     def state_dict(self) -> dict:
         """The model's trained weights (tensors on the CPU), keyed like ``model.state_dict()``.

@@ -1,0 +1,240 @@
+"""The live training dashboard: an anywidget with a pool-size slider, loss chart and status line.
+
+Traffic (kernel -> front end): a feeder thread wakes at most ``UPDATES_PER_S`` times a second
+and sends only what is new: per-step records as binary ``append`` messages (one float64 buffer
+per column, never the whole history), ``status`` and ``events`` traits when they changed, and a
+``beat`` each second so a front end can tell a dead kernel from an idle one. The ``history``
+trait holds a decimated copy of the whole run (at most ``SNAPSHOT_POINTS`` rows), refreshed at
+most once a second, from which a new view or a reloaded page starts; ``range`` requests return
+full-resolution rows for a zoomed span.
+
+Front end -> kernel: ``resize`` (slider), ``stop``, ``hello`` (a new view asks for the rows after
+its snapshot), ``range`` and ``logs``. Slider moves within ``COALESCE_S`` of each other become
+one resize request with the last value.
+"""
+from __future__ import annotations
+
+import pathlib
+import threading
+import time
+
+import anywidget
+import numpy as np
+import traitlets
+
+from . import series
+from .config import UsageError
+
+STATIC = pathlib.Path(__file__).parent / "static"
+UPDATES_PER_S = 5
+SNAPSHOT_PERIOD_S = 1.0
+SNAPSHOT_POINTS = 2000
+RANGE_POINTS = 50_000
+COALESCE_S = 0.15
+MARKER_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed", "warning",
+                "error", "finished", "stopped")
+
+
+class Dashboard(anywidget.AnyWidget):
+    """Live view of a TrainingRun; ``run.dashboard()`` makes one.
+
+    Synced traits: ``name``, ``min_size``/``max_size`` (slider bounds), ``status`` (state, step,
+    total_steps, epoch, world_size, requested_size, samples_per_s, eta_s, last_checkpoint, error,
+    last_resize), ``events`` (markers), ``history`` (decimated columns), ``notice`` (the last
+    request that was refused, with the reason).
+    """
+
+    _esm = STATIC / "dashboard.js"
+    _css = STATIC / "dashboard.css"
+
+    name = traitlets.Unicode().tag(sync=True)
+    min_size = traitlets.Int(1).tag(sync=True)
+    max_size = traitlets.Int(1).tag(sync=True)
+    status = traitlets.Dict().tag(sync=True)
+    events = traitlets.List().tag(sync=True)
+    history = traitlets.Dict().tag(sync=True)
+    notice = traitlets.Unicode().tag(sync=True)
+
+    def __init__(self, run, feed: bool | None = None):
+        super().__init__(name=run.name, min_size=run.pool.min_size, max_size=run.pool.max_size)
+        self.run = run
+        self._names: list[str] = list(series.BASE_COLUMNS)
+        self._sent_upto = 0  # newest step sent as an append
+        self._snapshot_time = 0.0
+        self._wanted: int | None = None
+        self._lock = threading.Lock()  # guards the coalesced resize request
+        self._send_lock = threading.RLock()  # one sender at a time: feeder or a request
+        self._timer: threading.Timer | None = None
+        self._closed = threading.Event()
+        if self.comm is not None and hasattr(self.comm, "_reply_subshell_for"):
+            # ipykernel 7.4 routes a comm's incoming messages to the shell that last sent on
+            # it (the main shell, for our feeder thread), so slider moves would wait behind a
+            # running cell; keep the subshell the front end chose instead.
+            self.comm._reply_subshell_for = lambda data, default: default
+        self.on_msg(self._on_message)
+        self.tick(force=True)
+        if feed is None:  # feed live front ends only: a terminal shows the text summary
+            feed = getattr(_shell(), "kernel", None) is not None
+        if feed:
+            threading.Thread(target=self._feed, name=f"dashboard-{run.name}", daemon=True).start()
+
+    def __repr__(self) -> str:  # what a plain-text front end shows instead of the widget
+        return self.run.summary()
+
+    def close(self) -> None:
+        self._closed.set()
+        super().close()
+
+    # ------------------------------------------------------------------ kernel -> front end
+
+    def _feed(self) -> None:
+        last_beat = 0.0
+        while not self._closed.wait(1 / UPDATES_PER_S):
+            try:
+                self.tick()
+                if time.monotonic() - last_beat >= 1:
+                    self.send({"type": "beat"})
+                    last_beat = time.monotonic()
+            except Exception as e:  # a dashboard must never take the kernel down
+                self.notice = f"dashboard update failed: {e!r}"
+
+    def tick(self, force: bool = False) -> None:
+        """Send what changed since the last tick (the feeder thread calls this)."""
+        with self._send_lock:
+            self._tick(force)
+
+    def _tick(self, force: bool) -> None:
+        run = self.run
+        new_events = self._sync_events()
+        for event in new_events:
+            if event["kind"] == "fault" and event.get("rolled_back_to") is not None:
+                self._truncate(event["rolled_back_to"])
+        if run.step < self._sent_upto:
+            self._truncate(run.step)
+        rows = run.records_since(self._sent_upto)
+        if rows:
+            self._send_rows("append", rows)
+            self._sent_upto = rows[-1]["step"]
+        status = self._status()
+        if status != self.status:
+            self.status = status
+        if force or (rows and time.monotonic() - self._snapshot_time >= SNAPSHOT_PERIOD_S):
+            self._snapshot()
+
+    def _sync_events(self) -> list[dict]:
+        known = len(self.events)
+        markers = [_marker(e) for e in self.run.events if e["kind"] in MARKER_KINDS]
+        if len(markers) != known:
+            self.events = markers
+        return markers[known:]
+
+    def _truncate(self, step: int) -> None:
+        self.send({"type": "truncate", "after": step})
+        self._sent_upto = min(self._sent_upto, step)
+
+    def _send_rows(self, kind: str, rows: list[dict], **fields) -> None:
+        """One binary message: a float64 buffer per column, in ``columns`` order."""
+        for name in series.column_names(rows):
+            if name not in self._names:
+                self._names.append(name)
+        cols = series.columns(rows, self._names)
+        self.send({"type": kind, "columns": self._names, "rows": len(rows), **fields},
+                  buffers=[memoryview(np.ascontiguousarray(cols[n])) for n in self._names])
+
+    def _snapshot(self) -> None:
+        history = self.run.history
+        for name in series.column_names(history):
+            if name not in self._names:
+                self._names.append(name)
+        cols = series.columns(history, self._names)
+        keep = series.decimate(cols, SNAPSHOT_POINTS)
+        self.history = {"columns": self._names, "decimated": len(keep) < len(history),
+                        "data": [[None if np.isnan(v) else float(v) for v in cols[n][keep]]
+                                 for n in self._names]}
+        self._snapshot_time = time.monotonic()
+
+    def _status(self) -> dict:
+        run = self.run
+        recent = run.records_since(max(0, run.step - 20))
+        last = recent[-1] if recent else {}
+        eta = None
+        if len(recent) >= 2 and run.total_steps and run.state in ("training", "resizing"):
+            per_step = (recent[-1]["time"] - recent[0]["time"]) / (len(recent) - 1)
+            eta = per_step * (run.total_steps - run.step)
+        checkpoint = next((e for e in reversed(run.events) if e["kind"] == "checkpoint"), None)
+        resized = next((e for e in reversed(run.events) if e["kind"] == "resized"), None)
+        return {
+            "state": "starting" if run.state == "created" else run.state,
+            "step": run.step, "total_steps": run.total_steps, "epoch": last.get("epoch"),
+            "world_size": run.world_size, "requested_size": run.requested_size,
+            "samples_per_s": (sum(r["samples_per_s"] for r in recent[-10:]) / len(recent[-10:])
+                              if recent else None),
+            "eta_s": eta, "error": run.error, "log_dir": run.log_dir,
+            "last_checkpoint": checkpoint["path"] if checkpoint else None,
+            "last_resize": ({"from": resized["from"], "to": resized["to"],
+                             "latency_s": resized["latency_s"], "step": resized["step"]}
+                            if resized else None),
+        }
+
+    # ------------------------------------------------------------------ front end -> kernel
+
+    def _on_message(self, _widget, content: dict, buffers) -> None:
+        kind = content.get("type")
+        try:
+            with self._send_lock:
+                self._handle(kind, content)
+        except (UsageError, ValueError, KeyError, TypeError) as e:
+            self.notice = f"{kind} refused: {e}"
+
+    def _handle(self, kind: str, content: dict) -> None:
+        if kind == "resize":
+            self.request_resize(content.get("world_size"))
+        elif kind == "stop":
+            self.run.stop()
+        elif kind == "hello":
+            rows = self.run.records_since(int(content.get("after", 0)))
+            rows = [r for r in rows if r["step"] <= self._sent_upto]
+            if rows:
+                self._send_rows("append", rows)
+        elif kind == "range":
+            self._send_range(int(content["from"]), int(content["to"]))
+        elif kind == "logs":
+            self.send({"type": "logs", "text": self.run.logs()})
+
+    def request_resize(self, n) -> None:
+        """Ask for world size `n`; requests within COALESCE_S of each other become one (the
+        last wins). Raises UsageError at once if `n` is outside the pool's bounds."""
+        n = self.run.pool.check_size(n)
+        with self._lock:
+            self._wanted = n
+            if self._timer is None:
+                self._timer = threading.Timer(COALESCE_S, self._flush_resize)
+                self._timer.daemon = True
+                self._timer.start()
+
+    def _flush_resize(self) -> None:
+        with self._lock:
+            n, self._wanted, self._timer = self._wanted, None, None
+        try:
+            self.run.resize(n)
+            self.notice = ""
+        except UsageError as e:
+            self.notice = f"resize to {n} refused: {e}"
+
+    def _send_range(self, first: int, last: int) -> None:
+        rows = [r for r in self.run.records_since(max(0, first - 1)) if r["step"] <= last]
+        if len(rows) > RANGE_POINTS:
+            cols = series.columns(rows, self._names)
+            rows = [rows[i] for i in series.decimate(cols, RANGE_POINTS)]
+        self._send_rows("range", rows, **{"from": first, "to": last})
+
+
+def _shell():
+    from IPython import get_ipython
+    return get_ipython()
+
+
+def _marker(event: dict) -> dict:
+    keep = ("kind", "step", "from", "to", "latency_s", "path", "message", "rolled_back_to",
+            "lost_steps", "scheduled")
+    return {k: v for k, v in event.items() if k in keep}

@@ -1,0 +1,295 @@
+/**
+ * The notebook dashboard (anywidget front end of elastic_jupyter/dashboard.py): pool-size slider
+ * with pending -> done feedback, stop button, live loss chart and status line.
+ *
+ * A view starts from the `history` trait (a decimated copy of the whole run), asks the kernel
+ * for the rows after it ("hello"), then applies binary "append" / "truncate" messages. Zooming
+ * into a decimated span asks for full-resolution rows ("range").
+ */
+import type { AnyModel, RenderProps } from '@anywidget/types';
+
+import { History } from '../chart/history';
+import { LossChart, Marker } from '../chart/lossChart';
+import './dashboard.css';
+
+interface Status {
+  state: string;
+  step: number;
+  total_steps: number;
+  epoch: number | null;
+  world_size: number;
+  requested_size: number;
+  samples_per_s: number | null;
+  eta_s: number | null;
+  error: string | null;
+  log_dir: string;
+  last_checkpoint: string | null;
+  last_resize: { from: number; to: number; latency_s: number; step: number } | null;
+}
+
+interface Model {
+  name: string;
+  min_size: number;
+  max_size: number;
+  status: Status;
+  events: Marker[];
+  history: { columns?: string[]; data?: (number | null)[][]; decimated?: boolean };
+  notice: string;
+}
+
+const DISCONNECTED_AFTER_MS = 4000; // the kernel sends a beat every second
+const ACTIVE = ['starting', 'training', 'resizing'];
+
+function render({ model, el }: RenderProps<Model>): () => void {
+  const view = new DashboardView(model, el);
+  return () => view.dispose();
+}
+
+class DashboardView {
+  private history = new History();
+  private chart: LossChart;
+  private ui: ReturnType<typeof buildDom>;
+  private requested: number | null = null; // the slider's last request, until the kernel has it
+  private lastBeat = Date.now();
+  private beatTimer: number;
+  private frame = 0;
+
+  constructor(private model: AnyModel<Model>, el: HTMLElement) {
+    this.ui = buildDom(el);
+    this.ui.title.textContent = `Run ${model.get('name')}`;
+    this.chart = new LossChart(this.ui.chart, { smoothing: 0.6, log: false, metric: null }, range => this.zoomed(range));
+    this.loadSnapshot();
+    model.on('msg:custom', (msg, buffers) => this.onMessage(msg, buffers));
+    model.on('change:status', () => this.showStatus());
+    model.on('change:events', () => this.chart.setMarkers(model.get('events')));
+    model.on('change:notice', () => this.showNotice());
+    this.wireControls();
+    this.showStatus();
+    this.showNotice();
+    this.chart.setMarkers(model.get('events'));
+    model.send({ type: 'hello', after: this.history.lastStep });
+    this.beatTimer = window.setInterval(() => this.checkConnection(), 1000);
+  }
+
+  dispose(): void {
+    window.clearInterval(this.beatTimer);
+    this.chart.destroy();
+  }
+
+  private loadSnapshot(): void {
+    const snapshot = this.model.get('history');
+    if (snapshot.columns && snapshot.data) {
+      this.history.load(snapshot.columns, snapshot.data);
+    }
+    this.refreshMetrics();
+    this.redraw();
+  }
+
+  private onMessage(msg: { type: string; [key: string]: any }, buffers: DataView[]): void {
+    this.lastBeat = Date.now();
+    this.ui.root.classList.remove('ej-disconnected');
+    if (msg.type === 'append') {
+      this.history.appendBinary(msg.columns, buffers);
+    } else if (msg.type === 'truncate') {
+      this.history.truncate(msg.after);
+    } else if (msg.type === 'range') {
+      this.history.spliceRange(msg.from, msg.to, msg.columns, buffers);
+    } else if (msg.type === 'logs') {
+      this.ui.logs.textContent = msg.text;
+      this.ui.logs.hidden = false;
+      return;
+    } else {
+      return; // 'beat'
+    }
+    this.refreshMetrics();
+    this.redraw();
+  }
+
+  /** Coalesce redraws to one per animation frame. */
+  private redraw(): void {
+    if (!this.frame) {
+      this.frame = requestAnimationFrame(() => {
+        this.frame = 0;
+        this.chart.setHistory(this.history);
+      });
+    }
+  }
+
+  private zoomed(range: [number, number] | null): void {
+    if (range && this.history.rowsIn(range[0], range[1]) < range[1] - range[0] + 1) {
+      this.model.send({ type: 'range', from: range[0], to: range[1] }); // decimated: fetch detail
+    }
+  }
+
+  private wireControls(): void {
+    const { slider, stop, logsButton, smoothing, log, metric } = this.ui;
+    slider.addEventListener('input', () => this.showSize(Number(slider.value)));
+    slider.addEventListener('change', () => {
+      this.requested = Number(slider.value);
+      this.model.send({ type: 'resize', world_size: this.requested });
+      this.showStatus();
+    });
+    stop.addEventListener('click', () => {
+      if (window.confirm(`Stop run '${this.model.get('name')}'? A checkpoint is written first.`)) {
+        this.model.send({ type: 'stop' });
+      }
+    });
+    logsButton.addEventListener('click', () => {
+      if (this.ui.logs.hidden) {
+        this.model.send({ type: 'logs' });
+      } else {
+        this.ui.logs.hidden = true;
+      }
+    });
+    smoothing.addEventListener('input', () => this.chart.setOptions({ smoothing: Number(smoothing.value) }));
+    log.addEventListener('change', () => this.chart.setOptions({ log: log.checked }));
+    metric.addEventListener('change', () => this.chart.setOptions({ metric: metric.value || null }));
+  }
+
+  private refreshMetrics(): void {
+    const select = this.ui.metric;
+    const names = this.history.metricNames.filter(n => n !== 'val_loss');
+    if (names.length + 1 === select.options.length) {
+      return;
+    }
+    const chosen = select.value;
+    select.replaceChildren(new Option('none', ''), ...names.map(n => new Option(n, n)));
+    select.value = names.includes(chosen) ? chosen : '';
+  }
+
+  private showSize(value: number): void {
+    this.ui.sliderValue.textContent = String(value);
+  }
+
+  private showStatus(): void {
+    const s = this.model.get('status');
+    const { slider, size, state, stop } = this.ui;
+    const active = ACTIVE.includes(s.state);
+    slider.min = String(this.model.get('min_size'));
+    slider.max = String(this.model.get('max_size'));
+    if (this.requested !== null && s.requested_size === this.requested) {
+      this.requested = null; // the kernel has the request
+    }
+    const wanted = this.requested ?? s.requested_size;
+    if (document.activeElement !== slider) {
+      slider.value = String(wanted || s.world_size);
+      this.showSize(Number(slider.value));
+    }
+    slider.disabled = stop.disabled = !active;
+    const pending = active && wanted && wanted !== s.world_size;
+    const r = s.last_resize;
+    size.textContent = pending
+      ? `world size ${s.world_size} → ${wanted}: pending…`
+      : `world size ${s.world_size}` + (r ? ` (resize ${r.from} → ${r.to} took ${r.latency_s.toFixed(2)} s)` : '');
+    size.classList.toggle('ej-pending', Boolean(pending));
+    state.textContent = s.state;
+    state.dataset.state = s.state;
+    this.ui.root.dataset.worldSize = String(s.world_size);
+    this.ui.line.textContent = statusLine(s);
+    this.ui.reason.textContent = active ? '' : reason(s);
+  }
+
+  private showNotice(): void {
+    this.ui.notice.textContent = this.model.get('notice');
+  }
+
+  private checkConnection(): void {
+    if (Date.now() - this.lastBeat > DISCONNECTED_AFTER_MS) {
+      this.ui.root.classList.add('ej-disconnected');
+      this.ui.slider.disabled = this.ui.stop.disabled = true;
+      this.ui.reason.textContent =
+        'Disconnected from the kernel (restarted or shut down): this view is frozen. ' +
+        'Re-run the cell, or call run.dashboard() in a new kernel after resuming with --resume.';
+    }
+  }
+}
+
+function statusLine(s: Status): string {
+  const parts = [`step ${s.step}/${s.total_steps || '?'}`];
+  if (s.epoch !== null) {
+    parts.push(`epoch ${s.epoch}`);
+  }
+  if (s.samples_per_s !== null) {
+    parts.push(`${Math.round(s.samples_per_s)} samples/s`);
+  }
+  if (s.eta_s !== null) {
+    parts.push(`ETA ${formatSeconds(s.eta_s)}`);
+  }
+  parts.push(s.last_checkpoint ? `checkpoint ${s.last_checkpoint}` : 'no checkpoint yet');
+  return parts.join(' · ');
+}
+
+function reason(s: Status): string {
+  if (s.state === 'failed') {
+    return `Training failed: ${s.error ?? 'see the logs'}. Resizing is off.`;
+  }
+  if (s.state === 'finished' || s.state === 'stopped') {
+    return `The run has ${s.state}: resizing is off. Continue it with %%elastic_train --resume.`;
+  }
+  return '';
+}
+
+function formatSeconds(t: number): string {
+  const s = Math.round(t);
+  return s >= 3600 ? `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min` : s >= 60 ? `${Math.floor(s / 60)} min ${s % 60} s` : `${s} s`;
+}
+
+function legend(): HTMLElement {
+  const box = document.createElement('span');
+  box.className = 'ej-legend';
+  for (const [kind, text] of [['resized', 'resize'], ['fault', 'fault'], ['checkpoint', 'checkpoint']]) {
+    const item = document.createElement('span');
+    item.className = `ej-mark ej-mark-${kind}`;
+    item.textContent = text;
+    box.append(item);
+  }
+  return box;
+}
+
+function buildDom(el: HTMLElement) {
+  const make = <K extends keyof HTMLElementTagNameMap>(tag: K, cls: string, text = '') => {
+    const node = document.createElement(tag);
+    node.className = cls;
+    node.textContent = text;
+    return node;
+  };
+  const root = make('div', 'ej-dashboard');
+  const header = make('div', 'ej-row');
+  const title = make('span', 'ej-title');
+  const state = make('span', 'ej-state');
+  const line = make('span', 'ej-line');
+  header.append(title, state, line);
+
+  const controls = make('div', 'ej-row');
+  const slider = make('input', 'ej-slider');
+  slider.type = 'range';
+  slider.step = '1';
+  slider.setAttribute('aria-label', 'pool size');
+  const sliderValue = make('span', 'ej-slider-value');
+  const size = make('span', 'ej-size');
+  const stop = make('button', 'ej-button', 'Stop');
+  const logsButton = make('button', 'ej-button', 'Logs');
+  controls.append(make('span', 'ej-label', 'Pool size'), slider, sliderValue, size, stop, logsButton);
+
+  const options = make('div', 'ej-row ej-options');
+  const smoothing = make('input', 'ej-smoothing');
+  Object.assign(smoothing, { type: 'range', min: '0', max: '0.99', step: '0.01', value: '0.6' });
+  const log = make('input', '');
+  log.type = 'checkbox';
+  const metric = make('select', 'ej-metric');
+  const logLabel = make('label', '', ' log scale');
+  logLabel.prepend(log);
+  options.append(make('span', 'ej-label', 'Smoothing'), smoothing, logLabel, make('span', 'ej-label', 'Metric'), metric,
+    legend());
+
+  const chart = make('div', 'ej-chart-box');
+  const reason = make('div', 'ej-reason');
+  const notice = make('div', 'ej-notice');
+  const logs = make('pre', 'ej-logs');
+  logs.hidden = true;
+  root.append(header, controls, reason, notice, options, chart, logs);
+  el.append(root);
+  return { root, title, state, line, slider, sliderValue, size, stop, logsButton, smoothing, log, metric, chart, reason, notice, logs };
+}
+
+export default { render };

@@ -1,0 +1,126 @@
+"""Real-browser test harness: a JupyterLab server on loopback and headless Debian Chromium driven
+by Playwright (no browser download: Playwright is pointed at /usr/bin/chromium).
+
+Missing Chromium is an error, never a skip: .ci/run installs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+CHROMIUM = os.environ.get("ELASTIC_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
+ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """`jupyter lab` serving `root` on 127.0.0.1 with a random token, logging to `log_path`."""
+
+    def __init__(self, root: str, log_path: str, base_url: str = "/", extra_args=()):
+        self.root, self.log_path, self.base_url = root, log_path, base_url
+        self.token = secrets.token_hex(16)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}{base_url}"
+        self.extra_args = list(extra_args)
+        self.process = None
+
+    def __enter__(self) -> "JupyterLab":
+        # own user settings: no "get notified about Jupyter news?" toast over the page
+        settings = os.path.join(self.root, ".lab-settings")
+        news = os.path.join(settings, "@jupyterlab", "apputils-extension")
+        os.makedirs(news, exist_ok=True)
+        with open(os.path.join(news, "notification.jupyterlab-settings"), "w") as f:
+            f.write('{"fetchNews": "false", "checkForUpdates": false}')
+        env = dict(os.environ)
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+             f"--ServerApp.port={self.port}", f"--ServerApp.base_url={self.base_url}",
+             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
+             "--ServerApp.allow_root=True", "--LabApp.news_url=None",
+             f"--LabApp.user_settings_dir={settings}",
+             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+             *self.extra_args],
+            cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited; see {self.log_path}")
+            try:
+                urllib.request.urlopen(f"{self.url}api/status?token={self.token}", timeout=2)
+                return self
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"jupyter lab did not answer within 90 s; see {self.log_path}")
+
+    def __exit__(self, *exc) -> None:
+        # SIGINT twice is jupyter's graceful shutdown: kernels are shut down (their atexit
+        # handlers stop runs and pools), then the server exits.
+        for _ in range(2):
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGINT)
+            time.sleep(0.3)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self._log.close()
+
+    def page_url(self, path: str) -> str:
+        return f"{self.url}{path}?token={self.token}"
+
+
+@contextlib.contextmanager
+def chromium():
+    """A headless Chromium browser (Playwright, sync API)."""
+    if not os.access(CHROMIUM, os.X_OK):
+        raise RuntimeError(f"no Chromium at {CHROMIUM}: install Debian's chromium "
+                           "(apt-get install chromium; .ci/run does) or set ELASTIC_CHROMIUM")
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                    args=["--no-sandbox", "--disable-gpu"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def drag_slider(page, slider, value: int) -> None:
+    """Drag a range input's thumb to `value` with real mouse events (down, moves, up)."""
+    box = slider.bounding_box()
+    lo, hi = float(slider.get_attribute("min")), float(slider.get_attribute("max"))
+    current = float(slider.input_value())
+    thumb = 16  # Chromium's default thumb width (px): the track spans width - thumb
+
+    def x_of(v: float) -> float:
+        return box["x"] + thumb / 2 + (v - lo) / (hi - lo) * (box["width"] - thumb)
+
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(x_of(current), y)
+    page.mouse.down()
+    for i in range(1, 11):
+        page.mouse.move(x_of(current) + (x_of(value) - x_of(current)) * i / 10, y)
+    page.mouse.up()
+
+
+def screenshot(page, name: str) -> str:
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    path = os.path.join(ARTIFACTS, name)
+    page.screenshot(path=path, full_page=False)
+    return path
