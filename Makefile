@@ -2,10 +2,12 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BUNDLE := elastic_jupyter/static/dashboard.js
+CHROMIUM ?= $(shell command -v chromium || echo /usr/bin/chromium)
 
 .PHONY: setup quickstart test benchmark clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(BUNDLE)
 
 # torch is pinned to the CPU build that lies on this machine's disk; an unpinned torch would
 # pull a multi-GB CUDA build.
@@ -16,11 +18,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The main job: the quick-start notebook, headless, on scikit-learn's digits.
+# `pip install` builds the front end; this rebuilds it when its TypeScript changed since.
+$(BUNDLE): $(wildcard labextension/src/*/*) package.json
+	npm install --no-audit --no-fund
+	npm run build
+
+# The browser tests drive Debian's Chromium (no browser download); install it if missing.
+$(CHROMIUM):
+	$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq
+	$(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -qq chromium
+
+# The main job: the quick-start notebook, headless, on scikit-learn's digits; it also writes
+# the loss curve with its resize and checkpoint markers to notebooks/loss.png.
 quickstart: setup
 	cd notebooks && ../$(VENV)/bin/ipython --colors=nocolor 01_quickstart.ipynb
 
-test: setup
+test: setup $(CHROMIUM)
 	$(PY) -m pytest -ra
 
 benchmark: setup
@@ -28,4 +41,4 @@ benchmark: setup
 	$(PY) benchmarks/fault_recovery.py
 
 clean:
-	rm -rf $(VENV) notebooks/checkpoints
+	rm -rf $(VENV) notebooks/checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts
