@@ -16,12 +16,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH jupyter labextension develop --overwrite .  # rebuilds show at once
 	touch $(STAMP)
 
 # `pip install` builds the front end; this rebuilds it when its TypeScript changed since.
-$(BUNDLE): $(wildcard labextension/src/*/*) package.json
+$(BUNDLE): $(wildcard labextension/src/*.ts labextension/src/*/* labextension/style/* labextension/schema/*) package.json
 	npm install --no-audit --no-fund
-	npm run build
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH npm run build
 
 # The browser tests drive Debian's Chromium (no browser download); install it if missing.
 $(CHROMIUM):

@@ -1,17 +1,32 @@
 """elastic-jupyter: elastic distributed PyTorch training from Jupyter notebooks.
 
 ``%load_ext elastic_jupyter`` registers the magics; scripts use :class:`EnginePool` and
-:class:`TrainingRun` directly.
+:class:`TrainingRun` directly. Importing the package is light (the Jupyter server imports it to
+load its extension): the training stack loads on first use of a name below.
 """
 from .config import PoolConfig, RunConfig, UsageError
-from .pool import Engine, EnginePool
-from .run import RunSetupError, TrainingRun
 
 __version__ = "0.1.0"
 __all__ = ["EnginePool", "Engine", "TrainingRun", "RunConfig", "PoolConfig", "UsageError",
            "RunSetupError", "load_ipython_extension"]
+_LAZY = {"EnginePool": "pool", "Engine": "pool", "TrainingRun": "run", "RunSetupError": "run"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython):
     from .magics import ElasticMagics
     ipython.register_magics(ElasticMagics(ipython))
+
+
+def _jupyter_server_extension_points():
+    return [{"module": "elastic_jupyter.serverext"}]
+
+
+def _jupyter_labextension_paths():
+    return [{"src": "labextension", "dest": "elastic-jupyter"}]

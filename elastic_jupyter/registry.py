@@ -9,6 +9,10 @@ socket never touches the network. Protocol: one JSON request per line, one JSON 
     {"op": "resize", "world_size": n}     -> {"ok": true} or {"error": "...", "code": 400|409}
     {"op": "stop"}                        -> {"ok": true}
     {"op": "history", "since": step}      -> {"records": [...records after step...]}
+    {"op": "events", "since": n}          -> {"events": [...events from index n...]}
+
+The channel stays open after the run ended (its status, history and events can still be read;
+resize and stop answer 409) until the kernel exits.
 
 A reader tells a live entry from a stale one by the pid and its start time (a reused pid has
 another start time).
@@ -16,6 +20,7 @@ another start time).
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import time
@@ -43,16 +48,24 @@ def _kernel_id() -> str | None:
     return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") else name
 
 
+SPARKLINE_POINTS = 60
+
+
 def run_model(run) -> dict:
     """The JSON-able description of a run that the registry, the control channel and the
     server extension share."""
     last = run._records.get(run.step, {})
-    return {"name": run.name, "state": run.state, "step": run.step,
+    recent = run.records_since(max(0, run.step - 10 * SPARKLINE_POINTS))[::10][-SPARKLINE_POINTS:]
+    reg = run._registration
+    return {"id": reg.run_id if reg else None, "name": run.name, "notebook": run.notebook,
+            "state": run.state, "step": run.step,
             "total_steps": run.total_steps, "world_size": run.world_size,
             "requested_size": run.requested_size, "min_size": run.pool.min_size,
             "max_size": run.pool.max_size, "backend": run.pool.backend,
             "loss": last.get("loss"), "error": run.error,
-            "checkpoint_dir": run.checkpoint_dir, "checkpoints": run.checkpoints}
+            "checkpoint_dir": run.checkpoint_dir, "checkpoints": run.checkpoints,
+            "slots": [m.device for m in run.members], "events": len(run.events),
+            "recent_loss": [r["loss"] for r in recent]}
 
 
 class Registration:
@@ -96,20 +109,21 @@ def register(run) -> Registration | None:
             os.umask(old_umask)
 
     asyncio.ensure_future(serve())
+    atexit.register(_unlink, reg.socket_path)
     return reg
 
 
-def update(reg: Registration | None, run) -> None:
-    """Record the run's final state; the control channel closes."""
-    if reg is None:
-        return
-    reg.write(run)
-    if reg.server is not None:
-        reg.server.close()
+def _unlink(path: str) -> None:
     try:
-        os.unlink(reg.socket_path)
+        os.unlink(path)
     except OSError:
         pass
+
+
+def update(reg: Registration | None, run) -> None:
+    """Record the run's final state in its entry (the control channel stays open)."""
+    if reg is not None:
+        reg.write(run)
 
 
 def _answer(run, request: dict) -> dict:
@@ -162,6 +176,18 @@ def request(socket_path: str, message: dict, timeout: float = 5.0) -> dict:
                 break
             data += chunk
     return json.loads(data)
+
+
+async def arequest(socket_path: str, message: dict, timeout: float = 5.0) -> dict:
+    """`request` for asyncio callers (the server extension)."""
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_unix_connection(socket_path, limit=2 ** 28), timeout)  # replies can be long
+    try:
+        writer.write(json.dumps(message).encode() + b"\n")
+        await writer.drain()
+        return json.loads(await asyncio.wait_for(reader.readline(), timeout))
+    finally:
+        writer.close()
 
 
 def list_runs() -> list[dict]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -117,6 +118,25 @@ def drag_slider(page, slider, value: int) -> None:
     for i in range(1, 11):
         page.mouse.move(x_of(current) + (x_of(value) - x_of(current)) * i / 10, y)
     page.mouse.up()
+
+
+def menu(page, top: str, item: str) -> None:
+    """Click a main-menu entry, like menu(page, "Run", "Run All Cells")."""
+    page.locator(".lm-MenuBar-item", has_text=top).first.click()
+    page.locator(".lm-Menu-itemLabel:visible", has_text=re.compile(f"^{re.escape(item)}")).first.click()
+
+
+def open_and_run_all(page, url: str) -> None:
+    """Open a notebook, wait until its kernel is idle, then Run All Cells (a Run All issued
+    before the kernel connected is dropped by JupyterLab)."""
+    page.goto(url)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=90_000)
+    menu(page, "Run", "Run All Cells")
+    first = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    deadline = time.monotonic() + 60
+    while first.inner_text().strip() in ("[ ]:", "") and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def screenshot(page, name: str) -> str:

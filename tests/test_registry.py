@@ -64,7 +64,10 @@ def test_another_process_finds_and_resizes_the_run(idle_pool, tmp_path):
         run.stop()
         run.wait(timeout=60)
     entry = [e for e in registry.list_runs() if e["id"] == reg.run_id][0]
-    assert entry["state"] == "stopped" and not os.path.exists(reg.socket_path)
+    assert entry["state"] == "stopped"
+    # the ended run stays readable while the kernel lives; requests to change it are refused
+    assert registry.request(reg.socket_path, {"op": "status"})["state"] == "stopped"
+    assert registry.request(reg.socket_path, {"op": "resize", "world_size": 2})["code"] == 409
 
 
 def test_nothing_the_pool_opens_listens_beyond_loopback(idle_pool, tmp_path):

@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 
-import torch
 
 POINTER = "latest.json"
 
@@ -73,6 +72,7 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
     step = state["progress"]["step"]
     path = os.path.join(folder, checkpoint_name(step))
     try:
+        import torch  # here, not at the top: the server lists checkpoints without torch
         _atomic_write(path, lambda f: torch.save(state, f))
         record = {"file": os.path.basename(path), "step": step, "sha256": _sha256(path),
                   "bytes": os.path.getsize(path), "time": time.time()}
@@ -185,6 +185,7 @@ def load_checkpoint(path: str) -> dict:
     Raises CheckpointError naming the file and the reason.
     """
     try:
+        import torch
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError...
         raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e

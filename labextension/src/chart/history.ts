@@ -39,12 +39,20 @@ export class History {
   }
 
   /**
-   * Append rows given as one float64 buffer per column (NaN = missing); rows at or before the
-   * last held step are skipped (another view's request may repeat them).
+   * Append rows given as one float64 buffer per column (NaN = missing), as the dashboard's
+   * binary messages carry them. Returns the number of rows added.
    */
   appendBinary(names: string[], buffers: DataView[]): number {
-    const cols = decode(names, buffers);
-    const steps = cols.get('step') ?? [];
+    return this.appendColumns(names, names.map((_, i) => decode(buffers[i])));
+  }
+
+  /**
+   * Append rows given column by column; rows at or before the last held step are skipped
+   * (another view's request, or an overlapping poll, may repeat them).
+   */
+  appendColumns(names: string[], data: Column[]): number {
+    const incoming = new Map(names.map((n, i) => [n, data[i]]));
+    const steps = incoming.get('step') ?? [];
     const last = this.lastStep;
     const first = steps.findIndex(s => (s as number) > last);
     if (first < 0) {
@@ -54,9 +62,9 @@ export class History {
     for (const name of new Set([...this.columns.keys(), ...names])) {
       const col = this.column(name);
       col.length = before; // a column first seen now was created at the current length
-      const incoming = cols.get(name);
+      const values = incoming.get(name);
       for (let i = first; i < steps.length; i++) {
-        col.push(incoming ? incoming[i] : null);
+        col.push(values ? values[i] : null);
       }
     }
     return steps.length - first;
@@ -76,15 +84,15 @@ export class History {
 
   /** Replace the rows with steps in [from, to] by full-resolution rows (a zoom request). */
   spliceRange(from: number, to: number, names: string[], buffers: DataView[]): void {
-    const cols = decode(names, buffers);
+    const incoming = new Map(names.map((n, i) => [n, decode(buffers[i])]));
     const steps = this.column('step');
     const start = lowerBound(steps, from);
     const end = lowerBound(steps, to + 1);
-    const count = (cols.get('step') ?? []).length;
+    const count = (incoming.get('step') ?? []).length;
     for (const name of new Set([...this.columns.keys(), ...names])) {
       const col = this.column(name);
-      const incoming = cols.get(name) ?? new Array(count).fill(null);
-      col.splice(start, end - start, ...incoming);
+      const values = incoming.get(name) ?? new Array(count).fill(null);
+      this.columns.set(name, col.slice(0, start).concat(values, col.slice(end))); // no spread: 50k rows
     }
   }
 
@@ -95,19 +103,15 @@ export class History {
   }
 }
 
-function decode(names: string[], buffers: DataView[]): Map<string, Column> {
-  const out = new Map<string, Column>();
-  names.forEach((name, i) => {
-    // read value by value: a buffer sliced out of a websocket frame need not be 8-byte aligned
-    const view = buffers[i];
-    const col: Column = new Array(view.byteLength / 8);
-    for (let j = 0; j < col.length; j++) {
-      const v = view.getFloat64(j * 8, true); // numpy sends little-endian float64
-      col[j] = Number.isNaN(v) ? null : v;
-    }
-    out.set(name, col);
-  });
-  return out;
+/** A little-endian float64 buffer as a column (NaN -> null). */
+function decode(view: DataView): Column {
+  // read value by value: a buffer sliced out of a websocket frame need not be 8-byte aligned
+  const col: Column = new Array(view.byteLength / 8);
+  for (let j = 0; j < col.length; j++) {
+    const v = view.getFloat64(j * 8, true);
+    col[j] = Number.isNaN(v) ? null : v;
+  }
+  return col;
 }
 
 function lowerBound(steps: Column, value: number): number {
