@@ -42,4 +42,4 @@ benchmark: setup
 	$(PY) benchmarks/fault_recovery.py
 
 clean:
-	rm -rf $(VENV) notebooks/checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts
+	rm -rf $(VENV) notebooks/elastic-checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts

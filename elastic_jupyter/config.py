@@ -12,7 +12,7 @@ engine start timeout   60 s
 ``--micro-batch``      none (a rank's whole share in one pass)
 ``--epochs``           1 (unless ``--steps``)
 ``--checkpoint-every`` 100 steps, and always at the end
-``--checkpoint-dir``   ``checkpoints/<name>/`` beside the notebook
+``--checkpoint-dir``   ``elastic-checkpoints/<name>/`` beside the notebook
 ``--keep``             3 checkpoints
 ``--seed``             0
 collective timeout     30 s (a rank stuck in a collective longer is treated as hung)

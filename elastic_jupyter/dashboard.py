@@ -10,7 +10,9 @@ full-resolution rows for a zoomed span.
 
 Front end -> kernel: ``resize`` (slider), ``stop``, ``hello`` (a new view asks for the rows after
 its snapshot), ``range`` and ``logs``. Slider moves within ``COALESCE_S`` of each other become
-one resize request with the last value.
+one resize request with the last value. Where the server extension answers, the view sends
+resize and stop over its REST API instead (never through the kernel's shell); this comm path is
+the fallback (VS Code, no server extension).
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ class Dashboard(anywidget.AnyWidget):
     _css = STATIC / "dashboard.css"
 
     name = traitlets.Unicode().tag(sync=True)
+    run_id = traitlets.Unicode(allow_none=True).tag(sync=True)  # the registry id, for the REST path
     min_size = traitlets.Int(1).tag(sync=True)
     max_size = traitlets.Int(1).tag(sync=True)
     status = traitlets.Dict().tag(sync=True)
@@ -56,7 +59,9 @@ class Dashboard(anywidget.AnyWidget):
     notice = traitlets.Unicode().tag(sync=True)
 
     def __init__(self, run, feed: bool | None = None):
-        super().__init__(name=run.name, min_size=run.pool.min_size, max_size=run.pool.max_size)
+        reg = run._registration
+        super().__init__(name=run.name, run_id=reg.run_id if reg else None,
+                         min_size=run.pool.min_size, max_size=run.pool.max_size)
         self.run = run
         self._names: list[str] = list(series.BASE_COLUMNS)
         self._sent_upto = 0  # newest step sent as an append

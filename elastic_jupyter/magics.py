@@ -71,7 +71,7 @@ def _train_parser() -> _Parser:
                             "loss_fn(model, batch).")
     p.add_argument("variable", nargs="?", default="run",
                    help="notebook variable for the run handle (default: run)")
-    p.add_argument("--name", required=True, help="run name; checkpoints go to checkpoints/NAME/")
+    p.add_argument("--name", required=True, help="run name; checkpoints go to elastic-checkpoints/NAME/")
     p.add_argument("--engines", type=_positive_int, help="starting world size (default: pool size)")
     p.add_argument("--global-batch", type=_positive_int, default=64,
                    help="samples per optimizer step, whatever the world size (default 64)")
@@ -84,7 +84,7 @@ def _train_parser() -> _Parser:
     p.add_argument("--clip-grad-norm", type=float, help="clip the gradient's total norm")
     p.add_argument("--checkpoint-every", type=int, default=100,
                    help="checkpoint every N steps, and at the end (default 100; 0: end only)")
-    p.add_argument("--checkpoint-dir", help="folder (default: checkpoints/NAME/ beside the notebook)")
+    p.add_argument("--checkpoint-dir", help="folder (default: elastic-checkpoints/NAME/ beside the notebook)")
     p.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of initial weights and data order")

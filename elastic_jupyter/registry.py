@@ -190,8 +190,12 @@ async def arequest(socket_path: str, message: dict, timeout: float = 5.0) -> dic
         writer.close()
 
 
-def list_runs() -> list[dict]:
-    """Registry entries of this user, each with "live": whether its process still runs."""
+def list_runs(forget_gone: bool = False) -> list[dict]:
+    """Registry entries of this user, each with "live": whether its process still runs.
+
+    With `forget_gone`, entries of dead processes whose checkpoint folder no longer exists
+    (nothing is left to show or resume) are deleted instead of listed.
+    """
     out = []
     for name in sorted(os.listdir(registry_dir())):
         if not name.endswith(".json"):
@@ -202,6 +206,9 @@ def list_runs() -> list[dict]:
         except (OSError, ValueError):
             continue
         entry["live"] = _alive(entry["pid"], entry["pid_start_time"])
+        if forget_gone and not entry["live"] and not os.path.isdir(entry["checkpoint_dir"]):
+            _unlink(os.path.join(registry_dir(), name))
+            continue
         out.append(entry)
     return out
 

@@ -24,6 +24,10 @@ POLL = 0.05  # seconds between the owner's looks at a running generation
 MAX_BOOT_FAILURES = 3
 
 
+# Not "checkpoints": at a Jupyter server's root, /api/contents/checkpoints/<x> is routed to the
+# contents checkpoints API (405), so the file browser could not open the folder.
+CHECKPOINT_FOLDER = "elastic-checkpoints"
+
 class RunSetupError(RuntimeError):
     """The run's setup failed on an engine; the message carries that engine's traceback."""
 
@@ -61,7 +65,7 @@ class TrainingRun:
         push: notebook variables to define on the engines before the source runs.
         resume: continue from the newest checkpoint in the run's checkpoint folder.
         engines: starting world size (default: the pool's size).
-        workspace: folder that holds ``checkpoints/<name>/`` (default: the current folder).
+        workspace: folder that holds ``elastic-checkpoints/<name>/`` (default: the current folder).
         schedule: resizes as (at_step, size) pairs, the same as ``resize(size, at_step)``
             called before training starts.
 
@@ -86,7 +90,7 @@ class TrainingRun:
         self.notebook = notebook
         workspace = os.path.abspath(workspace or os.getcwd())
         self.checkpoint_dir = os.path.abspath(
-            config.checkpoint_dir or os.path.join(workspace, "checkpoints", config.name))
+            config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
         self.state = "created"
         self.error: str | None = None

@@ -83,9 +83,11 @@ def _offline_model(entry: dict) -> dict:
 class RunsHandler(_RunsBase):
     @web.authenticated
     async def get(self):
-        entries = registry.list_runs()
+        entries = registry.list_runs(forget_gone=True)
         models = await asyncio.gather(*(self._model(e) for e in entries))
-        self.finish({"runs": sorted(models, key=lambda m: m.get("started") or 0, reverse=True)})
+        active = ("starting", "training", "resizing")  # live runs first, then the newest
+        models.sort(key=lambda m: (m["state"] not in active, -(m.get("started") or 0)))
+        self.finish({"runs": models})
 
 
 class RunHandler(_RunsBase):

@@ -6,6 +6,7 @@ Missing Chromium is an error, never a skip: .ci/run installs it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -19,6 +20,38 @@ import urllib.request
 
 CHROMIUM = os.environ.get("ELASTIC_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts")
+
+
+NOTEBOOK = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "notebooks",
+                        "01_quickstart.ipynb")
+
+
+def quickstart_copy(root, epochs: int = 2000) -> None:
+    """The quick-start notebook as shipped, with more epochs so the run outlasts the checks."""
+    with open(NOTEBOOK) as f:
+        nb = json.load(f)
+    for cell in nb["cells"]:
+        cell["source"] = "".join(cell["source"]).replace("--epochs 30", f"--epochs {epochs}")
+    with open(os.path.join(root, "01_quickstart.ipynb"), "w") as f:
+        json.dump(nb, f)
+
+
+def wait_for(condition, timeout: float, what: str, interval: float = 0.25):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def live_run(name: str) -> dict | None:
+    """The registry entry of the live run called `name` (this user's runtime dir)."""
+    from elastic_jupyter import registry
+    entries = [e for e in registry.list_runs() if e["name"] == name and e["live"]
+               and os.path.exists(e["control"])]
+    return entries[-1] if entries else None
 
 
 def free_port() -> int:
@@ -39,7 +72,8 @@ class JupyterLab:
         self.process = None
 
     def __enter__(self) -> "JupyterLab":
-        # own user settings: no "get notified about Jupyter news?" toast over the page
+        # own user settings (no "get notified about Jupyter news?" toast over the page) and
+        # workspaces (no layout restored from an earlier test)
         settings = os.path.join(self.root, ".lab-settings")
         news = os.path.join(settings, "@jupyterlab", "apputils-extension")
         os.makedirs(news, exist_ok=True)
@@ -53,6 +87,7 @@ class JupyterLab:
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
              "--ServerApp.allow_root=True", "--LabApp.news_url=None",
              f"--LabApp.user_settings_dir={settings}",
+             f"--LabApp.workspaces_dir={os.path.join(self.root, '.lab-workspaces')}",
              "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
              *self.extra_args],
             cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT,

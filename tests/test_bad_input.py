@@ -359,7 +359,7 @@ def test_bad_run_config(idle_pool, tmp_path, options, expected):
     with pytest.raises(UsageError) as excinfo:
         TrainingRun(idle_pool, config, source=DIGITS_CELL, workspace=tmp_path)
     assert str(excinfo.value) == expected
-    assert not (tmp_path / "checkpoints" / config.name).exists()
+    assert not (tmp_path / "elastic-checkpoints" / config.name).exists()
     assert_pool_still_trains(idle_pool, tmp_path)
 
 

@@ -1,47 +1,31 @@
 """End to end in a real browser: JupyterLab on loopback, headless Chromium, the quick-start
 notebook run from the Run menu, the dashboard's slider dragged with the mouse while another
 cell is executing, then light/dark themes and a kernel restart. Screenshots go to artifacts/.
+
+Run twice: with the server extension (the slider's request goes over its REST API) and with it
+disabled (the request goes over the widget's comm, on the subshell JupyterLab chose).
 """
-import json
 import os
 import shutil
-import time
 
 import pytest
 
 from elastic_jupyter import registry
-from lab_harness import ARTIFACTS, JupyterLab, chromium, drag_slider, menu, open_and_run_all, screenshot
+from lab_harness import (ARTIFACTS, JupyterLab, chromium, drag_slider, live_run, menu,
+                         open_and_run_all, quickstart_copy, screenshot, wait_for)
 
-NOTEBOOK = os.path.join(os.path.dirname(__file__), "..", "notebooks", "01_quickstart.ipynb")
-
-
-def wait_for(condition, timeout: float, what: str, interval: float = 0.25):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+WITHOUT_EXTENSION = "--ServerApp.jpserver_extensions={'elastic_jupyter': False}"
 
 
-@pytest.fixture
-def lab(tmp_path):
-    # the quick-start notebook as shipped, with more epochs so the run outlasts the checks
-    nb = json.load(open(NOTEBOOK))
-    for cell in nb["cells"]:
-        cell["source"] = "".join(cell["source"]).replace("--epochs 30", "--epochs 200")
-    (tmp_path / "01_quickstart.ipynb").write_text(json.dumps(nb))
-    with JupyterLab(str(tmp_path), str(tmp_path / "lab.log")) as server:
+@pytest.fixture(params=["server", "comm"])
+def lab(request, tmp_path):
+    quickstart_copy(tmp_path)
+    extra = [WITHOUT_EXTENSION] if request.param == "comm" else []
+    with JupyterLab(str(tmp_path), str(tmp_path / "lab.log"), extra_args=extra) as server:
+        server.request_path = request.param
         yield server
     os.makedirs(ARTIFACTS, exist_ok=True)
-    shutil.copy(tmp_path / "lab.log", os.path.join(ARTIFACTS, "lab-dashboard.log"))
-
-
-def live_run(name: str) -> dict:
-    entries = [e for e in registry.list_runs() if e["name"] == name and e["live"]
-               and os.path.exists(e["control"])]
-    return entries[-1] if entries else None
+    shutil.copy(tmp_path / "lab.log", os.path.join(ARTIFACTS, f"lab-dashboard-{request.param}.log"))
 
 
 @pytest.fixture
@@ -50,8 +34,8 @@ def page(lab):
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
             yield page
-        finally:
-            screenshot(page, "dashboard-last.png")  # the page as the test left it
+        finally:  # the page as the test left it
+            screenshot(page, f"dashboard-{lab.request_path}-last.png")
 
 
 def test_slider_drag_resizes_while_a_cell_runs(lab, page):
@@ -61,30 +45,32 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     dashboard = page.locator(".ej-dashboard")
     dashboard.wait_for(timeout=120_000)
     slider = dashboard.locator(".ej-slider")
-    entry = wait_for(lambda: live_run("digits"), 60, "the run in the registry")
-    control = entry["control"]
+    control = wait_for(lambda: live_run("digits"), 60, "the run in the registry")["control"]
 
-    # wait until the world size is not 3 and the run.wait cell is executing ([*])
+    # wait until the notebook's scheduled resizes (150:3, 450:1) are done and the run.wait cell
+    # is executing ([*]): a resize to 3 can then only come from the slider
     wait_cell = page.locator(".jp-CodeCell", has_text="run.wait(progress=True)")
+
+    def busy() -> bool:
+        return wait_cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
 
     def ready():
         status = registry.request(control, {"op": "status"})
-        busy = wait_cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
-        return (status["state"] == "training" and status["world_size"] != 3
-                and status["requested_size"] != 3 and busy and not slider.is_disabled())
-    wait_for(ready, 120, "training at a world size other than 3 while run.wait executes")
+        return (status["state"] == "training" and status["step"] > 460 and status["world_size"] == 1
+                and status["requested_size"] != 3 and busy() and not slider.is_disabled())
+    wait_for(ready, 120, "training at world size 1 after step 460 while run.wait executes")
     step_at_drag = registry.request(control, {"op": "status"})["step"]
     slider.scroll_into_view_if_needed()
     drag_slider(page, slider, 3)
     assert slider.input_value() == "3"
-    assert wait_cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:", \
-        "the drag must happen while another cell executes"
+    assert busy(), "the drag must happen while another cell executes"
 
     # the request reaches the run at once (no waiting for the busy cell), then takes effect
-    requested = wait_for(
-        lambda: registry.request(control, {"op": "status"})["requested_size"] == 3, 10,
-        "the kernel to receive the slider's request")
-    assert requested
+    wait_for(lambda: registry.request(control, {"op": "status"})["requested_size"] == 3, 10,
+             "the run to receive the slider's request")
+    assert busy()
+    wait_for(lambda: dashboard.get_attribute("data-request-path") == lab.request_path, 10,
+             f"the request to go over the {lab.request_path} path")
     events = wait_for(lambda: [e for e in registry.request(control, {"op": "events"})["events"]
                                if e["kind"] == "resized" and e["to"] == 3
                                and e["step"] > step_at_drag], 60, "the resize to 3")
@@ -102,7 +88,7 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
              "points up to the resize in the chart")
     assert int(chart.get_attribute("data-markers-resized")) >= 1
     dashboard.scroll_into_view_if_needed()
-    screenshot(page, "dashboard-light.png")
+    screenshot(page, f"dashboard-{lab.request_path}-light.png")
 
     # dark theme: the dashboard follows JupyterLab's theme variables
     light_bg = dashboard.evaluate("e => getComputedStyle(e).backgroundColor")
@@ -112,7 +98,7 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
              20, "the dark theme")
     page.wait_for_selector("#jupyterlab-splash", state="detached", timeout=20_000)
     dashboard.scroll_into_view_if_needed()
-    screenshot(page, "dashboard-dark.png")
+    screenshot(page, f"dashboard-{lab.request_path}-dark.png")
 
     # stop from the dashboard; the slider is disabled with the reason shown
     dashboard.locator("button", has_text="Stop").click()
@@ -126,4 +112,3 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     page.locator(".jp-Dialog button", has_text="Restart").click()
     wait_for(lambda: "Disconnected" in dashboard.locator(".ej-reason").inner_text(), 30,
              "the disconnected notice")
-    screenshot(page, "dashboard-disconnected.png")

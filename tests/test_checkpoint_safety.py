@@ -389,7 +389,7 @@ def test_load_latest_refuses_a_checkpoint_that_would_run_code(tmp_path, with_rec
 def test_resume_refuses_a_checkpoint_that_would_run_code(idle_pool, tmp_path):
     marker = tmp_path / "pwned"
     name = unique("evil")
-    path = _plant_code_checkpoint(str(tmp_path / "checkpoints" / name), 10, marker)
+    path = _plant_code_checkpoint(str(tmp_path / "elastic-checkpoints" / name), 10, marker)
     run = TrainingRun(idle_pool, _digits_config(name), source=DIGITS_CELL, resume=True,
                       workspace=str(tmp_path))
     with pytest.raises(RunSetupError) as info:

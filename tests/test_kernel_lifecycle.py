@@ -240,7 +240,7 @@ def reference(pool, tmp_path_factory):
 def _life(workspace, resume: bool, step: int, ckpt_step: int, crash: bool) -> dict:
     """One kernel: train (or resume) until `step` with a checkpoint at `ckpt_step` or later,
     then shut the kernel down or kill it; returns what happened."""
-    folder = str(workspace / "checkpoints" / "lifecycle")
+    folder = str(workspace / "elastic-checkpoints" / "lifecycle")
     latest_before = ckpt.latest_checkpoint(folder)
     kernel = Kernel(workspace)
     try:

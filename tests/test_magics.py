@@ -175,8 +175,8 @@ def test_train_binds_the_handle_to_the_first_word(ip, magics, cell, tmp_path):
     assert run.name == name and "handle: my_run." in out
     assert ip.user_ns.get("run") is before  # `run` untouched
     assert run.wait(timeout=120) == "finished"
-    # checkpoints beside the notebook: ./checkpoints/NAME/
-    assert run.checkpoint_dir == str(tmp_path / "checkpoints" / name)
+    # checkpoints beside the notebook: ./elastic-checkpoints/NAME/
+    assert run.checkpoint_dir == str(tmp_path / "elastic-checkpoints" / name)
     assert [c["step"] for c in run.checkpoints] == [10]
 
 

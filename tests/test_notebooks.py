@@ -21,4 +21,4 @@ def test_quickstart_trains_resizes_and_reaches_90_percent(tmp_path):
     text = _outputs(nb)
     assert "held-out accuracy" in text
     assert "resize 2 -> 3" in text and "resize 3 -> 1" in text
-    assert (tmp_path / "checkpoints" / "digits" / "latest.json").exists()
+    assert (tmp_path / "elastic-checkpoints" / "digits" / "latest.json").exists()

@@ -127,7 +127,7 @@ def test_list_and_get_describe_the_run(server, busy_run):
     assert run["slots"] == ["cpu", "cpu"] and run["kernel_id"] == kernel.id
     status, one = call(server, "GET", f"elastic/api/runs/{run_id}")
     assert status == 200 and one["name"] == "api" and one["step"] >= run["step"]
-    assert all(c["browser_path"].startswith("checkpoints/api/") for c in one["checkpoints"])
+    assert all(c["browser_path"].startswith("elastic-checkpoints/api/") for c in one["checkpoints"])
 
 
 def test_resize_while_the_kernel_runs_another_cell(server, busy_run):

@@ -34,7 +34,13 @@ const plugin: JupyterFrontEndPlugin<void> = {
   ) => {
     const api = new ElasticApi();
     const panel = new ElasticPanel(api, {
-      openPath: path => void app.commands.execute('filebrowser:go-to-path', { path }),
+      openPath: async path => {
+        // the folder first: an old checkpoint may have been pruned (--keep) meanwhile
+        const folder = path.split('/').slice(0, -1).join('/');
+        await app.commands.execute('filebrowser:activate', { path: folder });
+        await app.commands.execute('filebrowser:go-to-path', { path: folder });
+        await app.commands.execute('filebrowser:go-to-path', { path }).catch(() => undefined);
+      },
       confirm: async (title, body) =>
         (await showDialog({ title, body, buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Stop' })] })).button.accept
     });

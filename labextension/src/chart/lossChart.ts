@@ -22,6 +22,7 @@ export interface ChartOptions {
   smoothing: number; // moving-average weight in [0, 1); 0 = raw loss only
   log: boolean;
   metric: string | null; // extra series drawn on its own axis
+  compact?: boolean; // narrow places (the side panel): no legend, no axis titles, small axes
 }
 
 const MARKER_STYLE: Record<string, { colour: string; dash: number[] }> = {
@@ -109,7 +110,7 @@ export class LossChart {
   }
 
   private height(): number {
-    return Math.max(180, Math.min(320, Math.round(this.el.clientWidth * 0.4)));
+    return this.options.compact ? 170 : Math.max(180, Math.min(320, Math.round(this.el.clientWidth * 0.4)));
   }
 
   private build(): { series: uPlot.Series[]; data: uPlot.AlignedData; key: string } {
@@ -146,13 +147,15 @@ export class LossChart {
     const text = style.getPropertyValue('--jp-ui-font-color1').trim() || '#333';
     const grid = style.getPropertyValue('--jp-border-color2').trim() || '#ddd';
     const font = `11px ${style.getPropertyValue('--jp-ui-font-family').trim() || 'sans-serif'}`;
+    const compact = Boolean(this.options.compact);
     const axis = (scale: string, label: string, side = 3, showGrid = true): uPlot.Axis => ({
-      scale, label, side, stroke: text, font, labelFont: font,
-      grid: { show: showGrid, stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1 }
+      scale, side, stroke: text, font, labelFont: font,
+      ...(compact ? { size: side === 2 ? 24 : 34, gap: 2 } : { label }),
+      grid: { show: showGrid, stroke: grid, width: 1 }, ticks: { stroke: grid, width: 1, size: compact ? 4 : 10 }
     });
     const hasMetric = series.some(s => s.scale === 'metric');
     return {
-      width: Math.max(this.el.clientWidth, 300),
+      width: Math.max(this.el.clientWidth, this.options.compact ? 150 : 300),
       height: this.height(),
       series,
       scales: {
@@ -167,7 +170,7 @@ export class LossChart {
         ...(hasMetric ? [axis('metric', this.options.metric ?? '', 1, false)] : [])
       ],
       cursor: { drag: { x: true, y: false } },
-      legend: { show: true, live: true },
+      legend: { show: !compact, live: true },
       hooks: {
         draw: [u => this.drawOverlays(u)],
         setScale: [(u, key) => key === 'x' && this.reportZoom(u)]

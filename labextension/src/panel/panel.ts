@@ -12,7 +12,7 @@ import {
 } from './model';
 
 export interface PanelActions {
-  openPath(path: string): void; // show a file in the file browser
+  openPath(path: string): Promise<void>; // show a file in the file browser
   confirm(title: string, body: string): Promise<boolean>;
 }
 
@@ -209,8 +209,9 @@ export class ElasticPanel extends Widget {
         el('span', '', [sizes, `step ${run.step}${run.total_steps ? '/' + run.total_steps : ''}`, loss].filter(Boolean).join(' · ')),
         spark
       ]),
-      el('div', 'ejp-dim', [run.notebook ?? '', isActive(run) ? describeSlots(run.slots) : ''].filter(Boolean).join(' · '))
+      el('div', 'ejp-dim ejp-where', [basename(run.notebook), isActive(run) ? describeSlots(run.slots) : ''].filter(Boolean).join(' · '))
     );
+    row.title = run.notebook ?? '';
     row.addEventListener('click', () => this.select(run.id));
     return row;
   }
@@ -259,7 +260,7 @@ export class ElasticPanel extends Widget {
         link.title = c.path;
         link.addEventListener('click', e => {
           e.preventDefault();
-          this.actions.openPath(c.browser_path!);
+          this.actions.openPath(c.browser_path!).catch(error => this.showMessage(`Cannot show ${c.path}: ${error}`));
         });
         item.append(link);
       } else {
@@ -268,11 +269,15 @@ export class ElasticPanel extends Widget {
       return item;
     }));
     if (this.cursor && run.state !== 'lost') {
-      this.chart ??= new LossChart(d.chart, { smoothing: 0.6, log: false, metric: null });
+      this.chart ??= new LossChart(d.chart, { smoothing: 0.6, log: false, metric: null, compact: true });
       this.chart.setHistory(this.cursor.history);
       this.chart.setMarkers(this.cursor.events);
     }
   }
+}
+
+function basename(path: string | null): string {
+  return path ? path.split('/').pop() ?? path : '';
 }
 
 function el(tag: string, cls: string, text = '', children: Node[] = []): HTMLElement {

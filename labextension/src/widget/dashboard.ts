@@ -10,6 +10,7 @@ import type { AnyModel, RenderProps } from '@anywidget/types';
 
 import { History } from '../chart/history';
 import { LossChart, Marker } from '../chart/lossChart';
+import { requestRun } from './serverPath';
 import './dashboard.css';
 
 interface Status {
@@ -29,6 +30,7 @@ interface Status {
 
 interface Model {
   name: string;
+  run_id: string | null;
   min_size: number;
   max_size: number;
   status: Status;
@@ -39,6 +41,7 @@ interface Model {
 
 const DISCONNECTED_AFTER_MS = 4000; // the kernel sends a beat every second
 const ACTIVE = ['starting', 'training', 'resizing'];
+const COALESCE_MS = 150;
 
 function render({ model, el }: RenderProps<Model>): () => void {
   const view = new DashboardView(model, el);
@@ -53,6 +56,7 @@ class DashboardView {
   private lastBeat = Date.now();
   private beatTimer: number;
   private frame = 0;
+  private resizeTimer = 0;
 
   constructor(private model: AnyModel<Model>, el: HTMLElement) {
     this.ui = buildDom(el);
@@ -126,12 +130,13 @@ class DashboardView {
     slider.addEventListener('input', () => this.showSize(Number(slider.value)));
     slider.addEventListener('change', () => {
       this.requested = Number(slider.value);
-      this.model.send({ type: 'resize', world_size: this.requested });
       this.showStatus();
+      window.clearTimeout(this.resizeTimer); // quick moves (keyboard): only the last is sent
+      this.resizeTimer = window.setTimeout(() => void this.request('resize', this.requested!), COALESCE_MS);
     });
     stop.addEventListener('click', () => {
       if (window.confirm(`Stop run '${this.model.get('name')}'? A checkpoint is written first.`)) {
-        this.model.send({ type: 'stop' });
+        void this.request('stop');
       }
     });
     logsButton.addEventListener('click', () => {
@@ -144,6 +149,20 @@ class DashboardView {
     smoothing.addEventListener('input', () => this.chart.setOptions({ smoothing: Number(smoothing.value) }));
     log.addEventListener('change', () => this.chart.setOptions({ log: log.checked }));
     metric.addEventListener('change', () => this.chart.setOptions({ metric: metric.value || null }));
+  }
+
+  /** Over the server extension when it answers, else over the comm (see serverPath.ts). */
+  private async request(kind: 'resize' | 'stop', size?: number): Promise<void> {
+    const outcome = await requestRun(this.model.get('run_id'), kind === 'resize' ? 'PATCH' : 'DELETE',
+      kind === 'resize' ? { world_size: size } : undefined);
+    this.ui.root.dataset.requestPath = outcome.ok || !outcome.fallback ? 'server' : 'comm';
+    if (!outcome.ok && outcome.fallback) {
+      this.model.send(kind === 'resize' ? { type: 'resize', world_size: size } : { type: 'stop' });
+    } else if (!outcome.ok) {
+      this.requested = null;
+      this.ui.notice.textContent = `${kind} refused: ${outcome.message}`;
+      this.showStatus();
+    }
   }
 
   private refreshMetrics(): void {
