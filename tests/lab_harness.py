@@ -16,7 +16,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+
+from jupyter_client import BlockingKernelClient
+from jupyter_core.paths import jupyter_runtime_dir
 
 CHROMIUM = os.environ.get("ELASTIC_CHROMIUM", shutil.which("chromium") or "/usr/bin/chromium")
 ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts")
@@ -119,6 +123,60 @@ class JupyterLab:
 
     def page_url(self, path: str) -> str:
         return f"{self.url}{path}?token={self.token}"
+
+
+def call(server, method: str, path: str, body=None, token=True, raw: bytes | None = None):
+    """(status, JSON body) of a request to the server; no redirects followed."""
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    request = urllib.request.Request(f"{server.url}{path}", data=data, method=method)
+    if token:
+        request.add_header("Authorization", f"token {server.token}")
+    try:
+        with _NO_REDIRECTS.open(request, timeout=30) as response:
+            return response.status, json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        try:
+            return e.code, json.loads(text)
+        except ValueError:
+            return e.code, {"text": text.decode(errors="replace")}
+
+
+class _KeepRedirects(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args, **kwargs):
+        return None  # a redirect (to the login page) is an answer, not something to follow
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_KeepRedirects)
+
+
+class ServerKernel:
+    """A kernel started by the server (POST api/kernels), driven over its own channels."""
+
+    def __init__(self, server):
+        status, model = call(server, "POST", "api/kernels", {"name": "python3"})
+        assert status == 201, model
+        self.id, self.server = model["id"], server
+        self.client = BlockingKernelClient(
+            connection_file=os.path.join(jupyter_runtime_dir(), f"kernel-{self.id}.json"))
+        self.client.load_connection_file()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=60)
+
+    def run(self, code: str, timeout: float = 180) -> str:
+        out = []
+        reply = self.client.execute_interactive(
+            code, timeout=timeout, output_hook=lambda m: out.append(m["content"].get("text", "")
+                                                                    or str(m["content"].get("evalue", ""))))
+        assert reply["content"]["status"] == "ok", "".join(out) + str(reply["content"])
+        return "".join(out)
+
+    def execution_state(self) -> str:
+        return call(self.server, "GET", f"api/kernels/{self.id}")[1]["execution_state"]
+
+    def pid(self) -> int:
+        return int(self.run("import os; print(os.getpid())").strip())
+
 
 
 @contextlib.contextmanager
