@@ -2,8 +2,10 @@
 
 Traffic (kernel -> front end): a feeder thread wakes at most ``UPDATES_PER_S`` times a second
 and sends only what is new: per-step records as binary ``append`` messages (one float64 buffer
-per column, never the whole history), ``status`` and ``events`` traits when they changed, and a
-``beat`` each second so a front end can tell a dead kernel from an idle one. The ``history``
+per column, never the whole history; ``after`` names the step a view must already hold, else it
+asks for the gap with ``hello``), ``status`` and ``events`` traits when they changed, and a
+``beat`` each second so a front end can tell a dead kernel from an idle one (``ended`` when the
+run is over and the feeder stops). The ``history``
 trait holds a decimated copy of the whole run (at most ``SNAPSHOT_POINTS`` rows), refreshed at
 most once a second, from which a new view or a reloaded page starts; ``range`` requests return
 full-resolution rows for a zoomed span.
@@ -63,8 +65,8 @@ class Dashboard(anywidget.AnyWidget):
         super().__init__(name=run.name, run_id=reg.run_id if reg else None,
                          min_size=run.pool.min_size, max_size=run.pool.max_size)
         self.run = run
-        self._names: list[str] = list(series.BASE_COLUMNS)
-        self._sent_upto = 0  # newest step sent as an append
+        self._store = series.ColumnStore()  # everything sent so far, for snapshots
+        self._sent_upto = 0  # newest step in the store (sent as an append or in a snapshot)
         self._snapshot_time = 0.0
         self._wanted: int | None = None
         self._lock = threading.Lock()  # guards the coalesced resize request
@@ -74,10 +76,16 @@ class Dashboard(anywidget.AnyWidget):
         if self.comm is not None and hasattr(self.comm, "_reply_subshell_for"):
             # ipykernel 7.4 routes a comm's incoming messages to the shell that last sent on
             # it (the main shell, for our feeder thread), so slider moves would wait behind a
-            # running cell; keep the subshell the front end chose instead.
+            # running cell; keep the subshell the front end chose instead. (Private API: the
+            # browser tests drag the slider with the kernel busy and idle.)
             self.comm._reply_subshell_for = lambda data, default: default
+            self.comm.on_close(lambda _msg: self._closed.set())
         self.on_msg(self._on_message)
-        self.tick(force=True)
+        with self._send_lock:  # what exists now goes in the first snapshot, not in appends
+            self._take(run.records_since(0))
+            self._sync_events()
+            self.status = self._status()
+            self._snapshot()
         if feed is None:  # feed live front ends only: a terminal shows the text summary
             feed = getattr(_shell(), "kernel", None) is not None
         if feed:
@@ -88,15 +96,23 @@ class Dashboard(anywidget.AnyWidget):
 
     def close(self) -> None:
         self._closed.set()
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
         super().close()
 
     # ------------------------------------------------------------------ kernel -> front end
 
     def _feed(self) -> None:
+        """Until the comm closes or the run has ended (one last update is then sent)."""
         last_beat = 0.0
         while not self._closed.wait(1 / UPDATES_PER_S):
             try:
-                self.tick()
+                ended = not self.run.active and self.run.state != "created"
+                self.tick(force=ended)
+                if ended:
+                    self.send({"type": "ended"})  # the view stops expecting beats
+                    return
                 if time.monotonic() - last_beat >= 1:
                     self.send({"type": "beat"})
                     last_beat = time.monotonic()
@@ -104,58 +120,61 @@ class Dashboard(anywidget.AnyWidget):
                 self.notice = f"dashboard update failed: {e!r}"
 
     def tick(self, force: bool = False) -> None:
-        """Send what changed since the last tick (the feeder thread calls this)."""
+        """Send what changed since the last tick (the feeder thread calls this); `force`
+        refreshes the snapshot even within its period."""
         with self._send_lock:
             self._tick(force)
 
     def _tick(self, force: bool) -> None:
         run = self.run
-        new_events = self._sync_events()
-        for event in new_events:
+        for event in self._sync_events():
             if event["kind"] == "fault" and event.get("rolled_back_to") is not None:
                 self._truncate(event["rolled_back_to"])
         if run.step < self._sent_upto:
             self._truncate(run.step)
-        rows = run.records_since(self._sent_upto)
+        after = self._sent_upto
+        rows = self._take(run.records_since(after))
         if rows:
-            self._send_rows("append", rows)
-            self._sent_upto = rows[-1]["step"]
+            self._send_rows("append", rows, after=after)
         status = self._status()
         if status != self.status:
             self.status = status
         if force or (rows and time.monotonic() - self._snapshot_time >= SNAPSHOT_PERIOD_S):
             self._snapshot()
 
+    def _take(self, rows: list[dict]) -> list[dict]:
+        if rows:
+            self._store.add(rows)
+            self._sent_upto = rows[-1]["step"]
+        return rows
+
     def _sync_events(self) -> list[dict]:
+        """Refresh the markers trait; returns the events that are new to it."""
         known = len(self.events)
-        markers = [_marker(e) for e in self.run.events if e["kind"] in MARKER_KINDS]
+        markers = [_marker(e) for e in list(self.run.events) if e["kind"] in MARKER_KINDS]
         if len(markers) != known:
             self.events = markers
         return markers[known:]
 
     def _truncate(self, step: int) -> None:
         self.send({"type": "truncate", "after": step})
+        self._store.truncate(step)
         self._sent_upto = min(self._sent_upto, step)
 
     def _send_rows(self, kind: str, rows: list[dict], **fields) -> None:
-        """One binary message: a float64 buffer per column, in ``columns`` order."""
-        for name in series.column_names(rows):
-            if name not in self._names:
-                self._names.append(name)
-        cols = series.columns(rows, self._names)
-        self.send({"type": kind, "columns": self._names, "rows": len(rows), **fields},
-                  buffers=[memoryview(np.ascontiguousarray(cols[n])) for n in self._names])
+        """One binary message: a float64 buffer per column, in ``columns`` order. An append's
+        ``after`` is the step the view must hold already, else it asks with "hello"."""
+        names = list(self._store.names)
+        cols = series.columns(rows, names)
+        self.send({"type": kind, "columns": names, "rows": len(rows), **fields},
+                  buffers=[memoryview(np.ascontiguousarray(cols[n])) for n in names])
 
     def _snapshot(self) -> None:
-        history = self.run.history
-        for name in series.column_names(history):
-            if name not in self._names:
-                self._names.append(name)
-        cols = series.columns(history, self._names)
+        cols = self._store.arrays()
         keep = series.decimate(cols, SNAPSHOT_POINTS)
-        self.history = {"columns": self._names, "decimated": len(keep) < len(history),
-                        "data": [[None if np.isnan(v) else float(v) for v in cols[n][keep]]
-                                 for n in self._names]}
+        names = list(self._store.names)
+        self.history = {"columns": names, "data": [[series.finite(float(v)) for v in cols[n][keep]]
+                                                   for n in names]}
         self._snapshot_time = time.monotonic()
 
     def _status(self) -> dict:
@@ -164,7 +183,8 @@ class Dashboard(anywidget.AnyWidget):
         last = recent[-1] if recent else {}
         eta = None
         if len(recent) >= 2 and run.total_steps and run.state in ("training", "resizing"):
-            per_step = (recent[-1]["time"] - recent[0]["time"]) / (len(recent) - 1)
+            per_step = ((recent[-1]["time"] - recent[0]["time"]) /
+                        (recent[-1]["step"] - recent[0]["step"]))
             eta = per_step * (run.total_steps - run.step)
         checkpoint = next((e for e in reversed(run.events) if e["kind"] == "checkpoint"), None)
         resized = next((e for e in reversed(run.events) if e["kind"] == "resized"), None)
@@ -196,11 +216,10 @@ class Dashboard(anywidget.AnyWidget):
             self.request_resize(content.get("world_size"))
         elif kind == "stop":
             self.run.stop()
-        elif kind == "hello":
-            rows = self.run.records_since(int(content.get("after", 0)))
-            rows = [r for r in rows if r["step"] <= self._sent_upto]
-            if rows:
-                self._send_rows("append", rows)
+        elif kind == "hello":  # a view holding steps up to `after` asks for the rest
+            after = int(content.get("after", 0))
+            rows = [r for r in self.run.records_since(after) if r["step"] <= self._sent_upto]
+            self._send_rows("append", rows, after=after, reply=True)
         elif kind == "range":
             self._send_range(int(content["from"]), int(content["to"]))
         elif kind == "logs":
@@ -220,16 +239,17 @@ class Dashboard(anywidget.AnyWidget):
     def _flush_resize(self) -> None:
         with self._lock:
             n, self._wanted, self._timer = self._wanted, None, None
-        try:
-            self.run.resize(n)
-            self.notice = ""
-        except UsageError as e:
-            self.notice = f"resize to {n} refused: {e}"
+        with self._send_lock:
+            try:
+                self.run.resize(n)
+                self.notice = ""
+            except UsageError as e:
+                self.notice = f"resize to {n} refused: {e}"
 
     def _send_range(self, first: int, last: int) -> None:
         rows = [r for r in self.run.records_since(max(0, first - 1)) if r["step"] <= last]
         if len(rows) > RANGE_POINTS:
-            cols = series.columns(rows, self._names)
+            cols = series.columns(rows, self._store.names)
             rows = [rows[i] for i in series.decimate(cols, RANGE_POINTS)]
         self._send_rows("range", rows, **{"from": first, "to": last})
 

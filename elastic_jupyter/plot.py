@@ -8,7 +8,6 @@ import numpy as np
 
 from . import series
 
-MAX_EPOCH_LINES = 50  # beyond this they would grey the plot out
 MARKER_STYLE = {  # kind: (colour, line style, legend label)
     "resized": ("tab:green", "--", "resize"),
     "fault": ("tab:red", "-", "fault"),
@@ -110,5 +109,5 @@ def _draw_markers(ax, cols: dict, events: list[dict]) -> None:
                    label=None if label in labelled else label)
         labelled.add(label)
     starts = np.flatnonzero(np.diff(cols["epoch"]) != 0) + 1
-    for i in starts if len(starts) <= MAX_EPOCH_LINES else ():  # epoch boundaries: faint
+    for i in starts if len(starts) <= series.MAX_EPOCH_LINES else ():  # epoch boundaries: faint
         ax.axvline(cols["step"][i], color="0.85", linewidth=0.5, zorder=0)

@@ -28,6 +28,7 @@ import uuid
 
 import psutil
 
+from . import series
 from .config import UsageError
 
 
@@ -62,10 +63,10 @@ def run_model(run) -> dict:
             "total_steps": run.total_steps, "world_size": run.world_size,
             "requested_size": run.requested_size, "min_size": run.pool.min_size,
             "max_size": run.pool.max_size, "backend": run.pool.backend,
-            "loss": last.get("loss"), "error": run.error,
+            "loss": series.finite(last.get("loss")), "error": run.error,
             "checkpoint_dir": run.checkpoint_dir, "checkpoints": run.checkpoints,
             "slots": [m.device for m in run.members], "events": len(run.events),
-            "recent_loss": [r["loss"] for r in recent]}
+            "recent_loss": [series.finite(r["loss"]) for r in recent]}
 
 
 class Registration:
@@ -156,6 +157,8 @@ async def _handle(run, reader, writer) -> None:
                 reply = _answer(run, json.loads(line))
             except (ValueError, TypeError) as e:
                 reply = {"error": f"bad request: {e}", "code": 400}
+            except Exception as e:  # the channel must answer, whatever went wrong
+                reply = {"error": f"{type(e).__name__}: {e}", "code": 500}
             writer.write(json.dumps(reply).encode() + b"\n")
             await writer.drain()
     finally:
@@ -203,11 +206,13 @@ def list_runs(forget_gone: bool = False) -> list[dict]:
         try:
             with open(os.path.join(registry_dir(), name)) as f:
                 entry = json.load(f)
-        except (OSError, ValueError):
-            continue
-        entry["live"] = _alive(entry["pid"], entry["pid_start_time"])
-        if forget_gone and not entry["live"] and not os.path.isdir(entry["checkpoint_dir"]):
+            entry["live"] = _alive(entry["pid"], entry["pid_start_time"])
+            folder = entry["checkpoint_dir"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable or not one of ours
+        if forget_gone and not entry["live"] and not os.path.isdir(folder):
             _unlink(os.path.join(registry_dir(), name))
+            _unlink(entry.get("control") or "")
             continue
         out.append(entry)
     return out

@@ -133,12 +133,13 @@ class TrainingRun:
     def history(self) -> list[dict]:
         """Per-step records: step, epoch, loss, lr, world_size, samples_per_s, time (s since
         the epoch), extra metrics from loss_fn, and val_* metrics at evaluation steps."""
-        return [self._records[s] for s in sorted(self._records)]
+        return [r for _, r in sorted(self._records.items())]
 
     def records_since(self, step: int) -> list[dict]:
         """History records after `step`, oldest first (cost: the new records only)."""
-        records = self._records
-        return [records[s] for s in range(step + 1, self.step + 1) if s in records]
+        records = self._records  # the owner thread may delete entries meanwhile (a rollback)
+        found = (records.get(s) for s in range(step + 1, self.step + 1))
+        return [r for r in found if r is not None]
 
     @property
     def checkpoints(self) -> list[dict]:

@@ -5,11 +5,14 @@ between evaluations) is NaN.
 """
 from __future__ import annotations
 
+import array
+import bisect
 import math
 
 import numpy as np
 
 BASE_COLUMNS = ("step", "epoch", "loss", "world_size", "samples_per_s", "time")
+MAX_EPOCH_LINES = 50  # more epoch boundaries than this are not drawn (they would grey a plot)
 
 
 def column_names(records: list[dict]) -> list[str]:
@@ -30,6 +33,40 @@ def columns(records: list[dict], names: list[str]) -> dict[str, np.ndarray]:
 
 def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) else math.nan
+
+
+def finite(value):
+    """`value`, or None where JSON could not carry it (NaN, infinity: a diverged loss)."""
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class ColumnStore:
+    """A growing history held as float64 columns (``array('d')``: 8 bytes a value), appended
+    row batch by row batch and truncated by step after a rollback; steps ascend."""
+
+    def __init__(self):
+        self.names = list(BASE_COLUMNS)
+        self.data = {name: array.array("d") for name in self.names}
+
+    def __len__(self) -> int:
+        return len(self.data["step"])
+
+    def add(self, rows: list[dict]) -> None:
+        for name in column_names(rows):
+            if name not in self.data:
+                self.names.append(name)
+                self.data[name] = array.array("d", [math.nan]) * len(self)
+        for name in self.names:
+            self.data[name].extend(_number(r.get(name)) for r in rows)
+
+    def truncate(self, step: int) -> None:
+        """Drop the rows after `step`."""
+        keep = bisect.bisect_right(self.data["step"], step)
+        for col in self.data.values():
+            del col[keep:]
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {name: np.frombuffer(self.data[name], dtype=np.float64) for name in self.names}
 
 
 def ema(values: np.ndarray, weight: float) -> np.ndarray:
@@ -56,9 +93,9 @@ def decimate(cols: dict[str, np.ndarray], max_points: int) -> np.ndarray:
     """Indices of the rows to keep so that at most about `max_points` rows remain.
 
     Per bucket of consecutive rows it keeps the rows with the lowest and highest loss (spikes
-    stay visible, as in min/max decimation), the first row of every epoch (its boundary stays
-    exact) and every row carrying a metric that is otherwise NaN (evaluations are rare and all
-    kept); the last row is always kept.
+    stay visible, as in min/max decimation), the first row of every epoch while there are at
+    most MAX_EPOCH_LINES epochs (their boundaries stay exact) and every evaluation row while
+    evaluations are sparse (at most a quarter of `max_points`); the last row is always kept.
     """
     n = len(cols["step"])
     if n <= max_points:
@@ -70,9 +107,11 @@ def decimate(cols: dict[str, np.ndarray], max_points: int) -> np.ndarray:
         chunk = loss[start:start + size]
         keep.add(start + int(np.argmin(chunk)))
         keep.add(start + int(np.argmax(np.where(np.isinf(chunk), -np.inf, chunk))))
-    epoch = cols["epoch"]
-    keep.update(np.flatnonzero(np.diff(epoch) != 0) + 1)
+    starts = np.flatnonzero(np.diff(cols["epoch"]) != 0) + 1
+    if len(starts) <= MAX_EPOCH_LINES:
+        keep.update(starts)
     for name, values in cols.items():
-        if name.startswith("val_"):
-            keep.update(np.flatnonzero(~np.isnan(values)))
+        evaluated = np.flatnonzero(~np.isnan(values)) if name.startswith("val_") else ()
+        if len(evaluated) <= max_points // 4:
+            keep.update(evaluated)
     return np.array(sorted(keep))

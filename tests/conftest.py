@@ -1,5 +1,12 @@
 """Shared fixtures: one real ipyparallel pool for the whole session (starting one costs seconds)."""
+import os
+import tempfile
+
 import pytest
+
+# The tests' runs, kernels and servers register in a runtime dir of their own, not in the
+# user's (where the side panel would list them as lost runs forever).
+os.environ["JUPYTER_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="elastic-jupyter-tests-")
 
 from elastic_jupyter import EnginePool
 

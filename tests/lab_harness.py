@@ -65,10 +65,12 @@ def free_port() -> int:
 
 
 class JupyterLab:
-    """`jupyter lab` serving `root` on 127.0.0.1 with a random token, logging to `log_path`."""
+    """`jupyter lab` (or `jupyter notebook`, Notebook 7, with app="notebook") serving `root` on
+    127.0.0.1 with a random token, logging to `log_path`."""
 
-    def __init__(self, root: str, log_path: str, base_url: str = "/", extra_args=()):
-        self.root, self.log_path, self.base_url = root, log_path, base_url
+    def __init__(self, root: str, log_path: str, base_url: str = "/", extra_args=(),
+                 app: str = "lab"):
+        self.root, self.log_path, self.base_url, self.app = root, log_path, base_url, app
         self.token = secrets.token_hex(16)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}{base_url}"
@@ -85,14 +87,16 @@ class JupyterLab:
             f.write('{"fetchNews": "false", "checkForUpdates": false}')
         env = dict(os.environ)
         self._log = open(self.log_path, "w")
+        front = "LabApp" if self.app == "lab" else "JupyterNotebookApp"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+            [sys.executable, "-m", "jupyter", self.app, "--no-browser", "--ServerApp.ip=127.0.0.1",
              f"--ServerApp.port={self.port}", f"--ServerApp.base_url={self.base_url}",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.root}",
-             "--ServerApp.allow_root=True", "--LabApp.news_url=None",
-             f"--LabApp.user_settings_dir={settings}",
-             f"--LabApp.workspaces_dir={os.path.join(self.root, '.lab-workspaces')}",
-             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+             "--ServerApp.allow_root=True", f"--{front}.news_url=None",
+             f"--{front}.user_settings_dir={settings}",
+             f"--{front}.workspaces_dir={os.path.join(self.root, '.lab-workspaces')}",
+             *(["--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
+               if self.app == "lab" else []),
              *self.extra_args],
             cwd=self.root, env=env, stdout=self._log, stderr=subprocess.STDOUT,
             start_new_session=True)
@@ -125,10 +129,12 @@ class JupyterLab:
         return f"{self.url}{path}?token={self.token}"
 
 
-def call(server, method: str, path: str, body=None, token=True, raw: bytes | None = None):
+def call(server, method: str, path: str, body=None, token=True, raw: bytes | None = None,
+         headers: dict | None = None):
     """(status, JSON body) of a request to the server; no redirects followed."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-    request = urllib.request.Request(f"{server.url}{path}", data=data, method=method)
+    request = urllib.request.Request(f"{server.url}{path}", data=data, method=method,
+                                     headers=headers or {})
     if token:
         request.add_header("Authorization", f"token {server.token}")
     try:
@@ -219,12 +225,18 @@ def menu(page, top: str, item: str) -> None:
     page.locator(".lm-Menu-itemLabel:visible", has_text=re.compile(f"^{re.escape(item)}")).first.click()
 
 
-def open_and_run_all(page, url: str) -> None:
-    """Open a notebook, wait until its kernel is idle, then Run All Cells (a Run All issued
-    before the kernel connected is dropped by JupyterLab)."""
-    page.goto(url)
+def open_and_run_all(page, server: JupyterLab, path: str) -> None:
+    """Open a notebook (`path` under the server's root URL, like "lab/tree/x.ipynb"), wait
+    until its kernel is idle, then Run All Cells from the menu (a Run All issued before the
+    kernel connected is dropped)."""
+    page.goto(server.page_url(path))
     page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
-    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=90_000)
+
+    def kernel_idle():
+        sessions = call(server, "GET", "api/sessions")[1]
+        return sessions and all(s["kernel"]["execution_state"] == "idle" for s in sessions)
+    wait_for(kernel_idle, 90, "the notebook's kernel to be idle")
+    time.sleep(1)  # the page's own kernel connection settles
     menu(page, "Run", "Run All Cells")
     first = page.locator(".jp-CodeCell .jp-InputPrompt").first
     deadline = time.monotonic() + 60

@@ -40,7 +40,7 @@ def page(lab):
 
 def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     page.on("dialog", lambda dialog: dialog.accept())  # the Stop button's confirmation
-    open_and_run_all(page, lab.page_url("lab/tree/01_quickstart.ipynb"))
+    open_and_run_all(page, lab, "lab/tree/01_quickstart.ipynb")
 
     dashboard = page.locator(".ej-dashboard")
     dashboard.wait_for(timeout=120_000)
@@ -89,6 +89,18 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     assert int(chart.get_attribute("data-markers-resized")) >= 1
     dashboard.scroll_into_view_if_needed()
     screenshot(page, f"dashboard-{lab.request_path}-light.png")
+
+    # and while the kernel is idle: interrupt the waiting cell (the run keeps training), let
+    # the remaining cells end, then drag to 2
+    menu(page, "Kernel", "Interrupt Kernel")
+    page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
+    wait_for(lambda: not busy() and registry.request(control, {"op": "status"})["state"] == "training",
+             30, "an idle kernel with the run still training")
+    slider.scroll_into_view_if_needed()
+    drag_slider(page, slider, 2)
+    wait_for(lambda: registry.request(control, {"op": "status"})["world_size"] == 2, 30,
+             "the resize to 2 from an idle kernel")
+    wait_for(lambda: dashboard.get_attribute("data-world-size") == "2", 10, "world size 2 shown")
 
     # dark theme: the dashboard follows JupyterLab's theme variables
     light_bg = dashboard.evaluate("e => getComputedStyle(e).backgroundColor")

@@ -33,7 +33,7 @@ def page(lab):
 
 
 def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab, page):
-    open_and_run_all(page, lab.page_url("lab/tree/01_quickstart.ipynb"))
+    open_and_run_all(page, lab, "lab/tree/01_quickstart.ipynb")
     control = wait_for(lambda: live_run("digits"), 120, "the run in the registry")["control"]
 
     page.locator(".jp-SideBar .lm-TabBar-tab[title='Elastic training']").click()

@@ -47,21 +47,36 @@ def start(pool, tmp_path, name, steps, **kw):
 def test_appends_carry_each_step_once_as_binary_columns(idle_pool, tmp_path):
     run = start(idle_pool, tmp_path, "dash-append", 400)
     widget = Dashboard(run, feed=False)
+    first = widget._sent_upto  # steps up to here came in the first snapshot
     fe = FrontEnd(widget)
     while run.active:
         widget.tick()
         time.sleep(0.05)
     widget.tick()
     rows = fe.rows()
-    assert np.array_equal(rows["step"], np.arange(1, 401))  # every step once, in order
+    assert np.array_equal(rows["step"], np.arange(first + 1, 401))  # every step once, in order
     losses = [r["loss"] for r in run.history]
-    assert np.array_equal(rows["loss"], np.array(losses))
-    assert len(fe.custom("append")) < 400  # batched, not one message per step
-    assert all(isinstance(b, memoryview) and b.nbytes == 8 * c["rows"]
-               for c, bs in fe.custom("append") for b in bs)
+    assert np.array_equal(rows["loss"], np.array(losses[first:]))
+    appends = fe.custom("append")
+    assert len(appends) < 400 - first  # batched, not one message per step
+    assert all(isinstance(b, memoryview) and b.nbytes == 8 * c["rows"] for c, bs in appends for b in bs)
+    # each append names the step a view must hold: the last step of the append before it
+    ends = [first] + [int(np.frombuffer(bs[0], dtype=np.float64)[-1]) for _, bs in appends]
+    assert [c["after"] for c, _ in appends] == ends[:-1]
     status = widget.status
     assert status["state"] == "finished" and status["step"] == 400
     assert status["world_size"] == run.world_size
+
+
+def test_a_late_view_gets_a_snapshot_not_the_whole_history_again(idle_pool, tmp_path):
+    run = start(idle_pool, tmp_path, "dash-late", 300)
+    run.wait(timeout=60)
+    widget = Dashboard(run, feed=False)
+    fe = FrontEnd(widget)
+    widget.tick()
+    assert not fe.custom("append") and not fe.custom("truncate")
+    steps = widget.history["data"][widget.history["columns"].index("step")]
+    assert steps == list(range(1, 301))  # short runs are not decimated
 
 
 def test_snapshot_is_decimated_and_hello_fills_the_gap(idle_pool, tmp_path):
@@ -70,11 +85,13 @@ def test_snapshot_is_decimated_and_hello_fills_the_gap(idle_pool, tmp_path):
     widget = Dashboard(run, feed=False)  # a view opened late: the snapshot covers the run
     snapshot = widget.history
     steps = snapshot["data"][snapshot["columns"].index("step")]
-    assert snapshot["decimated"] and len(steps) <= SNAPSHOT_POINTS * 1.2
+    assert len(steps) <= SNAPSHOT_POINTS * 1.2
     assert steps[-1] == run.step and steps == sorted(steps)
     fe = FrontEnd(widget)
     fe.send(type="hello", after=steps[-1] - 5)  # a view that lags five steps gets them
     assert list(fe.rows()["step"]) == list(range(run.step - 4, run.step + 1))
+    [(reply, _)] = fe.custom("append")
+    assert reply["reply"] and reply["after"] == steps[-1] - 5
     fe.send(type="range", **{"from": 100, "to": 150})  # zoom: full resolution
     assert list(fe.rows("range")["step"]) == list(range(100, 151))
 
@@ -152,12 +169,15 @@ def test_decimation_keeps_extremes_epoch_starts_and_evaluations():
     loss[54_321] = 50.0  # a spike
     val = np.full(n, np.nan)
     val[::5000] = 0.5
-    cols = {"step": steps, "epoch": np.floor(steps / 1000), "loss": loss, "val_loss": val}
+    cols = {"step": steps, "epoch": np.floor(steps / 2500), "loss": loss, "val_loss": val}
     keep = series.decimate(cols, 2000)
-    assert len(keep) <= 2000 + 100 + 20 + 1
+    assert len(keep) <= 2000 + 40 + 20 + 1
     assert 54_321 in keep and n - 1 in keep
     assert set(np.flatnonzero(~np.isnan(val))) <= set(keep)
     assert set(np.flatnonzero(np.diff(cols["epoch"])) + 1) <= set(keep)
+    # short epochs and an evaluation every step: neither may defeat the decimation
+    cols.update(epoch=np.floor(steps / 3), val_loss=loss.copy())
+    assert len(series.decimate(cols, 2000)) <= 2001
 
 
 def test_ema_is_debiased_and_skips_gaps():

@@ -192,6 +192,10 @@ def test_every_registered_handler_requires_authentication(server):
         path = pattern.replace("(?P<run_id>[^/]+)", "some-run").rstrip("$")
         assert path.startswith(BASE), path
         for method in methods:
-            status, _ = call(server, method, path[len(BASE):], {"world_size": 2}
-                             if method == "PATCH" else None, token=False)
+            body = {"world_size": 2} if method == "PATCH" else None
+            status, _ = call(server, method, path[len(BASE):], body, token=False)
             assert status in (403, 302), f"{method} {path} answered {status} without credentials"
+            # a valid XSRF pair is not a login: the handler itself must refuse
+            xsrf = {"Cookie": "_xsrf=2|abc|def|1", "X-XSRFToken": "2|abc|def|1"}
+            status, _ = call(server, method, path[len(BASE):], body, token=False, headers=xsrf)
+            assert status in (403, 302), f"{method} {path} answered {status} with XSRF only"

@@ -122,9 +122,12 @@ def list_checkpoints(folder: str) -> list[dict]:
         return []
     out = []
     for name in sorted(os.listdir(folder)):
-        if name.startswith("step-") and name.endswith(".pt"):
+        if name.startswith("step-") and name.endswith(".pt") and name[5:-3].isdigit():
             path = os.path.join(folder, name)
-            st = os.stat(path)
+            try:
+                st = os.stat(path)
+            except OSError:  # pruned (--keep) while we list
+                continue
             out.append({"file": name, "path": path, "step": int(name[5:-3]),
                         "bytes": st.st_size, "time": st.st_mtime})
     return out

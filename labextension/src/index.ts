@@ -51,7 +51,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     restorer?.add(panel, panel.id);
 
     const chooseRun = async (title: string) => {
-      const runs = panel.knownRuns.filter(isActive);
+      const runs = (await api.runs().catch(() => panel.knownRuns)).filter(isActive);
       if (!runs.length) {
         await showDialog({ title, body: 'No run is training.', buttons: [Dialog.okButton()] });
         return null;

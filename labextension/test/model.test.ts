@@ -106,6 +106,16 @@ test('binary appends decode little-endian float64 with NaN as a gap, from unalig
   assert.deepEqual(h.metricNames, ['val_loss']);
 });
 
+test('an append that assumes rows this view lacks is refused, so the view asks for them', () => {
+  const h = new History();
+  h.load(['step', 'loss'], [[1, 2, 3], [1, 1, 1]]);
+  assert.equal(h.appendColumns(['step', 'loss'], [[9, 10], [1, 1]], 8), -1);
+  assert.equal(h.lastStep, 3);
+  assert.equal(h.appendColumns(['step', 'loss'], [[4, 5], [1, 1]], 3), 2);
+  assert.equal(h.appendColumns(['step', 'loss'], [[3, 4, 5, 6], [1, 1, 1, 1]], 2), 1); // overlap
+  assert.deepEqual(h.column('step'), [1, 2, 3, 4, 5, 6]);
+});
+
 test('zoom detail replaces a decimated span with full-resolution rows', () => {
   const h = new History();
   h.load(['step', 'loss'], [[1, 50, 100], [1, 0.5, 0.1]]);

@@ -42,15 +42,19 @@ export class History {
    * Append rows given as one float64 buffer per column (NaN = missing), as the dashboard's
    * binary messages carry them. Returns the number of rows added.
    */
-  appendBinary(names: string[], buffers: DataView[]): number {
-    return this.appendColumns(names, names.map((_, i) => decode(buffers[i])));
+  appendBinary(names: string[], buffers: DataView[], after?: number): number {
+    return this.appendColumns(names, names.map((_, i) => decode(buffers[i])), after);
   }
 
   /**
    * Append rows given column by column; rows at or before the last held step are skipped
-   * (another view's request, or an overlapping poll, may repeat them).
+   * (another view's request, or an overlapping poll, may repeat them). With `after` (the step
+   * the sender assumed held), a gap appends nothing and returns -1: ask for the missing rows.
    */
-  appendColumns(names: string[], data: Column[]): number {
+  appendColumns(names: string[], data: Column[], after?: number): number {
+    if (after !== undefined && after > this.lastStep) {
+      return -1;
+    }
     const incoming = new Map(names.map((n, i) => [n, data[i]]));
     const steps = incoming.get('step') ?? [];
     const last = this.lastStep;

@@ -56,7 +56,7 @@ export class LossChart {
     this.resizeObserver.observe(el);
     // JupyterLab switches themes by changing attributes on <body>: rebuild with new colours
     this.themeObserver = new MutationObserver(() => this.rebuild());
-    this.themeObserver.observe(document.body, { attributes: true });
+    this.themeObserver.observe(document.body, { attributeFilter: ['data-jp-theme-name', 'data-jp-theme-light'] });
   }
 
   setOptions(options: Partial<ChartOptions>): void {

@@ -114,12 +114,13 @@ export class Backoff {
   }
 
   next(changed: boolean, failed: boolean): number {
+    const max = Math.max(this.max, this.base); // a poll interval set above max is kept
     if (failed) {
-      this.delay = Math.min(this.max, this.delay * 2);
+      this.delay = Math.min(max, this.delay * 2);
     } else if (changed) {
       this.delay = this.base;
     } else {
-      this.delay = Math.min(this.max, Math.round(this.delay * 1.5));
+      this.delay = Math.min(max, Math.round(this.delay * 1.5));
     }
     return this.delay;
   }

@@ -28,6 +28,7 @@ export class ElasticPanel extends Widget {
   private backoff: Backoff;
   private timer = 0;
   private polling = false;
+  private inFlight = false;
   private lastFingerprint = '';
   private resizeTimer = 0;
   private listEl: HTMLElement;
@@ -124,9 +125,10 @@ export class ElasticPanel extends Widget {
   }
 
   private async poll(): Promise<void> {
-    if (!this.polling) {
-      return;
+    if (!this.polling || this.inFlight) {
+      return; // the poll in flight schedules the next one
     }
+    this.inFlight = true;
     let changed = false;
     let failed = false;
     try {
@@ -140,6 +142,7 @@ export class ElasticPanel extends Widget {
       failed = true;
       this.showMessage(`Cannot reach the elastic-jupyter server extension: ${error instanceof Error ? error.message : error}`);
     }
+    this.inFlight = false;
     this.render();
     if (this.polling) {
       this.schedule(this.backoff.next(changed, failed));
@@ -151,9 +154,10 @@ export class ElasticPanel extends Widget {
     if (!run || run.state === 'lost') {
       return false;
     }
-    this.cursor ??= new HistoryCursor();
-    const page = await this.api.history(run.id, this.cursor.since, this.cursor.eventsSince);
-    return this.cursor.apply(page);
+    const cursor = (this.cursor ??= new HistoryCursor());
+    const page = await this.api.history(run.id, cursor.since, cursor.eventsSince);
+    // another run may have been selected meanwhile: its cursor must not get these rows
+    return this.cursor === cursor && this.selected === run.id && cursor.apply(page);
   }
 
   private upsert(model: RunModel): void {

@@ -57,6 +57,8 @@ class DashboardView {
   private beatTimer: number;
   private frame = 0;
   private resizeTimer = 0;
+  private helloPending = false; // asked the kernel for the rows this view lacks
+  private ended = false; // the kernel's feeder stopped: no beats to expect
 
   constructor(private model: AnyModel<Model>, el: HTMLElement) {
     this.ui = buildDom(el);
@@ -71,13 +73,22 @@ class DashboardView {
     this.showStatus();
     this.showNotice();
     this.chart.setMarkers(model.get('events'));
-    model.send({ type: 'hello', after: this.history.lastStep });
+    this.askForRest();
     this.beatTimer = window.setInterval(() => this.checkConnection(), 1000);
   }
 
   dispose(): void {
     window.clearInterval(this.beatTimer);
+    window.clearTimeout(this.resizeTimer);
+    cancelAnimationFrame(this.frame);
     this.chart.destroy();
+  }
+
+  private askForRest(): void {
+    if (!this.helloPending) {
+      this.helloPending = true;
+      this.model.send({ type: 'hello', after: this.history.lastStep });
+    }
   }
 
   private loadSnapshot(): void {
@@ -91,9 +102,21 @@ class DashboardView {
 
   private onMessage(msg: { type: string; [key: string]: any }, buffers: DataView[]): void {
     this.lastBeat = Date.now();
-    this.ui.root.classList.remove('ej-disconnected');
+    if (this.ui.root.classList.contains('ej-disconnected')) {
+      this.ui.root.classList.remove('ej-disconnected');
+      this.showStatus(); // the kernel answers again (it was only busy)
+    }
     if (msg.type === 'append') {
-      this.history.appendBinary(msg.columns, buffers);
+      if (msg.reply) {
+        this.helloPending = false;
+      }
+      if (this.history.appendBinary(msg.columns, buffers, msg.after) < 0) {
+        this.askForRest(); // rows between what this view holds and `after` are missing
+        return;
+      }
+    } else if (msg.type === 'ended') {
+      this.ended = true;
+      return;
     } else if (msg.type === 'truncate') {
       this.history.truncate(msg.after);
     } else if (msg.type === 'range') {
@@ -173,7 +196,11 @@ class DashboardView {
     }
     const chosen = select.value;
     select.replaceChildren(new Option('none', ''), ...names.map(n => new Option(n, n)));
-    select.value = names.includes(chosen) ? chosen : '';
+    // by default the first held-out metric (as run.plot() does): evaluations show at once
+    select.value = names.includes(chosen) ? chosen : (names.find(n => n.startsWith('val_')) ?? '');
+    if (select.value !== chosen) {
+      this.chart.setOptions({ metric: select.value || null });
+    }
   }
 
   private showSize(value: number): void {
@@ -209,11 +236,17 @@ class DashboardView {
   }
 
   private showNotice(): void {
-    this.ui.notice.textContent = this.model.get('notice');
+    const notice = this.model.get('notice');
+    this.ui.notice.textContent = notice;
+    if (notice && this.requested !== null) {
+      this.requested = null; // the request was refused: nothing is pending
+      this.showStatus();
+    }
   }
 
   private checkConnection(): void {
-    if (Date.now() - this.lastBeat > DISCONNECTED_AFTER_MS) {
+    const live = ACTIVE.includes(this.model.get('status').state) && !this.ended;
+    if (live && Date.now() - this.lastBeat > DISCONNECTED_AFTER_MS) {
       this.ui.root.classList.add('ej-disconnected');
       this.ui.slider.disabled = this.ui.stop.disabled = true;
       this.ui.reason.textContent =
