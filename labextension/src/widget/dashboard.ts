@@ -59,6 +59,8 @@ class DashboardView {
   private resizeTimer = 0;
   private helloPending = false; // asked the kernel for the rows this view lacks
   private ended = false; // the kernel's feeder stopped: no beats to expect
+  private restarted = false; // the kernel behind this view is gone for good
+  private unwatchKernel: () => void;
 
   constructor(private model: AnyModel<Model>, el: HTMLElement) {
     this.ui = buildDom(el);
@@ -75,9 +77,11 @@ class DashboardView {
     this.chart.setMarkers(model.get('events'));
     this.askForRest();
     this.beatTimer = window.setInterval(() => this.checkConnection(), 1000);
+    this.unwatchKernel = this.watchKernel();
   }
 
   dispose(): void {
+    this.unwatchKernel();
     window.clearInterval(this.beatTimer);
     window.clearTimeout(this.resizeTimer);
     cancelAnimationFrame(this.frame);
@@ -102,7 +106,7 @@ class DashboardView {
 
   private onMessage(msg: { type: string; [key: string]: any }, buffers: DataView[]): void {
     this.lastBeat = Date.now();
-    if (this.ui.root.classList.contains('ej-disconnected')) {
+    if (this.ui.root.classList.contains('ej-disconnected') && !this.restarted) {
       this.ui.root.classList.remove('ej-disconnected');
       this.showStatus(); // the kernel answers again (it was only busy)
     }
@@ -208,6 +212,9 @@ class DashboardView {
   }
 
   private showStatus(): void {
+    if (this.restarted) {
+      return; // a dead kernel's traits no longer change; keep saying so
+    }
     const s = this.model.get('status');
     const { slider, size, state, stop } = this.ui;
     const active = ACTIVE.includes(s.state);
@@ -247,12 +254,32 @@ class DashboardView {
   private checkConnection(): void {
     const live = ACTIVE.includes(this.model.get('status').state) && !this.ended;
     if (live && Date.now() - this.lastBeat > DISCONNECTED_AFTER_MS) {
-      this.ui.root.classList.add('ej-disconnected');
-      this.ui.slider.disabled = this.ui.stop.disabled = true;
-      this.ui.reason.textContent =
-        'Disconnected from the kernel (restarted or shut down): this view is frozen. ' +
-        'Re-run the cell, or call run.dashboard() in a new kernel after resuming with --resume.';
+      this.showDisconnected('no word from the kernel for a while (busy, restarted or shut down)');
     }
+  }
+
+  /**
+   * JupyterLab and Notebook 7 expose the kernel on the widget manager: a restart is seen at
+   * once, even for a run that has ended (no beats to miss then).
+   */
+  private watchKernel(): () => void {
+    const kernel = (this.model as any).widget_manager?.kernel;
+    const onStatus = (_: unknown, status: string) => {
+      if (['restarting', 'autorestarting', 'dead'].includes(status)) {
+        this.restarted = true;
+        this.showDisconnected('the kernel restarted or shut down');
+      }
+    };
+    kernel?.statusChanged?.connect(onStatus);
+    return () => kernel?.statusChanged?.disconnect(onStatus);
+  }
+
+  private showDisconnected(why: string): void {
+    this.ui.root.classList.add('ej-disconnected');
+    this.ui.slider.disabled = this.ui.stop.disabled = true;
+    this.ui.reason.textContent =
+      `Disconnected: ${why}. This view is frozen. Re-run the cell, or call run.dashboard() ` +
+      '(after %%elastic_train --resume in a new kernel).';
   }
 }
 
