@@ -40,6 +40,8 @@ test: setup $(CHROMIUM)
 benchmark: setup
 	$(PY) benchmarks/resize_and_throughput.py
 	$(PY) benchmarks/fault_recovery.py
+	$(PY) benchmarks/panel_resize.py
+	$(PY) benchmarks/chart_render.py
 
 clean:
 	rm -rf $(VENV) notebooks/elastic-checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts
