@@ -201,6 +201,17 @@ def chromium():
             browser.close()
 
 
+@contextlib.contextmanager
+def browser_page(last_screenshot: str):
+    """A page in headless Chromium; `last_screenshot` keeps how the test left it."""
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            yield page
+        finally:
+            screenshot(page, last_screenshot)
+
+
 def drag_slider(page, slider, value: int) -> None:
     """Drag a range input's thumb to `value` with real mouse events (down, moves, up)."""
     box = slider.bounding_box()

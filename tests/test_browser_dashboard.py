@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 from elastic_jupyter import registry
-from lab_harness import (ARTIFACTS, JupyterLab, chromium, drag_slider, live_run, menu,
+from lab_harness import (ARTIFACTS, JupyterLab, browser_page, drag_slider, live_run, menu,
                          open_and_run_all, quickstart_copy, screenshot, wait_for)
 
 WITHOUT_EXTENSION = "--ServerApp.jpserver_extensions={'elastic_jupyter': False}"
@@ -30,12 +30,8 @@ def lab(request, tmp_path):
 
 @pytest.fixture
 def page(lab):
-    with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            yield page
-        finally:  # the page as the test left it
-            screenshot(page, f"dashboard-{lab.request_path}-last.png")
+    with browser_page(f"dashboard-{lab.request_path}-last.png") as page:
+        yield page
 
 
 def test_slider_drag_resizes_while_a_cell_runs(lab, page):

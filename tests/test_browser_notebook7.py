@@ -3,25 +3,22 @@ the dashboard shows the run training, with points and resize markers in its char
 import os
 import shutil
 
-from lab_harness import (ARTIFACTS, JupyterLab, chromium, open_and_run_all, quickstart_copy,
-                         screenshot, wait_for)
+from lab_harness import (ARTIFACTS, JupyterLab, browser_page, open_and_run_all, quickstart_copy,
+                         wait_for)
 
 
 def test_dashboard_in_notebook_7(tmp_path):
     quickstart_copy(tmp_path)
     with JupyterLab(str(tmp_path), str(tmp_path / "nb7.log"), app="notebook") as server, \
-            chromium() as browser:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            open_and_run_all(page, server, "notebooks/01_quickstart.ipynb")
-            dashboard = page.locator(".ej-dashboard")
-            dashboard.wait_for(timeout=120_000)
-            chart = dashboard.locator(".ej-chart")
-            wait_for(lambda: int(chart.get_attribute("data-markers-resized") or 0) >= 2, 120,
-                     "the scheduled resizes drawn")
-            assert int(chart.get_attribute("data-points")) > 450
-            assert dashboard.locator(".ej-state").inner_text() in ("training", "resizing")
-        finally:
-            screenshot(page, "notebook7.png")
+            browser_page("notebook7.png") as page:
+        open_and_run_all(page, server, "notebooks/01_quickstart.ipynb")
+        dashboard = page.locator(".ej-dashboard")
+        dashboard.wait_for(timeout=120_000)
+        chart = dashboard.locator(".ej-chart")
+        wait_for(lambda: int(chart.get_attribute("data-markers-resized") or 0) >= 2, 120,
+                 "the scheduled resizes drawn")
+        assert int(chart.get_attribute("data-points")) > 450
+        assert dashboard.locator(".ej-state").inner_text() in ("training", "resizing")
+        dashboard.scroll_into_view_if_needed()
     os.makedirs(ARTIFACTS, exist_ok=True)
     shutil.copy(tmp_path / "nb7.log", os.path.join(ARTIFACTS, "notebook7.log"))

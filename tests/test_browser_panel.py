@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from elastic_jupyter import registry
-from lab_harness import (ARTIFACTS, JupyterLab, chromium, drag_slider, live_run,
+from lab_harness import (ARTIFACTS, JupyterLab, browser_page, drag_slider, live_run,
                          open_and_run_all, quickstart_copy, screenshot, wait_for)
 
 
@@ -24,12 +24,8 @@ def lab(tmp_path):
 
 @pytest.fixture
 def page(lab):
-    with chromium() as browser:
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            yield page
-        finally:
-            screenshot(page, "panel-last.png")
+    with browser_page("panel-last.png") as page:
+        yield page
 
 
 def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab, page):
