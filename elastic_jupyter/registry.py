@@ -65,7 +65,7 @@ def run_model(run) -> dict:
             "max_size": run.pool.max_size, "backend": run.pool.backend,
             "loss": series.finite(last.get("loss")), "error": run.error,
             "checkpoint_dir": run.checkpoint_dir, "checkpoints": run.checkpoints,
-            "slots": [m.device for m in run.members], "events": len(run.events),
+            "slots": [m.device for m in run.members],
             "recent_loss": [series.finite(r["loss"]) for r in recent]}
 
 

@@ -33,12 +33,14 @@ from tornado import web
 from . import registry, series
 from .engine.checkpoint import list_checkpoints
 
+ACTIVE_STATES = ("starting", "training", "resizing")
 FINAL_STATES = ("finished", "failed", "stopped")
 ID_PATTERN = r"(?P<run_id>[^/]+)"
 
 
 class _RunsBase(APIHandler):
     auth_resource = "elastic"  # what a custom Authorizer sees (read: GET, write: PATCH/DELETE)
+
     def _entry(self, run_id: str) -> dict:
         for entry in registry.list_runs():
             if entry["id"] == run_id:
@@ -102,8 +104,8 @@ class RunsHandler(_RunsBase):
         models = [m for m in await asyncio.gather(*(self._model(e) for e in entries),
                                                   return_exceptions=True)
                   if not isinstance(m, BaseException)]  # one broken entry hides only itself
-        active = ("starting", "training", "resizing")  # live runs first, then the newest
-        models.sort(key=lambda m: (m["state"] not in active, -(m.get("started") or 0)))
+        # live runs first, then the newest
+        models.sort(key=lambda m: (m["state"] not in ACTIVE_STATES, -(m.get("started") or 0)))
         self.finish({"runs": models})
 
 
@@ -135,7 +137,7 @@ class RunHandler(_RunsBase):
         model = await self._model(entry)
         if model["state"] == "unresponsive":  # 503: the dashboard falls back to its comm
             return self._write_error(503, f"run is unresponsive: {model['error']}")
-        if model["state"] not in ("starting", "training", "resizing"):
+        if model["state"] not in ACTIVE_STATES:
             reason = model.get("error") or f"run {entry['name']!r} is {model['state']}"
             return self._write_error(409, f"run is {model['state']}: {reason}")
         try:
