@@ -42,9 +42,8 @@ MARKER_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed",
 class Dashboard(anywidget.AnyWidget):
     """Live view of a TrainingRun; ``run.dashboard()`` makes one.
 
-    Synced traits: ``name``, ``min_size``/``max_size`` (slider bounds), ``status`` (state, step,
-    total_steps, epoch, world_size, requested_size, samples_per_s, eta_s, last_checkpoint, error,
-    last_resize), ``events`` (markers), ``history`` (decimated columns), ``notice`` (the last
+    Synced traits: ``name``, ``min_size``/``max_size`` (slider bounds), ``status`` (the run's
+    snapshot: snapshot.RunSnapshot's wire model), ``events`` (markers), ``history`` (decimated columns), ``notice`` (the last
     request that was refused, with the reason).
     """
 
@@ -61,8 +60,7 @@ class Dashboard(anywidget.AnyWidget):
     notice = traitlets.Unicode().tag(sync=True)
 
     def __init__(self, run, feed: bool | None = None):
-        reg = run._registration
-        super().__init__(name=run.name, run_id=reg.run_id if reg else None,
+        super().__init__(name=run.name, run_id=run.run_id,
                          min_size=run.pool.min_size, max_size=run.pool.max_size)
         self.run = run
         self._store = series.ColumnStore()  # everything sent so far, for snapshots
@@ -178,28 +176,7 @@ class Dashboard(anywidget.AnyWidget):
         self._snapshot_time = time.monotonic()
 
     def _status(self) -> dict:
-        run = self.run
-        recent = run.records_since(max(0, run.step - 20))
-        last = recent[-1] if recent else {}
-        eta = None
-        if len(recent) >= 2 and run.total_steps and run.state in ("training", "resizing"):
-            per_step = ((recent[-1]["time"] - recent[0]["time"]) /
-                        (recent[-1]["step"] - recent[0]["step"]))
-            eta = per_step * (run.total_steps - run.step)
-        checkpoint = next((e for e in reversed(run.events) if e["kind"] == "checkpoint"), None)
-        resized = next((e for e in reversed(run.events) if e["kind"] == "resized"), None)
-        return {
-            "state": "starting" if run.state == "created" else run.state,
-            "step": run.step, "total_steps": run.total_steps, "epoch": last.get("epoch"),
-            "world_size": run.world_size, "requested_size": run.requested_size,
-            "samples_per_s": (sum(r["samples_per_s"] for r in recent[-10:]) / len(recent[-10:])
-                              if recent else None),
-            "eta_s": eta, "error": run.error, "log_dir": run.log_dir,
-            "last_checkpoint": checkpoint["path"] if checkpoint else None,
-            "last_resize": ({"from": resized["from"], "to": resized["to"],
-                             "latency_s": resized["latency_s"], "step": resized["step"]}
-                            if resized else None),
-        }
+        return self.run.snapshot().as_dict()
 
     # ------------------------------------------------------------------ front end -> kernel
 

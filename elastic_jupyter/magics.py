@@ -238,7 +238,11 @@ class ElasticMagics(Magics):
         args = self._parse(_resize_parser(), line)
         if not self._training():
             raise UsageError("no run is training: start one with %%elastic_train")
-        self.run.resize(self.pool.check_size(args.size), at_step=args.at_step)
+        size, run = self.pool.check_size(args.size), self.run
+        if args.at_step is None and size == run.world_size == run.requested_size:
+            print(f"Run {run.name!r} already trains at world size {size}: nothing to do.")
+            return
+        run.resize(size, at_step=args.at_step)
         when = f"after step {args.at_step}" if args.at_step else "at the next step boundary"
         print(f"Resize of {self.run.name!r} to {args.size} requested ({when}).")
 

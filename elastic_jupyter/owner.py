@@ -47,6 +47,19 @@ class Owner:
         self.loop.call_soon_threadsafe(fn, *args)
 
 
+def background(coro, report) -> asyncio.Task:
+    """Run `coro` as a task on the running loop; if it fails, `report(one line)` is called, so
+    no task ends with an exception nobody retrieved."""
+    task = asyncio.ensure_future(coro)
+
+    def done(t: asyncio.Task) -> None:
+        if not t.cancelled() and t.exception() is not None:
+            report(f"{type(t.exception()).__name__}: {t.exception()}")
+
+    task.add_done_callback(done)
+    return task
+
+
 _owner: Owner | None = None
 _lock = threading.Lock()
 

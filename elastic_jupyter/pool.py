@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import psutil
 
 from .config import PoolConfig, UsageError
+from .engine_calls import EngineCalls
+from .membership import free_slots
 from .owner import get_owner
 from .reaper import start_reaper, write_pidfile
 from .registry import registry_dir
@@ -71,7 +73,8 @@ class EnginePool:
         self.engines: list[Engine] = []  # oldest first
         self.cluster = None
         self.client = None
-        self.run = None
+        self.calls = EngineCalls(self)
+        self._run = None  # the run training on this pool (claim / release)
         self._stopping: set = set()  # background tasks stopping removed engines
         self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
         self._pidfile = None
@@ -98,6 +101,23 @@ class EnginePool:
     def running(self) -> bool:
         return self.cluster is not None
 
+    @property
+    def run(self):
+        """The TrainingRun that holds this pool, or None."""
+        return self._run
+
+    def claim(self, run) -> None:
+        """`run` trains on this pool from now on. Raises UsageError while another run is active."""
+        if self._run is not None and self._run is not run and self._run.active:
+            raise UsageError(f"the pool is busy with run {self._run.name!r}: stop it "
+                             "(%elastic_stop or run.stop()) or wait for it to finish")
+        self._run = run
+
+    def release(self, run) -> None:
+        """`run` no longer holds the pool."""
+        if self._run is run:
+            self._run = None
+
     def check_size(self, n) -> int:
         """Validate a requested size; returns it as int or raises UsageError saying the bounds."""
         if isinstance(n, bool) or not isinstance(n, int):
@@ -119,7 +139,7 @@ class EnginePool:
 
     def start(self) -> "EnginePool":
         """Start the controller and the first ``n`` engines; returns self when all registered."""
-        self.owner.call(self._start())
+        self.owner.call(self.ensure_started())
         return self
 
     def resize(self, n: int, at_step: int | None = None):
@@ -129,7 +149,7 @@ class EnginePool:
             return self.run.resize(n, at_step=at_step)
         if at_step is not None:
             raise UsageError("at_step needs a running training run")
-        self.owner.call(self._resize_idle(n))
+        self.owner.call(self.resize_idle(n))
 
     def stop(self) -> None:
         """Stop every engine and the controller (a running run is stopped first)."""
@@ -151,7 +171,8 @@ class EnginePool:
 
     # owner thread ------------------------------------------------------------------------------
 
-    async def _start(self) -> None:
+    async def ensure_started(self) -> None:
+        """Start the controller and the first ``n`` engines unless running (owner loop)."""
         if self.cluster is not None:
             return
         import ipyparallel as ipp
@@ -179,7 +200,8 @@ class EnginePool:
         except Exception:
             pass  # the reaper still ends what is left
 
-    async def _resize_idle(self, n: int) -> None:
+    async def resize_idle(self, n: int) -> None:
+        """Start or stop engines until `n` run (owner loop; no run trains meanwhile)."""
         if n > self.size:
             await self.add_engines(n - self.size)
         elif n < self.size:
@@ -216,11 +238,8 @@ class EnginePool:
             return None
 
     def _free_slots(self, k: int) -> list[int]:
-        used = {e.slot for e in self.engines} | set(self.excluded_slots)
-        free = [s for s in range(self.max_size) if s not in used]
-        if len(free) < k:
-            raise UsageError(f"no free slot: the pool has {self.max_size} slots")
-        return free[:k]
+        return free_slots(self.max_size, {e.slot for e in self.engines},
+                          set(self.excluded_slots), k)
 
     async def add_engines(self, k: int) -> list[Engine]:
         """Start `k` engines on free slots (concurrently) and wait until they registered."""
@@ -245,9 +264,7 @@ class EnginePool:
                                    "overloaded (raise engine_timeout)")
             await asyncio.sleep(0.05)
         new = sorted(set(self.client.ids) - known)
-        from .engine import worker
-        ar = self.client[new].apply_async(_init_from_env, worker.init_engine)
-        infos = await asyncio.wrap_future(ar)
+        infos = await self.calls.init_engines(new)
         engines = []
         for engine_id, info in zip(new, infos):
             device = info["device"]
@@ -307,12 +324,3 @@ async def _terminate(pids: list[int], grace: float = 5.0) -> None:
             deadline = float("inf")
         await asyncio.sleep(0.02)
 
-
-def _init_from_env(init_engine):
-    import os
-    import torch
-    slot = int(os.environ["ELASTIC_JUPYTER_SLOT"])
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    device = f"cuda:{gpu}" if gpu and torch.cuda.is_available() else "cpu"
-    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    return init_engine(slot, device, threads)

@@ -1,25 +1,16 @@
-"""Run discovery and the control channel other processes of this user reach a run through.
+"""Run discovery: one owner-only file per run in ``<runtime dir>/elastic-jupyter/``.
 
-Each run writes ``<runtime dir>/elastic-jupyter/<run id>.json`` (owner-only permissions) with its
-name, kernel, pid and process start time, notebook path and checkpoint folder, and serves a Unix
-socket ``<run id>.sock`` beside it. The folder is mode 0700, so only this user can connect; the
-socket never touches the network. Protocol: one JSON request per line, one JSON reply per line:
-
-    {"op": "status"}                      -> the run's model (see run_model)
-    {"op": "resize", "world_size": n}     -> {"ok": true} or {"error": "...", "code": 400|409}
-    {"op": "stop"}                        -> {"ok": true}
-    {"op": "history", "since": step}      -> {"records": [...records after step...]}
-    {"op": "events", "since": n}          -> {"events": [...events from index n...]}
-
-The channel stays open after the run ended (its status, history and events can still be read;
-resize and stop answer 409) until the kernel exits.
+Each run writes ``<run id>.json`` with its name, kernel, pid and process start time, notebook
+path, checkpoint folder, the path of its control socket (control.py) and its latest
+:class:`~elastic_jupyter.snapshot.RunSnapshot` (written at start and at the end, so a finished
+run keeps its final figures after its kernel is gone). The folder is mode 0700.
 
 A reader tells a live entry from a stale one by the pid and its start time (a reused pid has
-another start time).
+another start time). Entries of ended runs are dismissed by the user or pruned by age and count
+(:func:`prune`); their checkpoints are never touched.
 """
 from __future__ import annotations
 
-import asyncio
 import atexit
 import json
 import os
@@ -28,8 +19,9 @@ import uuid
 
 import psutil
 
-from . import series
-from .config import UsageError
+from .control import ControlServer
+from .owner import background
+from .snapshot import FINAL_STATES
 
 
 def registry_dir() -> str:
@@ -49,33 +41,18 @@ def _kernel_id() -> str | None:
     return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") else name
 
 
-SPARKLINE_POINTS = 60
-
-
-def run_model(run) -> dict:
-    """The JSON-able description of a run that the registry, the control channel and the
-    server extension share."""
-    last = run._records.get(run.step, {})
-    recent = run.records_since(max(0, run.step - 10 * SPARKLINE_POINTS))[::10][-SPARKLINE_POINTS:]
-    reg = run._registration
-    return {"id": reg.run_id if reg else None, "name": run.name, "notebook": run.notebook,
-            "state": run.state, "step": run.step,
-            "total_steps": run.total_steps, "world_size": run.world_size,
-            "requested_size": run.requested_size, "min_size": run.pool.min_size,
-            "max_size": run.pool.max_size, "backend": run.pool.backend,
-            "loss": series.finite(last.get("loss")), "error": run.error,
-            "checkpoint_dir": run.checkpoint_dir, "checkpoints": run.checkpoints,
-            "slots": [m.device for m in run.members],
-            "recent_loss": [series.finite(r["loss"]) for r in recent]}
-
-
 class Registration:
+    """A run's discovery entry and control channel.
+
+    Attributes:
+        run_id: ``<name>-<8 hex>``; path: the entry file; socket_path: the control socket.
+    """
+
     def __init__(self, run):
         self.run_id = f"{run.name}-{uuid.uuid4().hex[:8]}"
         folder = registry_dir()
         self.path = os.path.join(folder, f"{self.run_id}.json")
         self.socket_path = os.path.join(folder, f"{self.run_id}.sock")
-        self.server = None
         me = psutil.Process()
         self.entry = {"id": self.run_id, "name": run.name, "pid": me.pid,
                       "pid_start_time": me.create_time(), "kernel_id": _kernel_id(),
@@ -84,7 +61,9 @@ class Registration:
                       "control": self.socket_path}
 
     def write(self, run) -> None:
-        entry = dict(self.entry, state=run.state, step=run.step, world_size=run.world_size)
+        """Write the entry with the run's snapshot now (atomically, owner-only)."""
+        snap = run.snapshot().as_dict()
+        entry = dict(self.entry, state=snap["state"], step=snap["step"], snapshot=snap)
         tmp = f"{self.path}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
@@ -93,25 +72,26 @@ class Registration:
 
 
 def register(run) -> Registration | None:
-    """Write the run's entry and start its control channel (called on the owner loop)."""
+    """Write the run's entry and start its control channel (on the owner loop)."""
     try:
         reg = Registration(run)
         reg.write(run)
     except OSError as e:
-        run._log(f"could not register the run for discovery: {e}")
+        run.log.log(f"could not register the run for discovery: {e}")
         return None
-
-    async def serve():
-        old_umask = os.umask(0o177)  # the socket file itself: owner read/write only
-        try:
-            reg.server = await asyncio.start_unix_server(
-                lambda r, w: _handle(run, r, w), path=reg.socket_path)
-        finally:
-            os.umask(old_umask)
-
-    asyncio.ensure_future(serve())
+    background(ControlServer(run, reg.socket_path).start(),
+               lambda e: run.log.event("warning", message=f"control channel not started: {e}"))
     atexit.register(_unlink, reg.socket_path)
     return reg
+
+
+def update(reg: Registration | None, run) -> None:
+    """Record the run's final snapshot in its entry (the control channel stays open)."""
+    if reg is not None:
+        try:
+            reg.write(run)
+        except OSError as e:
+            run.log.log(f"could not update the run's discovery entry: {e}")
 
 
 def _unlink(path: str) -> None:
@@ -121,76 +101,17 @@ def _unlink(path: str) -> None:
         pass
 
 
-def update(reg: Registration | None, run) -> None:
-    """Record the run's final state in its entry (the control channel stays open)."""
-    if reg is not None:
-        reg.write(run)
-
-
-def _answer(run, request: dict) -> dict:
-    op = request.get("op")
-    if op == "status":
-        return run_model(run)
-    if op == "history":
-        since = int(request.get("since", 0))
-        return {"records": run.records_since(since)}
-    if op == "events":
-        return {"events": run.events[int(request.get("since", 0)):]}
-    if op in ("resize", "stop") and not run.active:
-        return {"error": f"run {run.name!r} is {run.state}", "code": 409}
-    if op == "resize":
-        try:
-            run.resize(request.get("world_size"))
-        except UsageError as e:
-            return {"error": str(e), "code": 400}
-        return {"ok": True}
-    if op == "stop":
-        run.stop()
-        return {"ok": True}
-    return {"error": f"unknown op {op!r}", "code": 400}
-
-
-async def _handle(run, reader, writer) -> None:
+def read_entry(run_id: str) -> dict | None:
+    """The entry of `run_id` with "live" added, or None (one file read, no folder scan)."""
+    if not run_id or "/" in run_id or run_id.startswith("."):
+        return None
     try:
-        while line := await reader.readline():
-            try:
-                reply = _answer(run, json.loads(line))
-            except (ValueError, TypeError) as e:
-                reply = {"error": f"bad request: {e}", "code": 400}
-            except Exception as e:  # the channel must answer, whatever went wrong
-                reply = {"error": f"{type(e).__name__}: {e}", "code": 500}
-            writer.write(json.dumps(reply).encode() + b"\n")
-            await writer.drain()
-    finally:
-        writer.close()
-
-
-def request(socket_path: str, message: dict, timeout: float = 5.0) -> dict:
-    """Send one request to a run's control channel (blocking; for other processes)."""
-    import socket
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(socket_path)
-        s.sendall(json.dumps(message).encode() + b"\n")
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    return json.loads(data)
-
-
-async def arequest(socket_path: str, message: dict, timeout: float = 5.0) -> dict:
-    """`request` for asyncio callers (the server extension)."""
-    reader, writer = await asyncio.wait_for(
-        asyncio.open_unix_connection(socket_path, limit=2 ** 28), timeout)  # replies can be long
-    try:
-        writer.write(json.dumps(message).encode() + b"\n")
-        await writer.drain()
-        return json.loads(await asyncio.wait_for(reader.readline(), timeout))
-    finally:
-        writer.close()
+        with open(os.path.join(registry_dir(), f"{run_id}.json")) as f:
+            entry = json.load(f)
+        entry["live"] = _alive(entry["pid"], entry["pid_start_time"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return entry if isinstance(entry.get("checkpoint_dir"), str) else None
 
 
 def list_runs(forget_gone: bool = False) -> list[dict]:
@@ -201,21 +122,39 @@ def list_runs(forget_gone: bool = False) -> list[dict]:
     """
     out = []
     for name in sorted(os.listdir(registry_dir())):
-        if not name.endswith(".json"):
-            continue
-        try:
-            with open(os.path.join(registry_dir(), name)) as f:
-                entry = json.load(f)
-            entry["live"] = _alive(entry["pid"], entry["pid_start_time"])
-            folder = entry["checkpoint_dir"]
-        except (OSError, ValueError, KeyError, TypeError):
+        entry = read_entry(name[:-len(".json")]) if name.endswith(".json") else None
+        if entry is None:
             continue  # unreadable or not one of ours
-        if forget_gone and not entry["live"] and not os.path.isdir(folder):
-            _unlink(os.path.join(registry_dir(), name))
-            _unlink(entry.get("control") or "")
+        if forget_gone and not entry["live"] and not os.path.isdir(entry["checkpoint_dir"]):
+            forget(entry)
             continue
         out.append(entry)
     return out
+
+
+def ended(entry: dict) -> bool:
+    """The run is over: its kernel is gone, or it reached a final state."""
+    return not entry["live"] or (entry.get("snapshot") or {}).get("state") in FINAL_STATES
+
+
+def forget(entry: dict) -> None:
+    """Delete an entry (and its socket, when its kernel is gone); checkpoints stay."""
+    _unlink(os.path.join(registry_dir(), f"{entry['id']}.json"))
+    if not entry["live"]:
+        _unlink(entry.get("control") or "")
+
+
+def prune(entries: list[dict], max_age_s: float, max_count: int) -> list[dict]:
+    """Forget ended runs older than `max_age_s` and all but the newest `max_count` ended
+    runs; returns the entries kept. Live runs are always kept."""
+    now = time.time()
+    done = sorted((e for e in entries if ended(e)), key=lambda e: -(e.get("started") or 0))
+    drop = {e["id"] for i, e in enumerate(done)
+            if i >= max_count or now - (e.get("started") or 0) > max_age_s}
+    for entry in done:
+        if entry["id"] in drop:
+            forget(entry)
+    return [e for e in entries if e["id"] not in drop]
 
 
 def _alive(pid: int, start_time: float) -> bool:

@@ -1,22 +1,24 @@
 """The jupyter-server extension: every run of this user in one REST API, under the server's base URL.
 
-    GET    {base}elastic/api/runs                    {"runs": [model, ...]}
-    GET    {base}elastic/api/runs/<id>               model
-    PATCH  {base}elastic/api/runs/<id>               {"world_size": n} -> 202 model (pending)
-    DELETE {base}elastic/api/runs/<id>               stop after the current step -> 202 model
+    GET    {base}elastic/api/runs                    {"runs": [snapshot, ...]}
+    GET    {base}elastic/api/runs/<id>               snapshot
+    PATCH  {base}elastic/api/runs/<id>               {"world_size": n} -> 202 snapshot (pending)
+    DELETE {base}elastic/api/runs/<id>               stop after the current step -> 202 snapshot
+    POST   {base}elastic/api/runs/<id>/dismiss       forget an ended run -> 204 (409 if active)
     GET    {base}elastic/api/runs/<id>/history?since=STEP&events_since=N
                                                      {"columns", "data", "events", "next"}
     GET    {base}elastic/api/runs/<id>/logs          {"text": ...}
 
-A model: id, name, notebook, state ("lost" when the kernel died), step, total_steps,
-world_size, requested_size, min_size, max_size, loss, recent_loss (sparkline), slots,
-checkpoints (each with ``browser_path`` relative to the server root when inside it), error.
+A snapshot is snapshot.RunSnapshot's wire model (state "lost" when the kernel died,
+"unresponsive" when it lives but the run does not answer), plus kernel_id, started and each
+checkpoint's ``browser_path`` relative to the server root (None outside it).
 
-The server finds runs through the registry files and reaches a live run over its Unix-socket
-control channel (registry.py); it never starts or stops engines itself. Every handler requires
-Jupyter authentication (token, or cookie + XSRF for writes) and asks the server's Authorizer
-(resource "elastic"). A run whose kernel lives but does not answer is "unresponsive" (writes
-answer 503, so the notebook dashboard falls back to its comm).
+Handlers are thin: the server finds runs through the registry files (registry.py) and reaches a
+live run over its Unix-socket control channel (control.py) in one round trip per request; it
+never starts or stops engines itself. Every handler requires Jupyter authentication (token, or
+cookie + XSRF for writes) and asks the server's Authorizer (resource "elastic"). Writes to an
+unresponsive run answer 503, so the notebook dashboard falls back to its comm. Ended runs are
+listed until dismissed or pruned (:class:`RunRegistry`).
 """
 from __future__ import annotations
 
@@ -29,91 +31,82 @@ from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.utils import url_path_join
 from tornado import web
+from traitlets import Float, Int
+from traitlets.config import LoggingConfigurable
 
-from . import registry, series
-from .engine.checkpoint import list_checkpoints
+from . import control, registry, series
+from .snapshot import ACTIVE_STATES, of_entry
 
-ACTIVE_STATES = ("starting", "training", "resizing")
-FINAL_STATES = ("finished", "failed", "stopped")
 ID_PATTERN = r"(?P<run_id>[^/]+)"
+CHANNEL_ERRORS = (OSError, asyncio.TimeoutError, ValueError)
+
+
+class RunRegistry(LoggingConfigurable):
+    """How long ended runs stay listed (``c.RunRegistry.max_age_days = 7`` in
+    jupyter_server_config.py). Their checkpoints are never deleted."""
+
+    max_age_days = Float(30.0, config=True, help="Forget ended runs older than this (days).")
+    max_ended = Int(50, config=True, help="Keep at most this many ended runs listed.")
 
 
 class _RunsBase(APIHandler):
     auth_resource = "elastic"  # what a custom Authorizer sees (read: GET, write: PATCH/DELETE)
 
     def _entry(self, run_id: str) -> dict:
-        for entry in registry.list_runs():
-            if entry["id"] == run_id:
-                return entry
-        raise web.HTTPError(404, f"no run with id {run_id!r}; GET elastic/api/runs lists them")
+        entry = registry.read_entry(run_id)
+        if entry is None:
+            raise web.HTTPError(404, f"no run with id {run_id!r}; GET elastic/api/runs lists them")
+        return entry
 
-    async def _model(self, entry: dict) -> dict:
-        model = None
+    async def _snapshot(self, entry: dict) -> dict:
+        """The run's snapshot from its control channel, else from its entry (lost, ended or
+        unresponsive), presented for this server."""
+        snap = None
         if entry["live"]:
             try:
-                model = await registry.arequest(entry["control"], {"op": "status"}, timeout=3)
-            except (OSError, asyncio.TimeoutError, ValueError):
-                model = None
-            if model is not None and "code" in model:  # the channel's error reply
-                model = None
-        if model is None:
-            model = _offline_model(entry)
-        model.update(id=entry["id"], notebook=model.get("notebook") or entry.get("notebook"),
-                     kernel_id=entry.get("kernel_id"), started=entry.get("started"))
-        root = self.settings.get("server_root_dir") or os.getcwd()
-        for c in model.get("checkpoints", []):
-            rel = os.path.relpath(c["path"], os.path.expanduser(root))
+                snap = await control.arequest(entry["control"], {"op": "status"}, timeout=3)
+            except CHANNEL_ERRORS:
+                snap = None
+            if snap is not None and "code" in snap:  # the channel's error reply
+                snap = None
+        return self._present(entry, snap if snap is not None else of_entry(entry).as_dict())
+
+    def _present(self, entry: dict, snap: dict) -> dict:
+        """The one serializer: a snapshot plus what only the server knows (the registry id,
+        kernel, start time, checkpoint paths relative to the server root)."""
+        snap.update(id=entry["id"], notebook=snap.get("notebook") or entry.get("notebook"),
+                    kernel_id=entry.get("kernel_id"), started=entry.get("started"))
+        root = os.path.expanduser(self.settings.get("server_root_dir") or os.getcwd())
+        for c in snap.get("checkpoints", []):
+            rel = os.path.relpath(c["path"], root)
             c["browser_path"] = None if rel.startswith("..") else rel
-        return model
+        return snap
 
     def _write_error(self, status: int, message: str) -> None:
         self.set_status(status)
         self.finish({"message": message})
 
 
-def _offline_model(entry: dict) -> dict:
-    """A run whose control channel does not answer: its last recorded state, "unresponsive"
-    while its kernel process lives, else "lost"."""
-    checkpoints = list_checkpoints(entry["checkpoint_dir"])
-    if entry.get("state") in FINAL_STATES:
-        state = entry["state"]
-    else:
-        state = "unresponsive" if entry["live"] else "lost"
-    step = max([entry.get("step") or 0] + [c["step"] for c in checkpoints])
-    model = {"name": entry["name"], "state": state, "step": step, "world_size": 0,
-             "requested_size": 0, "checkpoints": checkpoints, "recent_loss": [], "slots": [],
-             "checkpoint_dir": entry["checkpoint_dir"], "total_steps": None, "loss": None,
-             "error": None}
-    if state == "unresponsive":
-        model["error"] = ("its kernel runs but the run does not answer on its control channel; "
-                          "the notebook's own dashboard can still reach it")
-    if state == "lost":
-        model["error"] = (
-            "the kernel that ran it is gone" +
-            (f"; continue from the checkpoint at step {checkpoints[-1]['step']} with "
-             f"%%elastic_train --name {entry['name']} --resume (same cell and options)"
-             if checkpoints else "; it wrote no checkpoint, so it must start again"))
-    return model
-
-
 class RunsHandler(_RunsBase):
     @web.authenticated
     @authorized
     async def get(self):
-        entries = registry.list_runs(forget_gone=True)
-        models = [m for m in await asyncio.gather(*(self._model(e) for e in entries),
-                                                  return_exceptions=True)
-                  if not isinstance(m, BaseException)]  # one broken entry hides only itself
+        limits = self.settings["elastic_registry"]
+        entries = registry.prune(registry.list_runs(forget_gone=True),
+                                 limits.max_age_days * 86400, limits.max_ended)
+        snaps = [m for m in await asyncio.gather(*(self._snapshot(e) for e in entries),
+                                                 return_exceptions=True)
+                 if not isinstance(m, BaseException)]  # one broken entry hides only itself
         # live runs first, then the newest
-        models.sort(key=lambda m: (m["state"] not in ACTIVE_STATES, -(m.get("started") or 0)))
-        self.finish({"runs": models})
+        snaps.sort(key=lambda m: (m["state"] not in ACTIVE_STATES, -(m.get("started") or 0)))
+        self.finish({"runs": snaps})
 
 
 class RunHandler(_RunsBase):
     @web.authenticated
     @authorized
     async def get(self, run_id):
-        self.finish(await self._model(self._entry(run_id)))
+        self.finish(await self._snapshot(self._entry(run_id)))
 
     @web.authenticated
     @authorized
@@ -134,20 +127,39 @@ class RunHandler(_RunsBase):
         await self._forward(self._entry(run_id), {"op": "stop"})
 
     async def _forward(self, entry: dict, request: dict) -> None:
-        model = await self._model(entry)
-        if model["state"] == "unresponsive":  # 503: the dashboard falls back to its comm
-            return self._write_error(503, f"run is unresponsive: {model['error']}")
-        if model["state"] not in ACTIVE_STATES:
-            reason = model.get("error") or f"run {entry['name']!r} is {model['state']}"
-            return self._write_error(409, f"run is {model['state']}: {reason}")
+        """One round trip: the run applies the request and answers with its snapshot."""
+        if not entry["live"]:
+            return await self._refuse(entry)
         try:
-            reply = await registry.arequest(entry["control"], request, timeout=3)
-        except (OSError, asyncio.TimeoutError, ValueError) as e:
-            return self._write_error(503, f"run {entry['name']!r} does not answer: {e}")
+            reply = await control.arequest(entry["control"], dict(request, snapshot=True),
+                                           timeout=3)
+        except CHANNEL_ERRORS as e:  # 503: the dashboard falls back to its comm
+            return self._write_error(503, f"run is unresponsive: {entry['name']!r} does not "
+                                     f"answer on its control channel ({e})")
+        if reply.get("code") == 409:
+            return await self._refuse(entry)
         if "error" in reply:
             return self._write_error(reply.get("code", 400), reply["error"])
         self.set_status(202)
-        self.finish(await self._model(entry))
+        self.finish(self._present(entry, reply["snapshot"]))
+
+    async def _refuse(self, entry: dict) -> None:
+        snap = await self._snapshot(entry)
+        reason = snap.get("error") or f"run {entry['name']!r} is {snap['state']}"
+        self._write_error(409, f"run is {snap['state']}: {reason}")
+
+
+class DismissHandler(_RunsBase):
+    @web.authenticated
+    @authorized
+    async def post(self, run_id):
+        """Forget an ended run's entry (its checkpoints stay): 204; 409 while it is active."""
+        entry = self._entry(run_id)
+        if not registry.ended(entry):
+            return self._write_error(409, f"run {entry['name']!r} is active: stop it first")
+        registry.forget(entry)
+        self.set_status(204)
+        self.finish()
 
 
 class HistoryHandler(_RunsBase):
@@ -161,11 +173,11 @@ class HistoryHandler(_RunsBase):
             return self.finish({"columns": [], "data": [], "events": [],
                                 "next": {"since": since, "events_since": events_since}})
         try:
-            records = (await registry.arequest(
+            records = (await control.arequest(
                 entry["control"], {"op": "history", "since": since}, timeout=5))["records"]
-            events = (await registry.arequest(
+            events = (await control.arequest(
                 entry["control"], {"op": "events", "since": events_since}, timeout=5))["events"]
-        except (OSError, asyncio.TimeoutError, ValueError) as e:
+        except CHANNEL_ERRORS as e:
             raise web.HTTPError(503, f"run {entry['name']!r} does not answer: {e}") from None
         names = series.column_names(records)
         self.finish({"columns": names,
@@ -206,9 +218,11 @@ def _tails(folder: str, lines: int = 200, window: int = 64 * 1024) -> str:
 
 def _load_jupyter_server_extension(serverapp) -> None:
     base = url_path_join(serverapp.web_app.settings["base_url"], "elastic", "api", "runs")
+    serverapp.web_app.settings["elastic_registry"] = RunRegistry(parent=serverapp)
     serverapp.web_app.add_handlers(".*$", [
         (base, RunsHandler),
         (url_path_join(base, ID_PATTERN), RunHandler),
+        (url_path_join(base, ID_PATTERN, "dismiss"), DismissHandler),
         (url_path_join(base, ID_PATTERN, "history"), HistoryHandler),
         (url_path_join(base, ID_PATTERN, "logs"), LogsHandler),
     ])

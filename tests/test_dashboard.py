@@ -110,7 +110,7 @@ def test_many_slider_moves_become_one_resize_request(idle_pool, tmp_path):
         resizes = [e for e in run.events if e["kind"] == "resize"]
         assert [(e["from"], e["to"]) for e in resizes] == [(2, 3)]
         widget.tick()
-        assert widget.status["world_size"] == 3 and widget.status["last_resize"]["to"] == 3
+        assert widget.status["world_size"] == 3 and widget.status["resize"]["to"] == 3
         assert any(m["kind"] == "resized" for m in widget.events)
     finally:
         run.stop()

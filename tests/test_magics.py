@@ -250,6 +250,11 @@ def test_stop_during_a_run(ip, magics, cell):
     assert_usage_error(result, err, "pool size 9 is outside this pool's bounds [1, 4]",
                        "choose a size in range")
     assert run.requested_size == POOL_SIZE and run.state == "training"
+    # the size it already has: said so, and no resize happens
+    result, out, err = cell(f"%elastic_resize {POOL_SIZE}")
+    assert result.success, err
+    assert f"already trains at world size {POOL_SIZE}: nothing to do" in out
+    assert not [e for e in run.events if e["kind"] == "resize"]
     result, out, err = cell("%elastic_stop")
     assert result.success, err
     assert run.state == "stopped"

@@ -8,7 +8,7 @@ import time
 
 import psutil
 
-from elastic_jupyter import RunConfig, TrainingRun, registry
+from elastic_jupyter import RunConfig, TrainingRun, control, registry
 
 CELL = '''
 import time
@@ -24,12 +24,12 @@ def loss_fn(model, batch):
 
 CLIENT = '''
 import json, sys
-from elastic_jupyter import registry
+from elastic_jupyter import control, registry
 entry = [e for e in registry.list_runs() if e["id"] == sys.argv[1]][0]
 print(json.dumps({"live": entry["live"],
-                  "status": registry.request(entry["control"], {"op": "status"}),
-                  "bad": registry.request(entry["control"], {"op": "resize", "world_size": 99}),
-                  "resize": registry.request(entry["control"], {"op": "resize", "world_size": 1})}))
+                  "status": control.request(entry["control"], {"op": "status"}),
+                  "bad": control.request(entry["control"], {"op": "resize", "world_size": 99}),
+                  "resize": control.request(entry["control"], {"op": "resize", "world_size": 1})}))
 '''
 
 
@@ -66,8 +66,8 @@ def test_another_process_finds_and_resizes_the_run(idle_pool, tmp_path):
     entry = [e for e in registry.list_runs() if e["id"] == reg.run_id][0]
     assert entry["state"] == "stopped"
     # the ended run stays readable while the kernel lives; requests to change it are refused
-    assert registry.request(reg.socket_path, {"op": "status"})["state"] == "stopped"
-    assert registry.request(reg.socket_path, {"op": "resize", "world_size": 2})["code"] == 409
+    assert control.request(reg.socket_path, {"op": "status"})["state"] == "stopped"
+    assert control.request(reg.socket_path, {"op": "resize", "world_size": 2})["code"] == 409
 
 
 def test_nothing_the_pool_opens_listens_beyond_loopback(idle_pool, tmp_path):
@@ -85,3 +85,28 @@ def test_nothing_the_pool_opens_listens_beyond_loopback(idle_pool, tmp_path):
     finally:
         run.stop()
         run.wait(timeout=60)
+
+
+def test_ended_runs_are_pruned_by_age_and_count_live_runs_never(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    me = psutil.Process()
+    now = time.time()
+
+    def entry(run_id, live, age_days, state):
+        pid, start = (me.pid, me.create_time()) if live else (me.pid, 1.0)  # wrong start: gone
+        data = {"id": run_id, "name": run_id, "pid": pid, "pid_start_time": start,
+                "checkpoint_dir": str(tmp_path), "started": now - age_days * 86400,
+                "control": str(tmp_path / f"{run_id}.sock"), "snapshot": {"state": state}}
+        (tmp_path / "elastic-jupyter").mkdir(exist_ok=True)
+        (tmp_path / "elastic-jupyter" / f"{run_id}.json").write_text(json.dumps(data))
+
+    entry("live-old", True, 90, "training")
+    entry("live-done", True, 1, "finished")
+    for i in range(4):
+        entry(f"gone-{i}", False, i, "training")
+    entry("gone-ancient", False, 40, "stopped")
+    kept = registry.prune(registry.list_runs(), max_age_s=30 * 86400, max_count=3)
+    names = sorted(e["id"] for e in kept)
+    # the 3 newest ended runs stay; the oldest beyond the count and the one past 30 days go
+    assert names == ["gone-0", "gone-1", "live-done", "live-old"]
+    assert sorted(e["id"] for e in registry.list_runs()) == names

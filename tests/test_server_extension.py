@@ -16,6 +16,7 @@ import time
 import pytest
 
 from conftest import DIGITS_CELL
+from elastic_jupyter import registry
 from lab_harness import JupyterLab, ServerKernel as Kernel, call, wait_for
 
 BASE = "/user/alice/"
@@ -200,3 +201,26 @@ def test_every_registered_handler_requires_authentication(server):
             xsrf = {"Cookie": "_xsrf=2|abc|def|1", "X-XSRFToken": "2|abc|def|1"}
             status, _ = call(server, method, path[len(BASE):], body, token=False, headers=xsrf)
             assert status in (403, 302), f"{method} {path} answered {status} with XSRF only"
+
+
+def test_an_ended_run_keeps_its_figures_and_can_be_dismissed(server, busy_run):
+    """Last in this module: it ends the busy kernel."""
+    kernel, run_id = busy_run
+    status, reply = call(server, "POST", f"elastic/api/runs/{run_id}/dismiss", {})
+    if call(server, "GET", f"elastic/api/runs/{run_id}")[1]["state"] in ("training", "resizing"):
+        assert status == 409 and "stop it first" in reply["message"]
+        call(server, "DELETE", f"elastic/api/runs/{run_id}")
+    wait_for(lambda: call(server, "GET", f"elastic/api/runs/{run_id}")[1]["state"] == "stopped",
+             60, "the stop")
+    os.kill(kernel.pid(), signal.SIGKILL)  # the figures must outlive the kernel
+    wait_for(lambda: not [e for e in registry.list_runs() if e["id"] == run_id and e["live"]],
+             30, "the kernel to be gone")
+    status, run = call(server, "GET", f"elastic/api/runs/{run_id}")
+    assert status == 200 and run["state"] == "stopped", run
+    assert run["total_steps"] == 1_000_000 and run["loss"] is not None and run["world_size"] >= 1
+    assert run["checkpoints"] and run["step"] >= run["checkpoints"][-1]["step"]
+    status, _ = call(server, "POST", f"elastic/api/runs/{run_id}/dismiss", {})
+    assert status == 204
+    assert call(server, "GET", f"elastic/api/runs/{run_id}")[0] == 404
+    assert not [r for r in runs_named(server, "api") if r["id"] == run_id]
+    assert os.path.isdir(os.path.dirname(run["checkpoints"][-1]["path"]))  # checkpoints stay

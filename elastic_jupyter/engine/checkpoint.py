@@ -36,7 +36,7 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -73,12 +73,12 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
     path = os.path.join(folder, checkpoint_name(step))
     try:
         import torch  # here, not at the top: the server lists checkpoints without torch
-        _atomic_write(path, lambda f: torch.save(state, f))
+        atomic_write(path, lambda f: torch.save(state, f))
         record = {"file": os.path.basename(path), "step": step, "sha256": _sha256(path),
                   "bytes": os.path.getsize(path), "time": time.time()}
         data = json.dumps(record).encode()
-        _atomic_write(path[:-3] + ".json", lambda f: f.write(data))
-        _atomic_write(os.path.join(folder, POINTER), lambda f: f.write(data))
+        atomic_write(path[:-3] + ".json", lambda f: f.write(data))
+        atomic_write(os.path.join(folder, POINTER), lambda f: f.write(data))
     except (OSError, RuntimeError) as e:
         # torch.save reports a full disk as its own RuntimeError; the OSError is its context
         cause = e

@@ -1,0 +1,273 @@
+"""The generation driver: forms each generation, watches it, ends it, on the owner loop.
+
+A run is a sequence of generations (see engine.generation). Between two of them the driver
+changes the membership: a shrink stops the youngest engines after they left the group; a grow
+adds engines that membership started and set up in the background while the others trained, so
+training pauses only for forming the new group and one broadcast of the state. A fault ends a
+generation too; recovery brings the members back to one state first.
+
+The driver is the only writer of the run's state, error and final state. Decisions come from
+the Sizer (sizing.py), engines from Membership (membership.py), records and events go to the
+RunLog (runlog.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from . import faults
+from .config import UsageError
+from .engine import checkpoint as ckpt
+from .engine_calls import remote_message, remote_summary
+from .owner import background
+from .recovery import BelowMinimum, Recovery
+from .rendezvous import Rendezvous
+
+POLL = 0.05  # seconds between the driver's looks at a running generation
+ACTIVE_STATES = ("starting", "training", "resizing")
+FINAL_STATES = ("finished", "failed", "stopped")
+
+
+class GenerationError(Exception):
+    """The user's code raised on an engine: the run ends with that engine's traceback."""
+
+    def __init__(self, engine, error):
+        super().__init__(str(error))
+        self.engine, self.error = engine, error
+
+
+class Driver:
+    """Drives one run's generations.
+
+    Args:
+        pool, calls (EngineCalls), log (RunLog), sizer (Sizer), policies (SizePolicy list),
+        membership, cell (CellSetup), config (RunConfig), checkpoint_dir.
+        on_end: called on the owner loop once the run reached a final state.
+    """
+
+    def __init__(self, pool, calls, log, sizer, policies, membership, cell, config,
+                 checkpoint_dir: str, on_end):
+        self.pool, self.calls, self.log = pool, calls, log
+        self.sizer, self.policies, self.membership, self.cell = sizer, policies, membership, cell
+        self.config, self.checkpoint_dir, self._on_end = config, checkpoint_dir, on_end
+        self.recovery = Recovery(membership, calls, log, sizer, pool, checkpoint_dir,
+                                 config.standby)
+        self.state = "created"
+        self.error: str | None = None
+        self.final_state: dict | None = None
+        self.done = threading.Event()
+        self.rendezvous: Rendezvous | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def members(self) -> list:
+        return self.membership.members
+
+    def _wanted(self) -> int:
+        return self.sizer.engines_wanted(self.config.standby)
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def setup(self, size: int, resume_from: str | None) -> str | None:
+        """Set the run up on the pool's first `size` engines: the cell everywhere, the
+        schedule checked against the run's steps, a checkpoint loaded on rank 0 (returns its
+        path) and the rendezvous. On failure the engines forget the run and it re-raises."""
+        self.state = "starting"
+        pool = self.pool
+        if size != pool.size:
+            await pool.resize_idle(size)
+        self.membership.start_with(pool.engines[:size])
+        self.sizer.begin(size, pool.min_size, pool.usable_slots)
+        self.sizer.take(self.policies, 0, time.monotonic())  # a schedule given up front
+        try:
+            await self.cell.run_cell(self.members)
+            self._check_schedule()
+            if resume_from:
+                resume_from = await self.cell.resume(self.members[0], self.checkpoint_dir)
+            self.rendezvous = self.cell.rendezvous = Rendezvous(
+                timeout=self.config.collective_timeout)
+            await self.cell.connect(self.members)
+        except BaseException:
+            if pool.client is not None:
+                await self.calls.drop_run(self.members)
+            raise
+        return resume_from
+
+    def _check_schedule(self) -> None:
+        total = self.cell.total_steps
+        for at_step, n in self.sizer.schedule:
+            self.pool.check_size(n)
+            if not 0 < at_step < total:
+                raise UsageError(f"scheduled resize at step {at_step} is outside the run's "
+                                 f"steps 1..{total - 1}")
+
+    def fail_setup(self, error: BaseException) -> None:
+        """The setup raised `error` (already reported to the caller): the run is failed."""
+        self.state, self.error = "failed", str(error)
+        self.done.set()
+
+    def launch(self) -> None:
+        """Start driving generations in the background (after the run's setup)."""
+        self.state = "training"
+        self._task = background(self._drive(), lambda e: self.log.log(f"driver failed: {e}"))
+        self.membership.boot(self._wanted())
+
+    async def _drive(self) -> None:
+        """The recovery loop: generation after generation until the run ends."""
+        generation, broadcast = 0, True  # generation 0: every rank takes rank 0's state
+        newcomers = {e.engine_id for e in self.members[1:]}
+        try:
+            while True:
+                result = await self._run_generation(generation, newcomers, broadcast)
+                generation += 1
+                if result.get("reason") == "fault":
+                    newcomers = await self.recovery.recover(result["outcome"])
+                elif result["reason"] == "finished" or self.sizer.stop_requested:
+                    return await self._finish(
+                        "finished" if result["reason"] == "finished" else "stopped")
+                else:
+                    newcomers = await self._change_membership(result["progress"]["step"])
+                broadcast = bool(newcomers)
+        except BelowMinimum as e:
+            await self._stop_below_minimum(str(e))
+        except Exception as e:
+            await self._fail(e)
+        finally:
+            self.done.set()
+
+    # ---------------------------------------------------------------- one generation
+
+    def _end_at(self) -> int | None:
+        return self.sizer.end_at(len(self.members), len(self.membership.spares))
+
+    async def _run_generation(self, generation: int, newcomers: set, broadcast: bool) -> dict:
+        """Run one generation to its end; returns rank 0's result, or {"reason": "fault"}."""
+        end_at = self._end_at()
+        self.rendezvous.request_end(generation, end_at)
+        W = len(self.members)
+        tasks = [self.calls.train_generation(engine, {
+            "rank": rank, "world_size": W, "generation": generation,
+            "backend": self.pool.backend, "timeout": self.config.collective_timeout,
+            "receive_state": engine.engine_id in newcomers, "broadcast": broadcast,
+            "end_at": end_at}, self.cell.engine_log(engine))
+            for rank, engine in enumerate(self.members)]
+        first_failure, died = None, False
+        while not all(t.future.done() for t in tasks):
+            await asyncio.sleep(POLL)
+            self.log.merge(tasks[0].live_data())
+            failed = [(e, t.error()) for e, t in zip(self.members, tasks) if t.error()]
+            for engine, error in failed:
+                if not faults.alive(engine.pid) or faults.is_engine_death(error):
+                    faults.kill(engine.pid)  # a zombie's sockets may still hold peers
+                    died = True
+            if failed and first_failure is None:
+                first_failure = time.monotonic()
+            # a rank forming a group with a dead peer waits on the store until the collective
+            # timeout: give it that long before calling it hung
+            grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)
+            if first_failure is not None and time.monotonic() - first_failure > grace:
+                break  # the ranks still out are hung
+            self._take_requests()
+            if (want := self._end_at()) != end_at:  # a request, or spares became ready
+                end_at = want
+                self.rendezvous.request_end(generation, end_at)
+        outcome = faults.classify(self.members, [t.future for t in tasks])
+        if outcome.fault:
+            return {"reason": "fault", "outcome": outcome}
+        if outcome.errors:
+            raise GenerationError(*outcome.errors[0])
+        result = outcome.results[self.members[0].engine_id]
+        self.log.merge(result, complete=True)
+        return result
+
+    def _take_requests(self) -> None:
+        """Feed the size policies to the sizer and keep engines booted for what it wants
+        (once requests settled: no boot for a size overridden a moment later)."""
+        now = time.monotonic()
+        self.sizer.take(self.policies, self.log.step, now)
+        if self.membership.gave_up:
+            self.sizer.settle(len(self.members))
+        if self.sizer.settled(now):
+            self.membership.boot(self._wanted())
+
+    async def _change_membership(self, step: int) -> set:
+        """Apply the size due after `step`; returns the engine ids that join."""
+        self.sizer.take(self.policies, step, time.monotonic())
+        change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
+        W = len(self.members)
+        if change.target == W:
+            self.membership.trim(self._wanted())
+            return set()
+        self.state = "resizing"
+        self.log.resize_started(step, W, change.target, change.requested_time or time.time(),
+                                change.scheduled)
+        newcomers = []
+        if change.target < W:
+            self.membership.shrink(change.target, self._wanted())
+        else:
+            newcomers = await self.membership.grow(change.target, POLL)
+            if len(self.members) < change.target:
+                self.sizer.settle(len(self.members))
+                self.log.event("warning", message=f"could not grow to {change.target} engines "
+                               f"after {self.membership.boot_failures} failed starts; training "
+                               f"goes on with {len(self.members)}")
+            self.log.resize_settled(len(self.members))
+        self.membership.trim(self._wanted())
+        self.membership.boot(self._wanted())  # standby engines used by this grow are replaced
+        self.state = "training"
+        return {e.engine_id for e in newcomers}
+
+    # ---------------------------------------------------------------- end states
+
+    async def _finish(self, state: str) -> None:
+        self.final_state = await self.calls.training_state(self.members[0])
+        if state == "stopped":
+            await self._final_checkpoint()
+        self.state = state
+        self.log.event(state, world_size=len(self.members))
+        await self._release()
+
+    async def _final_checkpoint(self) -> None:
+        """Write the stopped run's state (off the owner loop: the disk may be slow)."""
+        step = self.final_state["progress"]["step"]
+        if any(c["step"] == step for c in ckpt.list_checkpoints(self.checkpoint_dir)):
+            return
+        args = (self.checkpoint_dir, self.final_state, self.config.keep)
+        try:
+            try:
+                record = await asyncio.get_running_loop().run_in_executor(
+                    None, ckpt.write_checkpoint, *args)
+            except RuntimeError:  # at interpreter exit the executor takes no work: write here
+                record = ckpt.write_checkpoint(*args)
+            self.log.event("checkpoint", step=step, path=record["path"], bytes=record["bytes"])
+        except ckpt.CheckpointError as e:
+            self.log.event("checkpoint_failed", step=step, message=str(e))
+
+    async def _stop_below_minimum(self, message: str) -> None:
+        if self.members:
+            await self.recovery.roll_back()
+            await self._finish("stopped")
+        else:
+            self.error = message + " (from the newest checkpoint: all engines were lost)"
+            self.state = "failed"
+            self.log.event("error", message=self.error)
+            await self._release()
+        self.log.event("warning", message=message)
+
+    async def _fail(self, error: Exception) -> None:
+        if isinstance(error, GenerationError):
+            self.error = (f"training failed on engine slot {error.engine.slot}: "
+                          f"{remote_summary(error.error)}\n--- engine traceback ---\n"
+                          f"{remote_message(error.error)}")
+        else:
+            self.error = f"{type(error).__name__}: {error}"
+        self.state = "failed"
+        self.log.event("error", message=self.error)
+        await self._release()
+
+    async def _release(self) -> None:
+        await self.membership.release()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
+        self._on_end()

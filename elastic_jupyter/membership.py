@@ -1,0 +1,215 @@
+"""Membership: the only writer of a run's members, spares and joining engines.
+
+*Members* train, in rank order (rank 0 is the oldest survivor). *Spares* are engines that were
+started and set up in the background — for a pending grow, or as ``--standby`` — so a grow
+costs only forming the new group and one broadcast. *Joining* engines replace lost ones at the
+next generation. Membership boots and trims engines, counts each slot's faults, leaves out a slot
+that keeps failing and backs off restarting it.
+
+The functions at the top are the decisions, pure so that they are tested without a cluster; the
+:class:`Membership` class carries them out on the owner loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from . import faults
+from .config import UsageError
+from .engine_calls import remote_summary
+from .owner import background
+
+MAX_BOOT_FAILURES = 3  # consecutive failed boots before a grow gives up
+
+
+# ---------------------------------------------------------------------- decisions (pure)
+
+def free_slots(max_size: int, used: set, excluded: set, k: int) -> list[int]:
+    """The `k` slots the next engines take: the lowest that are neither used nor left out.
+    Raises UsageError when fewer are free."""
+    free = [s for s in range(max_size) if s not in used and s not in excluded]
+    if len(free) < k:
+        raise UsageError(f"no free slot: the pool has {max_size} slots"
+                         + (f", {len(excluded)} left out" if excluded else ""))
+    return free[:k]
+
+
+def plan_shrink(members: list, target: int, wanted: int, spares: int) -> tuple[list, list, list]:
+    """Shrink to `target`: the youngest ranks leave (rank order is age order, so rank 0 and the
+    state it broadcasts stay). Returns (staying, kept as spares, stopped): leavers are kept as
+    spares while the run wants more engines set up (`wanted`, beside `spares` ready ones)."""
+    staying, leaving = members[:target], members[target:]
+    room = max(0, wanted - target - spares)
+    return staying, leaving[:room], leaving[room:]
+
+
+def plan_trim(spares: list, wanted: int, members: int) -> tuple[list, list]:
+    """(kept, stopped): ready spares beyond what the run wants set up are stopped, newest
+    first (the oldest spares are the longest warmed up)."""
+    keep = max(wanted - members, 0)
+    return spares[:keep], spares[keep:]
+
+
+def restart_delay(faults_of_slot: int) -> float:
+    """Seconds to wait before restarting a slot with that many faults: 0, 0, 1, 2, 4... 16."""
+    return 0.0 if faults_of_slot <= 1 else min(2.0 ** (faults_of_slot - 2), 16.0)
+
+
+class SlotHealth:
+    """Faults per slot in this run; a slot with ``limit`` faults is left out."""
+
+    def __init__(self, limit: int = faults.MAX_SLOT_FAULTS):
+        self.limit = limit
+        self.faults: dict[int, int] = {}
+
+    def record(self, slot: int) -> bool:
+        """Count a fault of `slot`; True when it reached the limit (leave it out now)."""
+        self.faults[slot] = self.faults.get(slot, 0) + 1
+        return self.faults[slot] == self.limit
+
+    def delay(self, slot: int | None) -> float:
+        return restart_delay(self.faults.get(slot, 0)) if slot is not None else 0.0
+
+
+# ---------------------------------------------------------------------- carrying them out
+
+class Membership:
+    """Members, spares and joining engines of one run (owner thread).
+
+    Args:
+        pool: the EnginePool (starts, stops and leaves out slots).
+        log: the RunLog (warnings as events).
+        prepare: ``async prepare(engines)`` sets new engines up for the run (runs the cell,
+            connects the rendezvous); raises on failure.
+    """
+
+    def __init__(self, pool, log, prepare):
+        self.pool, self.log, self._prepare = pool, log, prepare
+        self.members: list = []
+        self.spares: list = []
+        self.joining: list = []
+        self.health = SlotHealth()
+        self.boot_failures = 0
+        self._booting: asyncio.Task | None = None
+
+    @property
+    def gave_up(self) -> bool:
+        """Engines failed to start MAX_BOOT_FAILURES times in a row: no more boots."""
+        return self.boot_failures >= MAX_BOOT_FAILURES
+
+    def start_with(self, engines: list) -> None:
+        self.members = list(engines)
+
+    # ---------------------------------------------------------------- spares
+
+    def boot(self, wanted: int) -> None:
+        """Start engines in the background until `wanted` are set up (members and spares).
+        One boot at a time; call again when it ended (the driver does at every look)."""
+        if self._booting is not None and not self._booting.done():
+            return
+        self._booting = None
+        missing = wanted - len(self.members) - len(self.spares)
+        if missing > 0 and not self.gave_up:
+            self._booting = background(self._boot(missing),
+                                       lambda e: self.log.event("warning", message=f"boot: {e}"))
+
+    def trim(self, wanted: int) -> None:
+        """Stop ready spares that no pending request or standby needs any more."""
+        self.spares, extra = plan_trim(self.spares, wanted, len(self.members))
+        if extra:
+            self.pool.remove_engines(extra)
+
+    async def _boot(self, k: int) -> None:
+        await asyncio.sleep(self.health.delay(self.pool.next_free_slot()))  # back off a bad slot
+        t0 = time.time()
+        try:
+            engines = await self.pool.add_engines(k)
+        except Exception as e:  # reported as an event; the run trains on
+            self._boot_failed(f"could not start {k} engine(s): {e}")
+            return
+        try:
+            await self._prepare(engines)
+        except Exception as e:
+            await self.pool.remove_engines(engines)
+            self._boot_failed(f"new engines failed to set up: {remote_summary(e)}")
+            return
+        self.spares.extend(engines)
+        self.boot_failures = 0
+        self.log.log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
+
+    def _boot_failed(self, message: str) -> None:
+        self.boot_failures += 1
+        if self.gave_up:
+            message += f"; gave up growing after {MAX_BOOT_FAILURES} tries"
+        self.log.event("warning", message=message)
+
+    # ---------------------------------------------------------------- resizes
+
+    def shrink(self, target: int, wanted: int) -> None:
+        """Leave `target` members; leavers left the group already (kept as spares or stopped)."""
+        self.members, kept, stopped = plan_shrink(self.members, target, wanted, len(self.spares))
+        self.spares += kept
+        self.pool.remove_engines(stopped)
+
+    async def grow(self, target: int, poll: float) -> list:
+        """Add ready spares until `target` members, waiting for boots still under way (the
+        ranks wait too). Returns the newcomers; fewer when engines failed to start."""
+        while len(self.spares) < target - len(self.members) and not self.gave_up:
+            self.boot(target)
+            await asyncio.sleep(poll)
+        newcomers = self.spares[:target - len(self.members)]
+        self.spares = self.spares[len(newcomers):]
+        self.members += newcomers
+        return newcomers
+
+    # ---------------------------------------------------------------- faults
+
+    def drop(self, lost: list) -> None:
+        """Forget lost engines (dead or hung: they are killed), count their slots' faults and
+        leave out a slot that keeps failing."""
+        for engine in lost:
+            faults.kill(engine.pid)
+        self.members = [m for m in self.members if m not in lost]
+        self.pool.remove_engines(lost)
+        for engine in lost:
+            if self.health.record(engine.slot):
+                self.pool.exclude_slot(engine.slot, f"{self.health.limit} faults in this run")
+                self.log.event("warning", message=f"slot {engine.slot} left out after "
+                               f"{self.health.limit} faults")
+
+    def drop_dead(self) -> bool:
+        """Drop members whose process died (a fault during recovery); True if any did."""
+        dead = [m for m in self.members if not faults.alive(m.pid)]
+        if dead:
+            self.members = [m for m in self.members if m not in dead]
+            self.pool.remove_engines(dead)
+        return bool(dead)
+
+    async def wait_for_joiners(self, needed: int, wanted: int, deadline: float,
+                               poll: float) -> bool:
+        """Wait until `needed` spares are ready and move them to joining; False if the
+        monotonic `deadline` passed or engines keep failing to start."""
+        while len(self.spares) < needed:
+            if time.monotonic() > deadline or self.gave_up:
+                return False
+            self.boot(wanted)
+            await asyncio.sleep(poll)
+        self.joining, self.spares = self.spares[:needed], self.spares[needed:]
+        return True
+
+    def admit_joining(self) -> list:
+        """Joining engines become the youngest members; returns them."""
+        joining, self.joining = self.joining, []
+        self.members += joining
+        return joining
+
+    # ---------------------------------------------------------------- end
+
+    async def release(self) -> None:
+        """Stop the spares (waiting for a boot under way first); members stay in the pool."""
+        if self._booting is not None:
+            await asyncio.gather(self._booting, return_exceptions=True)
+        spares, self.spares = self.spares + self.joining, []
+        self.joining = []
+        if spares:
+            await self.pool.remove_engines(spares)

@@ -1,0 +1,112 @@
+"""Recovery: from a faulted generation back to one consistent state on every member.
+
+When a generation ends with a fault (faults.classify), :meth:`Recovery.recover` drops the lost
+engines, waits for replacements if fewer than ``--min`` survive, rolls the survivors back to the
+newest in-memory commit they all hold (or the newest checkpoint, when they hold none in common),
+and names the engines that must receive that state by broadcast in the next generation.
+Faults during recovery (a survivor dying meanwhile) are absorbed the same way. When no
+recovery is possible it raises :class:`BelowMinimum` or ``RuntimeError``; the driver ends
+the run.
+"""
+from __future__ import annotations
+
+import time
+
+from . import faults
+from .engine import checkpoint as ckpt
+
+POLL = 0.05
+
+
+class BelowMinimum(Exception):
+    """Fewer than --min engines and no replacement started in time."""
+
+
+class Recovery:
+    """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, checkpoint_dir,
+    standby (engines kept set up besides the members)."""
+
+    def __init__(self, membership, calls, log, sizer, pool, checkpoint_dir: str, standby: int):
+        self.membership, self.calls, self.log = membership, calls, log
+        self.sizer, self.pool = sizer, pool
+        self.checkpoint_dir, self.standby = checkpoint_dir, standby
+        self._last_rollback = 0
+        self._faults_without_progress = 0
+
+    async def recover(self, outcome) -> set:
+        """Recover from `outcome` (a faulted generation); returns the engine ids that receive
+        the state by broadcast in the next generation. Raises BelowMinimum, or RuntimeError
+        when the run keeps failing without progress."""
+        members = self.membership
+        members.drop(outcome.lost)
+        self.sizer.cap(self.pool.usable_slots)
+        self._count_fault()
+        members.boot(self.sizer.engines_wanted(self.standby))
+        await self.wait_for_minimum()
+        fault_step, target, newcomers = await self._roll_back_survivors()
+        self._last_rollback = target
+        self.log.roll_back(target)
+        # records the live stream had not delivered before the fault
+        self.log.merge({"records": await self.calls.history_since(
+            members.members[0], self.log.merged_upto)})
+        self.log.event("fault", step=fault_step, rolled_back_to=target,
+                       lost_steps=fault_step - target, lost_slots=[e.slot for e in outcome.lost],
+                       hung_slots=[e.slot for e in outcome.hung],
+                       world_size=len(members.members))
+        return newcomers
+
+    def _count_fault(self) -> None:
+        if self.log.step > self._last_rollback:
+            self._faults_without_progress = 0
+        self._faults_without_progress += 1
+        if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.pool.max_size):
+            raise RuntimeError("the run keeps failing without making progress; see run.logs()")
+
+    async def wait_for_minimum(self) -> None:
+        """With fewer than --min survivors, wait (visibly) for replacements to join."""
+        needed = max(self.pool.min_size, 1) - len(self.membership.members)
+        if needed <= 0:
+            return
+        self.log.event("warning", message=f"{len(self.membership.members)} engine(s) left, "
+                       f"below the minimum {self.pool.min_size}: waiting up to "
+                       f"{faults.MIN_WAIT_TIMEOUT:.0f} s for replacements")
+        deadline = time.monotonic() + faults.MIN_WAIT_TIMEOUT
+        if not await self.membership.wait_for_joiners(
+                needed, self.sizer.engines_wanted(self.standby), deadline, POLL):
+            raise BelowMinimum(
+                f"stopped: fewer than --min {self.pool.min_size} engines and no replacement "
+                f"started within {faults.MIN_WAIT_TIMEOUT:.0f} s; resume later with --resume")
+
+    async def _roll_back_survivors(self) -> tuple[int, int, set]:
+        """roll_back, dropping engines that die meanwhile (a fault during recovery)."""
+        while True:
+            try:
+                return await self.roll_back()
+            except Exception:
+                if not self.membership.drop_dead():
+                    raise
+                await self.wait_for_minimum()
+
+    async def roll_back(self) -> tuple[int, int, set]:
+        """Bring every member to one consistent state; returns (step reached before, step
+        restored, engine ids to receive it by broadcast). Prefers the newest in-memory commit
+        all survivors hold; else the newest checkpoint, loaded on rank 0."""
+        survivors = list(self.membership.members)
+        joining = self.membership.admit_joining()
+        if survivors:
+            held = await self.calls.commit_steps(survivors)
+            reached = max(h["step"] for h in held)
+            common = set.intersection(*(set(h["commits"]) for h in held))
+            if common:
+                target = max(common)
+                await self.calls.rollback(survivors, target)
+                return reached, target, {e.engine_id for e in joining}
+        else:
+            reached = self.log.step
+        if ckpt.latest_checkpoint(self.checkpoint_dir) is None:
+            raise RuntimeError("engines were lost before any commit or checkpoint; start the "
+                               "run again")
+        members = self.membership.members
+        loaded = await self.calls.load_state(members[0], self.checkpoint_dir)
+        self.log.event("warning", message=f"no common in-memory commit: restored {loaded['path']}")
+        return reached, loaded["progress"]["step"], {e.engine_id for e in members[1:]}

@@ -1,0 +1,149 @@
+"""The run log: the only writer of a run's per-step records, its events and its log file.
+
+Records arrive from rank 0's live stream and from each generation's result (:meth:`RunLog.merge`);
+events come from the owner (resizes, faults, warnings, end states) and from rank 0 (checkpoints).
+A resize's whole life is recorded here: :meth:`resize_started` when the generation ends for it,
+and the ``resized`` event, with its latency, at the first completed step at the new size — the
+one meaning of "done" that the chart, the widget and the side panel all show.
+
+Written on the owner thread only; other threads read (``records_since`` tolerates a concurrent
+rollback).
+"""
+from __future__ import annotations
+
+import os
+import time
+
+
+class RunLog:
+    """Records (step -> dict), events (list of dicts, in order) and ``<log_dir>/run.log``."""
+
+    def __init__(self, log_dir: str):
+        self.log_dir = log_dir
+        self.events: list[dict] = []
+        self._records: dict[int, dict] = {}
+        self._merged_upto = 0  # newest step merged from rank 0's stream
+        self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
+        self._resize: dict | None = None  # the latest resize's life (see `resize`)
+        self._resize_event: dict | None = None  # its "resize" event
+
+    # ------------------------------------------------------------------ reading (any thread)
+
+    @property
+    def step(self) -> int:
+        """Newest recorded step (0 before the first)."""
+        return max(self._records) if self._records else 0
+
+    def record(self, step: int) -> dict:
+        """The record of `step`, or {} if there is none."""
+        return self._records.get(step, {})
+
+    def history(self) -> list[dict]:
+        return [r for _, r in sorted(self._records.items())]
+
+    def records_since(self, step: int) -> list[dict]:
+        """Records after `step`, oldest first (cost: the new records only)."""
+        records = self._records  # the owner thread may delete entries meanwhile (a rollback)
+        found = (records.get(s) for s in range(step + 1, self.step + 1))
+        return [r for r in found if r is not None]
+
+    def last_event(self, kind: str) -> dict | None:
+        return next((e for e in reversed(self.events) if e["kind"] == kind), None)
+
+    @property
+    def resize(self) -> dict | None:
+        """The latest resize: from, to, step, requested_time, pending (True until the first
+        step at the new size completed), latency_s (s from request to that step; None while
+        pending). None before the first resize."""
+        return dict(self._resize) if self._resize is not None else None
+
+    # ------------------------------------------------------------------ writing (owner thread)
+
+    def log(self, text: str) -> None:
+        """Append a line to run.log (a lost line never stops training; events keep the record)."""
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            with open(os.path.join(self.log_dir, "run.log"), "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} {text}\n")
+        except OSError:
+            pass
+
+    def event(self, kind: str, **fields) -> dict:
+        """Record an event at ``fields["step"]`` (default: the newest step) and log it."""
+        event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
+        self.events.append(event)
+        self._event_keys.add((kind, event["step"]))
+        self.log(f"{kind} " + " ".join(f"{k}={v}" for k, v in event.items() if k != "kind"))
+        return event
+
+    def resize_started(self, step: int, old: int, new: int, requested_time: float,
+                       scheduled: bool) -> dict:
+        """The generation ended after `step` to change the world size from `old` to `new`."""
+        event = self.event("resize", step=step, requested_time=requested_time,
+                           scheduled=scheduled, **{"from": old, "to": new})
+        self._resize = {"from": old, "to": new, "step": step, "requested_time": requested_time,
+                        "pending": True, "latency_s": None}
+        self._resize_event = event
+        return event
+
+    def resize_settled(self, new: int) -> None:
+        """The resize under way ends at `new` engines (fewer engines could start)."""
+        if self._resize is not None and self._resize["pending"]:
+            self._resize["to"] = self._resize_event["to"] = new
+
+    def merge(self, data: dict, complete: bool = False) -> None:
+        """Take records and events streamed by rank 0 (repeats are skipped, unless the data
+        is `complete`: a generation's result fills any gap the live stream left)."""
+        for record in data.get("records", ()):
+            if complete or record["step"] > self._merged_upto:
+                self._records[record["step"]] = record
+                self._merged_upto = max(self._merged_upto, record["step"])
+        self._finish_resize()
+        for event in data.get("events", ()):
+            if (event["kind"], event["step"]) not in self._event_keys:
+                fields = dict(event)
+                self.event(fields.pop("kind"), **fields)
+
+    def _finish_resize(self) -> None:
+        life = self._resize
+        first = self._records.get(life["step"] + 1) if life and life["pending"] else None
+        if first is not None:  # the first step at the new size: the resize is done
+            life.update(pending=False, latency_s=first["time"] - life["requested_time"],
+                        step=first["step"])
+            self.event("resized", step=first["step"], latency_s=life["latency_s"],
+                       **{"from": life["from"], "to": life["to"]})
+
+    def load(self, history: list[dict], upto: int) -> None:
+        """Start from a checkpoint's history (a resumed run)."""
+        for record in history:
+            self._records[record["step"]] = record
+        self._merged_upto = upto
+
+    def roll_back(self, step: int) -> None:
+        """Forget records after `step` (a fault rolled the ranks back to it)."""
+        for s in [s for s in self._records if s > step]:
+            del self._records[s]
+        self._merged_upto = min(self._merged_upto, step)
+
+    @property
+    def merged_upto(self) -> int:
+        return self._merged_upto
+
+
+def describe_event(event: dict) -> str | None:
+    """One human-readable line for an event (None for events not worth a line)."""
+    kind, step = event["kind"], event["step"]
+    if kind == "resize":
+        how = "scheduled" if event.get("scheduled") else "requested"
+        return f"[step {step}] resize {event['from']} -> {event['to']} ({how})"
+    if kind == "resized":
+        return (f"[step {step}] world size is now {event['to']}: resize took "
+                f"{event['latency_s']:.3f} s (request to first step at the new size)")
+    if kind == "checkpoint":
+        return f"[step {step}] checkpoint {event['path']} ({event['bytes'] / 1e6:.2f} MB)"
+    if kind == "checkpoint_failed":
+        return f"[step {step}] WARNING checkpoint not written: {event['message']}"
+    if kind in ("error", "warning", "finished", "stopped", "start"):
+        extra = event.get("message") or f"world size {event.get('world_size')}"
+        return f"[step {step}] {kind}: {extra}"
+    return None

@@ -1,0 +1,175 @@
+"""Sizing: pure decisions about a run's world size. No engines, no I/O, no clock of its own.
+
+Every wish for a size is a :class:`SizeRequest` from some :class:`SizePolicy` — the user (the
+slider, the REST API, ``run.resize``), a schedule (``--resize-at``), and later an autoscaler or a
+scheduler's preemption. The :class:`Sizer` turns them into the decisions the generation driver
+acts on: the requested size (the newest immediate request wins; a scheduled one takes effect
+exactly after its step), the step after which the current generation should end, and how many
+engines the run wants set up (members plus ready spares).
+
+The :class:`Sizer` is the only writer of the requested size, the schedule and the stop request.
+"""
+from __future__ import annotations
+
+import abc
+import bisect
+from dataclasses import dataclass
+
+COALESCE_S = 0.15  # requests closer than this are one: no engine boots for an overridden size
+
+
+@dataclass(frozen=True)
+class SizeRequest:
+    """A wish for world size `size`, now (`at_step` None) or exactly after step `at_step`.
+
+    `time` is the wall time (s since the epoch) the wish was made: a resize's latency is
+    measured from it. `source` names the policy ("user", "schedule", ...).
+    """
+
+    size: int
+    at_step: int | None = None
+    time: float = 0.0
+    source: str = "user"
+
+
+class SizePolicy(abc.ABC):
+    """A source of size requests.
+
+    The generation driver calls :meth:`requests` at every look at a running generation (every
+    ``driver.POLL`` s) and at each step boundary, and feeds what it returns to the run's
+    :class:`Sizer`. A policy that reacts to the outside world (free GPUs, a preemption notice)
+    decides here; one driven by calls (:class:`UserRequests`) hands over what was queued.
+    """
+
+    @abc.abstractmethod
+    def requests(self, step: int, now: float) -> list[SizeRequest]:
+        """The requests made since the last call (`step`: the newest completed step)."""
+
+
+class UserRequests(SizePolicy):
+    """Requests from the user (slider, REST API, ``run.resize``), queued on the owner thread."""
+
+    def __init__(self):
+        self._queue: list[SizeRequest] = []
+
+    def add(self, request: SizeRequest) -> None:
+        self._queue.append(request)
+
+    def requests(self, step: int, now: float) -> list[SizeRequest]:
+        queued, self._queue = self._queue, []
+        return queued
+
+
+class Schedule(SizePolicy):
+    """Resizes fixed before training starts: (at_step, size) pairs."""
+
+    def __init__(self, pairs: list[tuple[int, int]]):
+        self._pending = [SizeRequest(size, at_step=at, source="schedule") for at, size in pairs]
+
+    def requests(self, step: int, now: float) -> list[SizeRequest]:
+        pending, self._pending = self._pending, []
+        return pending
+
+
+@dataclass(frozen=True)
+class Change:
+    """The size decided at a step boundary: `target` engines; `requested_time` is when the
+    wish was made (None: no wish to time); `scheduled` when a schedule entry fell due."""
+
+    target: int
+    requested_time: float | None
+    scheduled: bool
+
+
+class Sizer:
+    """The run's size decisions.
+
+    Args:
+        size: the starting world size (also the first requested size).
+        min_size: the pool's lower bound (a run waits for replacements below it).
+        usable: slots the run may use (the pool's upper bound minus excluded slots).
+    """
+
+    def __init__(self, size: int = 0, min_size: int = 1, usable: int = 1):
+        self.begin(size, min_size, usable)
+        self.stop_requested = False
+        self._schedule: list[tuple[int, int, float]] = []  # (at_step, size, time), sorted
+        self._request_time: float | None = None  # of the newest immediate request not yet met
+        self._last_request = float("-inf")  # monotonic time of the newest request
+
+    # ------------------------------------------------------------------ inputs
+
+    def begin(self, size: int, min_size: int, usable: int) -> None:
+        """The run starts at `size` within [min_size, usable] (once its pool is known)."""
+        self.requested, self.min_size, self.usable = size, min_size, usable
+
+    def submit(self, request: SizeRequest, now: float) -> None:
+        """Take a request (`now`: monotonic seconds, for coalescing). An immediate request
+        replaces the requested size (newest wins); a scheduled one joins the schedule."""
+        size = max(1, min(request.size, self.usable))
+        if request.at_step is None:
+            self.requested = size
+            self._request_time = request.time
+        else:
+            bisect.insort(self._schedule, (request.at_step, size, request.time))
+        self._last_request = now
+
+    def take(self, policies: list[SizePolicy], step: int, now: float) -> bool:
+        """Submit every policy's new requests; returns whether there were any."""
+        new = [r for p in policies for r in p.requests(step, now)]
+        for request in new:
+            self.submit(request, now)
+        return bool(new)
+
+    def stop(self) -> None:
+        """The run should stop after the current step."""
+        self.stop_requested = True
+
+    def cap(self, usable: int) -> None:
+        """Fewer slots are usable (a slot was left out): never ask for more."""
+        self.usable = usable
+        self.requested = min(self.requested, usable)
+
+    def settle(self, reached: int) -> None:
+        """Growing stopped at `reached` engines (engines failed to start): ask for no more."""
+        self.requested = min(self.requested, reached)
+
+    # ------------------------------------------------------------------ decisions
+
+    @property
+    def schedule(self) -> list[tuple[int, int]]:
+        """Pending scheduled resizes as (at_step, size), soonest first."""
+        return [(at, size) for at, size, _ in self._schedule]
+
+    def settled(self, now: float) -> bool:
+        """No request for COALESCE_S: a boot now serves the newest wish, not an overridden one."""
+        return now - self._last_request >= COALESCE_S
+
+    def end_at(self, world_size: int, ready_spares: int) -> int | None:
+        """The step after which the running generation should end: 0 for "after the current
+        step" (stop, a shrink, or a grow whose engines are ready), the next scheduled step,
+        or None (keep training)."""
+        if self.stop_requested:
+            return 0
+        if self.requested < world_size or 0 < self.requested - world_size <= ready_spares:
+            return 0
+        return self._schedule[0][0] if self._schedule else None
+
+    def engines_wanted(self, standby: int) -> int:
+        """Engines to keep set up (members and ready spares): the largest size requested now
+        or scheduled, at least the minimum, plus `standby`, within the usable slots."""
+        wanted = max([self.requested, self.min_size] + [size for _, size, _ in self._schedule])
+        return min(wanted + standby, self.usable)
+
+    def due(self, step: int, step_time: float) -> Change:
+        """The size to train at after `step` (which ended at wall time `step_time`): scheduled
+        resizes up to `step` fall due. An immediate request is timed from when it was made, a
+        scheduled resize from the end of its step; each time is used once."""
+        requested_time, self._request_time = self._request_time, None
+        scheduled = False
+        while self._schedule and self._schedule[0][0] <= step:
+            _, self.requested, _ = self._schedule.pop(0)
+            scheduled = True
+        if scheduled:
+            requested_time = step_time
+        return Change(self.requested, requested_time, scheduled)

@@ -1,0 +1,154 @@
+"""Sizing and membership decisions, fed with plain events (no cluster)."""
+import pytest
+
+from elastic_jupyter.config import UsageError
+from elastic_jupyter.membership import (SlotHealth, free_slots, plan_shrink, plan_trim,
+                                        restart_delay)
+from elastic_jupyter.sizing import COALESCE_S, Schedule, SizeRequest, Sizer, UserRequests
+
+
+def sizer(size=2, min_size=1, usable=4):
+    return Sizer(size, min_size, usable)
+
+
+# ------------------------------------------------------------------ sizing
+
+def test_newest_immediate_request_wins_and_is_timed_from_when_it_was_made():
+    s = sizer()
+    s.submit(SizeRequest(3, time=100.0), now=0)
+    s.submit(SizeRequest(1, time=101.0), now=0.01)
+    change = s.due(step=10, step_time=105.0)
+    assert (change.target, change.requested_time, change.scheduled) == (1, 101.0, False)
+    # the request time is used once: the next boundary has nothing to time
+    assert s.due(step=11, step_time=106.0).requested_time is None
+
+
+def test_scheduled_resize_falls_due_exactly_after_its_step_and_is_timed_from_it():
+    s = sizer()
+    s.take([Schedule([(20, 3), (10, 1)])], step=0, now=0)
+    assert s.schedule == [(10, 1), (20, 3)]
+    assert s.end_at(world_size=2, ready_spares=0) == 10  # leave exactly after step 10
+    assert s.due(step=9, step_time=1.0).target == 2
+    change = s.due(step=10, step_time=2.0)
+    assert (change.target, change.requested_time, change.scheduled) == (1, 2.0, True)
+    assert s.end_at(world_size=1, ready_spares=0) == 20
+
+
+def test_a_later_immediate_request_overrides_a_schedule_that_fell_due():
+    s = sizer()
+    s.take([Schedule([(5, 4)])], step=0, now=0)
+    assert s.due(step=5, step_time=0.0).target == 4
+    s.submit(SizeRequest(2, time=1.0), now=1)
+    assert s.due(step=6, step_time=1.5).target == 2
+
+
+def test_end_at_shrink_at_once_grow_only_when_engines_are_ready_stop_wins():
+    s = sizer(size=2)
+    assert s.end_at(world_size=2, ready_spares=0) is None
+    s.submit(SizeRequest(1), now=0)
+    assert s.end_at(world_size=2, ready_spares=0) == 0
+    s.submit(SizeRequest(4), now=0)
+    assert s.end_at(world_size=2, ready_spares=1) is None  # 2 more needed, 1 ready
+    assert s.end_at(world_size=2, ready_spares=2) == 0
+    s.submit(SizeRequest(2), now=0)
+    s.submit(SizeRequest(3, at_step=50), now=0)
+    assert s.end_at(world_size=2, ready_spares=0) == 50
+    s.stop()
+    assert s.end_at(world_size=2, ready_spares=0) == 0
+
+
+def test_engines_wanted_counts_the_largest_wish_the_minimum_and_standby_within_bounds():
+    s = sizer(size=2, min_size=1, usable=4)
+    assert s.engines_wanted(standby=0) == 2
+    assert s.engines_wanted(standby=1) == 3
+    s.submit(SizeRequest(3, at_step=40), now=0)
+    assert s.engines_wanted(standby=0) == 3
+    assert s.engines_wanted(standby=5) == 4  # never more than the usable slots
+    low = sizer(size=1, min_size=2, usable=4)
+    assert low.engines_wanted(standby=0) == 2
+
+
+def test_bounds_requests_and_caps_never_exceed_the_usable_slots():
+    s = sizer(size=4, usable=4)
+    s.cap(3)  # a slot was left out
+    assert s.requested == 3
+    s.submit(SizeRequest(4), now=0)
+    assert s.requested == 3
+    s.settle(2)  # engines failed to start: ask for no more than what runs
+    assert s.requested == 2
+
+
+def test_requests_coalesce_no_boot_until_they_settle():
+    s = sizer()
+    s.submit(SizeRequest(3), now=10.0)
+    s.submit(SizeRequest(1), now=10.0 + COALESCE_S / 3)
+    assert not s.settled(10.0 + COALESCE_S / 2)
+    assert s.settled(10.0 + COALESCE_S / 3 + COALESCE_S)
+    assert s.engines_wanted(standby=0) == 1  # the overridden 3 wants no engine
+
+
+def test_user_requests_policy_hands_over_what_was_queued_once():
+    user = UserRequests()
+    user.add(SizeRequest(3))
+    user.add(SizeRequest(2))
+    s = sizer()
+    assert s.take([user], step=0, now=0) is True
+    assert s.requested == 2
+    assert s.take([user], step=1, now=1) is False
+
+
+# ------------------------------------------------------------------ membership
+
+def test_shrink_keeps_the_oldest_ranks_and_keeps_leavers_as_standby_when_wanted():
+    members = ["r0", "r1", "r2", "r3"]
+    assert plan_shrink(members, target=2, wanted=2, spares=0) == (["r0", "r1"], [], ["r2", "r3"])
+    assert plan_shrink(members, target=2, wanted=3, spares=0) == (["r0", "r1"], ["r2"], ["r3"])
+    # a spare already ready fills the standby: the leavers stop
+    assert plan_shrink(members, target=2, wanted=3, spares=1) == (["r0", "r1"], [], ["r2", "r3"])
+
+
+def test_trim_stops_spares_beyond_what_is_wanted_newest_first():
+    assert plan_trim(["s0", "s1", "s2"], wanted=3, members=2) == (["s0"], ["s1", "s2"])
+    assert plan_trim(["s0"], wanted=1, members=2) == ([], ["s0"])
+    assert plan_trim(["s0"], wanted=4, members=2) == (["s0"], [])
+
+
+def test_a_replacement_takes_the_lowest_free_slot_that_is_not_left_out():
+    assert free_slots(4, used={0, 2}, excluded=set(), k=1) == [1]
+    assert free_slots(4, used={0}, excluded={1}, k=2) == [2, 3]
+    with pytest.raises(UsageError, match="1 left out"):
+        free_slots(3, used={0, 2}, excluded={1}, k=1)
+
+
+def test_a_slot_is_left_out_at_its_limit_and_restarted_ever_more_slowly():
+    health = SlotHealth(limit=3)
+    assert [health.record(1) for _ in range(3)] == [False, False, True]
+    assert health.record(1) is False  # reported once
+    assert [restart_delay(n) for n in range(7)] == [0, 0, 1, 2, 4, 8, 16]
+    assert restart_delay(20) == 16
+    assert health.delay(0) == 0 and health.delay(None) == 0 and health.delay(1) == 4
+
+
+# ------------------------------------------------------------------ a resize's life in the run log
+
+def test_a_resize_is_done_at_the_first_completed_step_at_the_new_size(tmp_path):
+    from elastic_jupyter.runlog import RunLog
+    log = RunLog(str(tmp_path))
+    log.merge({"records": [{"step": s, "time": 100.0 + s, "world_size": 2} for s in (1, 2, 3)]})
+    log.resize_started(step=3, old=2, new=3, requested_time=102.5, scheduled=False)
+    assert log.resize["pending"] is True and log.resize["latency_s"] is None
+    log.merge({"records": []})
+    assert log.resize["pending"] is True  # the group is formed, no step at 3 yet
+    log.merge({"records": [{"step": 4, "time": 104.0, "world_size": 3}]})
+    assert log.resize == {"from": 2, "to": 3, "step": 4, "requested_time": 102.5,
+                          "pending": False, "latency_s": 1.5}
+    assert [(e["kind"], e["step"]) for e in log.events] == [("resize", 3), ("resized", 4)]
+
+
+def test_the_owner_side_touches_no_other_objects_private_state():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "pylint", "--disable=all",
+                          "--enable=protected-access", "elastic_jupyter"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
