@@ -48,11 +48,14 @@ def test_the_newest_immediate_request_wins(idle_pool, tmp_path):
                       source=SLOW_CELL, engines=2, workspace=str(tmp_path)).start()
     try:
         run.resize(3)
+        time.sleep(0.005)  # a few ms apart: the overridden 3 must not start an engine
         run.resize(1)
-        deadline = time.time() + 30
+        deadline, largest = time.time() + 30, 0
         while run.world_size != 1 and time.time() < deadline:
-            time.sleep(0.05)
+            largest = max(largest, idle_pool.size)
+            time.sleep(0.01)
         assert run.world_size == 1
+        assert largest <= 2 and "engine(s) ready" not in run.logs(), run.logs()
         run.resize(1)  # equal to the current size: nothing happens
         time.sleep(0.5)
     finally:
