@@ -55,7 +55,7 @@ class DashboardView {
     this.ui = buildDom(el);
     this.ui.title.textContent = `Run ${model.get('name')}`;
     this.chart = new LossChart(this.ui.chart, { smoothing: 0.6, log: false, metric: null }, range => this.zoomed(range));
-    this.loadSnapshot();
+    this.loadHistory();
     model.on('msg:custom', (msg, buffers) => this.onMessage(msg, buffers));
     model.on('change:status', () => this.showStatus());
     model.on('change:events', () => this.chart.setMarkers(model.get('events')));
@@ -84,10 +84,10 @@ class DashboardView {
     }
   }
 
-  private loadSnapshot(): void {
-    const snapshot = this.model.get('history');
-    if (snapshot.columns && snapshot.data) {
-      this.history.load(snapshot.columns, snapshot.data);
+  private loadHistory(): void {
+    const initial = this.model.get('history');
+    if (initial.columns && initial.data) {
+      this.history.load(initial.columns, initial.data);
     }
     this.refreshMetrics();
     this.redraw();
