@@ -73,6 +73,7 @@ export class ElasticPanel extends Widget {
   async resize(id: string, size: number): Promise<void> {
     const run = this.list.find(id);
     const tracker = this.tracker(id);
+    // a run not polled yet (a command while the panel is hidden) is sent without feedback
     if (run && !tracker.request(size, run, Date.now())) {
       this.render(); // "already N": nothing to send
       return;
