@@ -3,11 +3,13 @@
  */
 import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
 import { Dialog, ICommandPalette, InputDialog, showDialog } from '@jupyterlab/apputils';
+import { URLExt } from '@jupyterlab/coreutils';
+import { ServerConnection } from '@jupyterlab/services';
 import { ISettingRegistry } from '@jupyterlab/settingregistry';
 import { LabIcon } from '@jupyterlab/ui-components';
 
-import { ElasticApi } from './panel/api';
-import { isActive } from './panel/model';
+import { Requester, RunsClient } from './common/api';
+import { isActive } from './common/snapshot';
 import { ElasticPanel } from './panel/panel';
 
 const PLUGIN_ID = 'elastic-jupyter:plugin';
@@ -32,7 +34,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     settings: ISettingRegistry | null,
     restorer: ILayoutRestorer | null
   ) => {
-    const api = new ElasticApi();
+    const api = new RunsClient(serverRequester());
     const panel = new ElasticPanel(api, {
       openPath: async path => {
         // the folder first: an old checkpoint may have been pruned (--keep) meanwhile
@@ -72,11 +74,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
           return;
         }
         const size = await InputDialog.getNumber({
-          title: `World size for '${run.name}' (${run.min_size}-${run.max_size})`,
+          title: `World size for '${run.name}' (${run.min_size ?? 1}-${run.max_size ?? '?'})`,
           value: run.requested_size || run.world_size
         });
         if (size.button.accept && size.value !== null) {
-          await panel.resize(run.id, size.value);
+          await panel.resize(run.id!, size.value);
         }
       }
     });
@@ -85,7 +87,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
       execute: async () => {
         const run = await chooseRun('Stop which run?');
         if (run) {
-          await panel.stop(run.id);
+          await panel.stop(run.id!);
         }
       }
     });
@@ -100,5 +102,11 @@ const plugin: JupyterFrontEndPlugin<void> = {
     }).catch(reason => console.error('elastic-jupyter: cannot load settings', reason));
   }
 };
+
+/** Requests through JupyterLab's ServerConnection: base URL, token and XSRF header. */
+function serverRequester(): Requester {
+  const settings = ServerConnection.makeSettings();
+  return (path, init) => ServerConnection.makeRequest(URLExt.join(settings.baseUrl, path), init, settings);
+}
 
 export default plugin;

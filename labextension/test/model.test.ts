@@ -6,67 +6,37 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import { History, ema } from '../src/chart/history';
-import { Backoff, HistoryCursor, ResizeTracker, RunModel, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
-
-function run(fields: Partial<RunModel>): RunModel {
-  return {
-    id: 'r-1', name: 'digits', notebook: 'q.ipynb', state: 'training', step: 10, total_steps: 100,
-    world_size: 2, requested_size: 2, min_size: 1, max_size: 4, loss: 1, recent_loss: [], slots: [],
-    checkpoints: [], error: null, ...fields
-  };
-}
-
-test('a resize is pending until the world size reaches the target, then done with its latency', () => {
-  const t = new ResizeTracker();
-  t.request(3, 1000);
-  assert.equal(t.update(run({ requested_size: 3 }), 1500).kind, 'pending');
-  const done = t.update(run({ world_size: 3, requested_size: 3 }), 3200);
-  assert.equal(done.kind, 'done');
-  assert.match(done.text, /done in 2\.2 s/);
-  assert.equal(t.update(run({ world_size: 3, requested_size: 3 }), 9000).kind, 'done'); // stays shown
-});
-
-test('a later request from another tab wins and this view says so', () => {
-  const t = new ResizeTracker();
-  t.request(3, 0);
-  assert.equal(t.update(run({ requested_size: 3 }), 500).kind, 'pending');
-  const fb = t.update(run({ requested_size: 1 }), 2500);
-  assert.equal(fb.kind, 'superseded');
-  assert.match(fb.text, /asked for 1/);
-});
-
-test('a resize of a run that ended fails with the state; a refused request shows its reason', () => {
-  const t = new ResizeTracker();
-  t.request(3, 0);
-  assert.equal(t.update(run({ state: 'finished' }), 100).kind, 'failed');
-  t.request(9, 0);
-  t.fail('pool size 9 is outside this pool\'s bounds [1, 4]');
-  assert.match(t.update(run({}), 100).text, /bounds \[1, 4\]/);
-});
-
-test('requests made elsewhere show as pending too', () => {
-  const t = new ResizeTracker();
-  assert.equal(t.update(run({ requested_size: 3 }), 0).kind, 'pending');
-  assert.equal(t.update(run({}), 0).kind, 'none');
-});
-
-test('polls back off while nothing changes and after errors, and snap back on change', () => {
-  const b = new Backoff(1000, 10_000);
-  assert.equal(b.next(false, false), 1500);
-  assert.equal(b.next(false, false), 2250);
-  assert.equal(b.next(false, true), 4500);
-  for (let i = 0; i < 10; i++) {
-    b.next(false, true);
-  }
-  assert.equal(b.next(false, false), 10_000);
-  assert.equal(b.next(true, false), 1000);
-});
+import { isEnded } from '../src/common/snapshot';
+import { HistoryCursor, RunList, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
+import { life, run } from './fixtures';
 
 test('fingerprint changes with step and sizes only', () => {
   const a = fingerprint([run({})]);
   assert.equal(fingerprint([run({ loss: 0.5 })]), a);
   assert.notEqual(fingerprint([run({ step: 11 })]), a);
   assert.notEqual(fingerprint([run({ requested_size: 3 })]), a);
+  assert.notEqual(fingerprint([run({ resize: life(1, 2, 0) })]), a); // a resize under way
+});
+
+test('a poll answer that left before a write answered is dropped: no dismissed run comes back', () => {
+  const list = new RunList();
+  assert.ok(list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], list.begin()));
+  assert.ok(!list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], list.begin())); // no change
+  const token = list.begin(); // a poll starts ...
+  list.remove('a'); // ... the dismiss answers ...
+  assert.ok(list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], token)); // ... then the poll: stale
+  assert.deepEqual(list.runs.map(r => r.id), ['b']);
+  const next = list.begin();
+  list.upsert(run({ id: 'b', requested_size: 3 })); // a resize's answer
+  list.apply([run({ id: 'b', requested_size: 2 })], next);
+  assert.equal(list.find('b')!.requested_size, 3); // the slider does not jump back
+  list.apply([run({ id: 'b', requested_size: 3 })], list.begin());
+  assert.equal(list.find('b')!.requested_size, 3);
+});
+
+test('ended runs can be dismissed; active and unresponsive ones cannot', () => {
+  assert.deepEqual(['finished', 'failed', 'stopped', 'lost'].map(state => isEnded(run({ state: state as any }))), [true, true, true, true]);
+  assert.deepEqual(['starting', 'training', 'resizing', 'unresponsive'].map(state => isEnded(run({ state: state as any }))), [false, false, false, false]);
 });
 
 test('history cursor appends pages, skips repeats and refetches after a rollback', () => {

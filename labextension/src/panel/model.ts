@@ -1,41 +1,10 @@
 /**
- * The side panel's logic without any DOM: run models as the server extension sends them, the
- * pending -> done feedback of a resize, poll back-off and the history cursor.
+ * The side panel's logic without any DOM: what a run row shows, what counts as a change worth
+ * a faster poll, and the history cursor.
  */
 import { History } from '../chart/history';
-
-export interface Checkpoint {
-  file: string;
-  path: string;
-  step: number;
-  bytes: number;
-  time: number;
-  browser_path: string | null; // relative to the server root, null when outside it
-}
-
-export interface RunModel {
-  id: string;
-  name: string;
-  notebook: string | null;
-  state: string; // starting | training | resizing | finished | failed | stopped | lost
-  step: number;
-  total_steps: number | null;
-  world_size: number;
-  requested_size: number;
-  min_size?: number;
-  max_size?: number;
-  loss: number | null;
-  recent_loss: number[];
-  slots: string[];
-  checkpoints: Checkpoint[];
-  error: string | null;
-}
-
-export const ACTIVE_STATES = ['starting', 'training', 'resizing'];
-
-export function isActive(run: RunModel): boolean {
-  return ACTIVE_STATES.includes(run.state);
-}
+import { HistoryPage } from '../common/api';
+import { RunSnapshot } from '../common/snapshot';
 
 /** "2 CPU slots", "GPU 0, 1": what the run occupies. */
 export function describeSlots(slots: string[]): string {
@@ -51,95 +20,54 @@ export function describeSlots(slots: string[]): string {
   return parts.join(' + ') || 'no slots';
 }
 
-export interface Feedback {
-  kind: 'none' | 'pending' | 'done' | 'superseded' | 'failed';
-  text: string;
-}
-
-/**
- * Pending -> done feedback for one run's resize requests made from this view. The server's
- * model is the truth: when another tab asked for another size later, this view says so
- * (the last request wins).
- */
-export class ResizeTracker {
-  private target: number | null = null;
-  private since = 0;
-  private last: Feedback = { kind: 'none', text: '' };
-
-  request(size: number, now: number): void {
-    this.target = size;
-    this.since = now;
-    this.last = { kind: 'pending', text: `resize to ${size}: sending…` };
-  }
-
-  fail(message: string): void {
-    this.target = null;
-    this.last = { kind: 'failed', text: message };
-  }
-
-  /** Feedback given the newest model of the run (times in ms). */
-  update(run: RunModel, now: number): Feedback {
-    if (this.target === null) {
-      if (this.last.kind !== 'failed' && run.requested_size && run.requested_size !== run.world_size && isActive(run)) {
-        return { kind: 'pending', text: `world size ${run.world_size} → ${run.requested_size}: pending…` };
-      }
-      return this.last;
-    }
-    const seconds = ((now - this.since) / 1000).toFixed(1);
-    if (run.world_size === this.target) {
-      this.last = { kind: 'done', text: `world size ${run.world_size}: done in ${seconds} s` };
-      this.target = null;
-    } else if (!isActive(run)) {
-      this.last = { kind: 'failed', text: `not resized: the run is ${run.state}` };
-      this.target = null;
-    } else if (run.requested_size !== this.target && now - this.since > 2000) {
-      this.last = { kind: 'superseded', text: `another request asked for ${run.requested_size}; it wins` };
-      this.target = null;
-    } else {
-      this.last = { kind: 'pending', text: `world size ${run.world_size} → ${this.target}: pending… (${seconds} s)` };
-    }
-    return this.last;
-  }
-}
-
-/**
- * Poll delays: `base` while something changes, growing by half up to `max` while nothing
- * does, doubling after an error. The panel stops polling while it is hidden.
- */
-export class Backoff {
-  private delay: number;
-
-  constructor(public base: number, public max: number) {
-    this.delay = base;
-  }
-
-  next(changed: boolean, failed: boolean): number {
-    const max = Math.max(this.max, this.base); // a poll interval set above max is kept
-    if (failed) {
-      this.delay = Math.min(max, this.delay * 2);
-    } else if (changed) {
-      this.delay = this.base;
-    } else {
-      this.delay = Math.min(max, Math.round(this.delay * 1.5));
-    }
-    return this.delay;
-  }
-
-  reset(): void {
-    this.delay = this.base;
-  }
-}
-
 /** The fields whose change is worth a faster poll and a redraw. */
-export function fingerprint(runs: RunModel[]): string {
-  return JSON.stringify(runs.map(r => [r.id, r.state, r.step, r.world_size, r.requested_size, r.checkpoints.length]));
+export function fingerprint(runs: RunSnapshot[]): string {
+  return JSON.stringify(runs.map(r => [
+    r.id, r.state, r.step, r.world_size, r.requested_size, r.resize?.pending, r.checkpoints.length
+  ]));
 }
 
-export interface HistoryPage {
-  columns: string[];
-  data: (number | null)[][];
-  events: { kind: string; step: number; [key: string]: unknown }[];
-  next: { since: number; events_since: number };
+/**
+ * The runs as the panel knows them. A poll's answer may have left the server before a write
+ * (resize, stop, dismiss) that answered meanwhile; it is dropped, so a dismissed run does not
+ * come back and a resize's slider does not jump back (the write's refresh brings news).
+ */
+export class RunList {
+  runs: RunSnapshot[] = [];
+  private writes = 0;
+  private print = '';
+
+  /** Call when a poll starts; give the token back with its answer. */
+  begin(): number {
+    return this.writes;
+  }
+
+  /** The poll's answer; whether it changed anything worth a faster poll. */
+  apply(runs: RunSnapshot[], token: number): boolean {
+    if (token !== this.writes) {
+      return true; // stale: poll again soon
+    }
+    this.runs = runs;
+    const print = fingerprint(runs);
+    const changed = print !== this.print;
+    this.print = print;
+    return changed;
+  }
+
+  /** A write's answer: the run as the server has it now. */
+  upsert(model: RunSnapshot): void {
+    this.writes++;
+    this.runs = this.runs.map(r => (r.id === model.id ? model : r));
+  }
+
+  remove(id: string): void {
+    this.writes++;
+    this.runs = this.runs.filter(r => r.id !== id);
+  }
+
+  find(id: string | null): RunSnapshot | undefined {
+    return this.runs.find(r => r.id === id);
+  }
 }
 
 /**

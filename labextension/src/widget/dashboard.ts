@@ -10,37 +10,25 @@ import type { AnyModel, RenderProps } from '@anywidget/types';
 
 import { History } from '../chart/history';
 import { LossChart, Marker } from '../chart/lossChart';
-import { requestRun } from './serverPath';
+import { ApiError, RunsClient } from '../common/api';
+import { ResizeTracker } from '../common/resize';
+import { RunSnapshot, isActive, toSnapshot } from '../common/snapshot';
+import { pageRequester, readPageConfig } from './pageRequester';
+import { buildDom, reason, sizeText, statusLine } from './view';
 import './dashboard.css';
-
-interface Status {
-  state: string;
-  step: number;
-  total_steps: number;
-  epoch: number | null;
-  world_size: number;
-  requested_size: number;
-  samples_per_s: number | null;
-  eta_s: number | null;
-  error: string | null;
-  log_dir: string;
-  last_checkpoint: string | null;
-  last_resize: { from: number; to: number; latency_s: number; step: number } | null;
-}
 
 interface Model {
   name: string;
   run_id: string | null;
   min_size: number;
   max_size: number;
-  status: Status;
+  status: object; // a RunSnapshot (older Python sides: a subset, see toSnapshot)
   events: Marker[];
   history: { columns?: string[]; data?: (number | null)[][]; decimated?: boolean };
   notice: string;
 }
 
 const DISCONNECTED_AFTER_MS = 4000; // the kernel sends a beat every second
-const ACTIVE = ['starting', 'training', 'resizing'];
 const COALESCE_MS = 150;
 
 function render({ model, el }: RenderProps<Model>): () => void {
@@ -52,7 +40,8 @@ class DashboardView {
   private history = new History();
   private chart: LossChart;
   private ui: ReturnType<typeof buildDom>;
-  private requested: number | null = null; // the slider's last request, until the kernel has it
+  private tracker = new ResizeTracker();
+  private client = new RunsClient(pageRequester(readPageConfig(), () => document.cookie));
   private lastBeat = Date.now();
   private beatTimer: number;
   private frame = 0;
@@ -66,7 +55,7 @@ class DashboardView {
     this.ui = buildDom(el);
     this.ui.title.textContent = `Run ${model.get('name')}`;
     this.chart = new LossChart(this.ui.chart, { smoothing: 0.6, log: false, metric: null }, range => this.zoomed(range));
-    this.loadSnapshot();
+    this.loadHistory();
     model.on('msg:custom', (msg, buffers) => this.onMessage(msg, buffers));
     model.on('change:status', () => this.showStatus());
     model.on('change:events', () => this.chart.setMarkers(model.get('events')));
@@ -95,10 +84,10 @@ class DashboardView {
     }
   }
 
-  private loadSnapshot(): void {
-    const snapshot = this.model.get('history');
-    if (snapshot.columns && snapshot.data) {
-      this.history.load(snapshot.columns, snapshot.data);
+  private loadHistory(): void {
+    const initial = this.model.get('history');
+    if (initial.columns && initial.data) {
+      this.history.load(initial.columns, initial.data);
     }
     this.refreshMetrics();
     this.redraw();
@@ -156,10 +145,12 @@ class DashboardView {
     const { slider, stop, logsButton, smoothing, log, metric } = this.ui;
     slider.addEventListener('input', () => this.showSize(Number(slider.value)));
     slider.addEventListener('change', () => {
-      this.requested = Number(slider.value);
-      this.showStatus();
+      const size = Number(slider.value);
       window.clearTimeout(this.resizeTimer); // quick moves (keyboard): only the last is sent
-      this.resizeTimer = window.setTimeout(() => void this.request('resize', this.requested!), COALESCE_MS);
+      if (this.tracker.request(size, this.snapshot(), Date.now())) {
+        this.resizeTimer = window.setTimeout(() => void this.request('resize', size), COALESCE_MS);
+      }
+      this.showStatus();
     });
     stop.addEventListener('click', () => {
       if (window.confirm(`Stop run '${this.model.get('name')}'? A checkpoint is written first.`)) {
@@ -178,17 +169,35 @@ class DashboardView {
     metric.addEventListener('change', () => this.chart.setOptions({ metric: metric.value || null }));
   }
 
-  /** Over the server extension when it answers, else over the comm (see serverPath.ts). */
+  /** The run as the kernel last described it. */
+  private snapshot(): RunSnapshot {
+    const m = this.model;
+    return toSnapshot(m.get('status'), { id: m.get('run_id'), name: m.get('name'), min_size: m.get('min_size'), max_size: m.get('max_size') });
+  }
+
+  /**
+   * Over the server extension, so the request never waits for the kernel's shell; over the
+   * comm where the server cannot carry it out (no extension, VS Code, run unreachable).
+   */
   private async request(kind: 'resize' | 'stop', size?: number): Promise<void> {
-    const outcome = await requestRun(this.model.get('run_id'), kind === 'resize' ? 'PATCH' : 'DELETE',
-      kind === 'resize' ? { world_size: size } : undefined);
-    this.ui.root.dataset.requestPath = outcome.ok || !outcome.fallback ? 'server' : 'comm';
-    if (!outcome.ok && outcome.fallback) {
+    const id = this.model.get('run_id');
+    let error: ApiError | null = null;
+    try {
+      if (!id) {
+        throw new ApiError(0, 'no run id');
+      }
+      await (kind === 'resize' ? this.client.resize(id, size!) : this.client.stop(id));
+    } catch (e) {
+      error = e instanceof ApiError ? e : new ApiError(0, String(e));
+    }
+    this.ui.root.dataset.requestPath = error?.fallback ? 'comm' : 'server';
+    if (error?.fallback) {
       this.model.send(kind === 'resize' ? { type: 'resize', world_size: size } : { type: 'stop' });
-    } else if (!outcome.ok) {
-      this.requested = null;
-      this.ui.notice.textContent = `${kind} refused: ${outcome.message}`;
+    } else if (error && kind === 'resize') {
+      this.tracker.fail(`resize refused: ${error.message}`);
       this.showStatus();
+    } else if (error) {
+      this.ui.notice.textContent = `stop refused: ${error.message}`;
     }
   }
 
@@ -215,26 +224,20 @@ class DashboardView {
     if (this.restarted) {
       return; // a dead kernel's traits no longer change; keep saying so
     }
-    const s = this.model.get('status');
+    const s = this.snapshot();
     const { slider, size, state, stop } = this.ui;
-    const active = ACTIVE.includes(s.state);
-    slider.min = String(this.model.get('min_size'));
-    slider.max = String(this.model.get('max_size'));
-    if (this.requested !== null && s.requested_size === this.requested) {
-      this.requested = null; // the kernel has the request
-    }
-    const wanted = this.requested ?? s.requested_size;
+    const active = isActive(s);
+    slider.min = String(s.min_size ?? 1);
+    slider.max = String(s.max_size ?? s.world_size);
+    const feedback = this.tracker.update(s, Date.now());
     if (document.activeElement !== slider) {
-      slider.value = String(wanted || s.world_size);
+      slider.value = String(this.tracker.pending ?? (s.requested_size || s.world_size));
       this.showSize(Number(slider.value));
     }
     slider.disabled = stop.disabled = !active;
-    const pending = active && wanted && wanted !== s.world_size;
-    const r = s.last_resize;
-    size.textContent = pending
-      ? `world size ${s.world_size} → ${wanted}: pending…`
-      : `world size ${s.world_size}` + (r ? ` (resize ${r.from} → ${r.to} took ${r.latency_s.toFixed(2)} s)` : '');
-    size.classList.toggle('ej-pending', Boolean(pending));
+    size.textContent = sizeText(s, feedback);
+    size.dataset.kind = feedback.kind;
+    size.classList.toggle('ej-pending', feedback.kind === 'pending');
     state.textContent = s.state;
     state.dataset.state = s.state;
     this.ui.root.dataset.worldSize = String(s.world_size);
@@ -245,14 +248,14 @@ class DashboardView {
   private showNotice(): void {
     const notice = this.model.get('notice');
     this.ui.notice.textContent = notice;
-    if (notice && this.requested !== null) {
-      this.requested = null; // the request was refused: nothing is pending
+    if (notice && this.tracker.pending !== null) {
+      this.tracker.fail(notice); // the kernel refused the request sent over the comm
       this.showStatus();
     }
   }
 
   private checkConnection(): void {
-    const live = ACTIVE.includes(this.model.get('status').state) && !this.ended;
+    const live = isActive(this.snapshot()) && !this.ended;
     if (live && Date.now() - this.lastBeat > DISCONNECTED_AFTER_MS) {
       this.showDisconnected('no word from the kernel for a while (busy, restarted or shut down)');
     }
@@ -281,94 +284,6 @@ class DashboardView {
       `Disconnected: ${why}. This view is frozen. Re-run the cell, or call run.dashboard() ` +
       '(after %%elastic_train --resume in a new kernel).';
   }
-}
-
-function statusLine(s: Status): string {
-  const parts = [`step ${s.step}/${s.total_steps || '?'}`];
-  if (s.epoch !== null) {
-    parts.push(`epoch ${s.epoch}`);
-  }
-  if (s.samples_per_s !== null) {
-    parts.push(`${Math.round(s.samples_per_s)} samples/s`);
-  }
-  if (s.eta_s !== null) {
-    parts.push(`ETA ${formatSeconds(s.eta_s)}`);
-  }
-  parts.push(s.last_checkpoint ? `checkpoint ${s.last_checkpoint}` : 'no checkpoint yet');
-  return parts.join(' · ');
-}
-
-function reason(s: Status): string {
-  if (s.state === 'failed') {
-    return `Training failed: ${s.error ?? 'see the logs'}. Resizing is off.`;
-  }
-  if (s.state === 'finished' || s.state === 'stopped') {
-    return `The run has ${s.state}: resizing is off. Continue it with %%elastic_train --resume.`;
-  }
-  return '';
-}
-
-function formatSeconds(t: number): string {
-  const s = Math.round(t);
-  return s >= 3600 ? `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min` : s >= 60 ? `${Math.floor(s / 60)} min ${s % 60} s` : `${s} s`;
-}
-
-function legend(): HTMLElement {
-  const box = document.createElement('span');
-  box.className = 'ej-legend';
-  for (const [kind, text] of [['resized', 'resize'], ['fault', 'fault'], ['checkpoint', 'checkpoint']]) {
-    const item = document.createElement('span');
-    item.className = `ej-mark ej-mark-${kind}`;
-    item.textContent = text;
-    box.append(item);
-  }
-  return box;
-}
-
-function buildDom(el: HTMLElement) {
-  const make = <K extends keyof HTMLElementTagNameMap>(tag: K, cls: string, text = '') => {
-    const node = document.createElement(tag);
-    node.className = cls;
-    node.textContent = text;
-    return node;
-  };
-  const root = make('div', 'ej-dashboard');
-  const header = make('div', 'ej-row');
-  const title = make('span', 'ej-title');
-  const state = make('span', 'ej-state');
-  const line = make('span', 'ej-line');
-  header.append(title, state, line);
-
-  const controls = make('div', 'ej-row');
-  const slider = make('input', 'ej-slider');
-  slider.type = 'range';
-  slider.step = '1';
-  slider.setAttribute('aria-label', 'pool size');
-  const sliderValue = make('span', 'ej-slider-value');
-  const size = make('span', 'ej-size');
-  const stop = make('button', 'ej-button', 'Stop');
-  const logsButton = make('button', 'ej-button', 'Logs');
-  controls.append(make('span', 'ej-label', 'Pool size'), slider, sliderValue, size, stop, logsButton);
-
-  const options = make('div', 'ej-row ej-options');
-  const smoothing = make('input', 'ej-smoothing');
-  Object.assign(smoothing, { type: 'range', min: '0', max: '0.99', step: '0.01', value: '0.6' });
-  const log = make('input', '');
-  log.type = 'checkbox';
-  const metric = make('select', 'ej-metric');
-  const logLabel = make('label', '', ' log scale');
-  logLabel.prepend(log);
-  options.append(make('span', 'ej-label', 'Smoothing'), smoothing, logLabel, make('span', 'ej-label', 'Metric'), metric,
-    legend());
-
-  const chart = make('div', 'ej-chart-box');
-  const reason = make('div', 'ej-reason');
-  const notice = make('div', 'ej-notice');
-  const logs = make('pre', 'ej-logs');
-  logs.hidden = true;
-  root.append(header, controls, reason, notice, options, chart, logs);
-  el.append(root);
-  return { root, title, state, line, slider, sliderValue, size, stop, logsButton, smoothing, log, metric, chart, reason, notice, logs };
 }
 
 export default { render };

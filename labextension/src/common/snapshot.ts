@@ -1,0 +1,91 @@
+/**
+ * One run as every view sees it: the server extension's REST model (GET elastic/api/runs/<id>)
+ * and the dashboard widget's `status` trait carry this same object (written on the Python side).
+ */
+
+export type RunState = 'starting' | 'training' | 'resizing' | 'finished' | 'failed' | 'stopped' | 'lost' | 'unresponsive';
+
+/** States in which the run trains and takes resize and stop requests. */
+export const ACTIVE_STATES: readonly RunState[] = ['starting', 'training', 'resizing'];
+
+/** States a run never leaves: the panel offers to dismiss such a run from its list. */
+export const ENDED_STATES: readonly RunState[] = ['finished', 'failed', 'stopped', 'lost'];
+
+export interface Checkpoint {
+  file: string;
+  path: string;
+  step: number;
+  bytes: number;
+  time: number;
+  browser_path?: string | null; // relative to the server root, null when outside it (REST only)
+}
+
+/**
+ * The life of the latest resize. `pending` from when the run ends its generation to carry it
+ * out until the first completed step at the new size; then `step` is that step and
+ * `latency_s` the seconds from the request to it.
+ */
+export interface ResizeLife {
+  from: number;
+  to: number;
+  step: number;
+  requested_time: number;
+  pending: boolean;
+  latency_s: number | null;
+}
+
+export interface RunSnapshot {
+  id: string | null;
+  name: string;
+  notebook: string | null;
+  kernel_id?: string | null;
+  started?: number | null;
+  state: RunState;
+  step: number;
+  total_steps: number | null;
+  epoch: number | null;
+  world_size: number;
+  requested_size: number; // the newest request; differs from world_size until the run takes it up
+  min_size: number | null;
+  max_size: number | null;
+  backend: string | null;
+  loss: number | null;
+  recent_loss: number[];
+  samples_per_s: number | null;
+  eta_s: number | null;
+  error: string | null;
+  checkpoint_dir: string;
+  checkpoints: Checkpoint[];
+  last_checkpoint: string | null;
+  log_dir: string | null;
+  slots: string[];
+  resize: ResizeLife | null;
+}
+
+const BLANK: RunSnapshot = {
+  id: null, name: '', notebook: null, state: 'starting', step: 0, total_steps: null, epoch: null,
+  world_size: 0, requested_size: 0, min_size: null, max_size: null, backend: null, loss: null,
+  recent_loss: [], samples_per_s: null, eta_s: null, error: null, checkpoint_dir: '', checkpoints: [],
+  last_checkpoint: null, log_dir: null, slots: [], resize: null
+};
+
+/**
+ * A complete snapshot from what a server sent. Older Python sides send fewer fields (no
+ * `resize`, and the widget's status no id, name or bounds): `known` fills those the view
+ * knows otherwise, then blanks. Fields the server sent, null included, win.
+ */
+export function toSnapshot(raw: object, known: Partial<RunSnapshot> = {}): RunSnapshot {
+  return { ...BLANK, ...defined(known), ...defined(raw as Partial<RunSnapshot>) };
+}
+
+function defined<T extends object>(fields: T): Partial<T> {
+  return Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined)) as Partial<T>;
+}
+
+export function isActive(run: Pick<RunSnapshot, 'state'>): boolean {
+  return ACTIVE_STATES.includes(run.state);
+}
+
+export function isEnded(run: Pick<RunSnapshot, 'state'>): boolean {
+  return ENDED_STATES.includes(run.state);
+}
