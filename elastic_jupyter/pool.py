@@ -245,8 +245,8 @@ class EnginePool:
                                    "overloaded (raise engine_timeout)")
             await asyncio.sleep(0.05)
         new = sorted(set(self.client.ids) - known)
-        from .engine import worker
-        ar = self.client[new].apply_async(_init_from_env, worker.init_engine)
+        from .engine import entrypoints
+        ar = self.client[new].apply_async(_init_from_env, entrypoints.init_engine)
         infos = await asyncio.wrap_future(ar)
         engines = []
         for engine_id, info in zip(new, infos):

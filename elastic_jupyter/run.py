@@ -1,6 +1,6 @@
 """TrainingRun: one elastic training run on an EnginePool, driven from the owner thread.
 
-The run is a sequence of generations (see engine.worker). Between two generations the owner
+The run is a sequence of generations (see engine.generation). Between two generations the owner
 changes the membership: a shrink stops the youngest engines after they left the group; a grow
 adds engines that were started and set up in the background while the others trained, so
 training pauses only for forming the new group and one broadcast of the state.
@@ -17,7 +17,7 @@ import time
 from . import faults, registry
 from .config import RESUME_KEYS, RunConfig, UsageError
 from .engine import checkpoint as ckpt
-from .engine import worker
+from .engine import entrypoints
 from .rendezvous import Rendezvous
 
 POLL = 0.05  # seconds between the owner's looks at a running generation
@@ -398,7 +398,7 @@ class TrainingRun:
         config = self.config.as_dict()
         config["checkpoint_dir"] = self.checkpoint_dir
         ars = [self.pool.client[e.engine_id].apply_async(
-            worker.setup_run, config, self.source, setup_bytes, self.push, self._engine_log(e))
+            entrypoints.setup_run, config, self.source, setup_bytes, self.push, self._engine_log(e))
             for e in engines]
         results = await asyncio.gather(*(asyncio.wrap_future(a) for a in ars),
                                        return_exceptions=True)
@@ -414,7 +414,7 @@ class TrainingRun:
     async def _load_checkpoint(self) -> str:
         """Load the newest usable checkpoint on rank 0; returns its path."""
         ar = self.pool.client[self.members[0].engine_id].apply_async(
-            worker.load_state, self.checkpoint_dir)
+            entrypoints.load_state, self.checkpoint_dir)
         try:
             loaded = await asyncio.wrap_future(ar)
         except Exception as e:
@@ -436,18 +436,18 @@ class TrainingRun:
 
     async def _connect(self, engines) -> None:
         ars = [self.pool.client[e.engine_id].apply_async(
-            worker.connect_store, self._rendezvous.host, self._rendezvous.port,
+            entrypoints.connect_store, self._rendezvous.host, self._rendezvous.port,
             self.config.collective_timeout) for e in engines]
         await asyncio.gather(*(asyncio.wrap_future(a) for a in ars))
 
     async def _drop(self, engines) -> None:
         if not engines or self.pool.client is None:
             return
-        ar = self.pool.client[[e.engine_id for e in engines]].apply_async(worker.drop_run)
+        ar = self.pool.client[[e.engine_id for e in engines]].apply_async(entrypoints.drop_run)
         await asyncio.gather(asyncio.wrap_future(ar), return_exceptions=True)
 
     async def _fetch_state(self) -> dict:
-        ar = self.pool.client[self.members[0].engine_id].apply_async(worker.training_state)
+        ar = self.pool.client[self.members[0].engine_id].apply_async(entrypoints.training_state)
         return await asyncio.wrap_future(ar)
 
     # ---------------------------------------------------------------- owner thread: requests
@@ -575,7 +575,7 @@ class TrainingRun:
                     "receive_state": engine.engine_id in newcomers, "broadcast": broadcast,
                     "end_at": end_at}
             ars.append(self.pool.client[engine.engine_id].apply_async(
-                worker.train_generation, spec, self._engine_log(engine)))
+                entrypoints.train_generation, spec, self._engine_log(engine)))
         futures = [asyncio.wrap_future(a) for a in ars]
         for f in futures:  # a hung rank's task is abandoned: its error must not go unread
             f.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -709,7 +709,7 @@ class TrainingRun:
             del self._records[step]
         # records the live stream had not delivered before the fault
         ar = self.pool.client[self.members[0].engine_id].apply_async(
-            worker.history_since, min(self._merged_upto, target))
+            entrypoints.history_since, min(self._merged_upto, target))
         self._merged_upto = min(self._merged_upto, target)
         self._merge({"records": await asyncio.wrap_future(ar)})
         self.world_size = len(self.members)
@@ -771,13 +771,13 @@ class TrainingRun:
         self.members = survivors + joining
         client = self.pool.client
         if survivors:
-            ars = [client[e.engine_id].apply_async(worker.commit_steps) for e in survivors]
+            ars = [client[e.engine_id].apply_async(entrypoints.commit_steps) for e in survivors]
             held = await asyncio.gather(*(asyncio.wrap_future(a) for a in ars))
             reached = max(h["step"] for h in held)
             common = set.intersection(*(set(h["commits"]) for h in held))
             if common:
                 target = max(common)
-                ars = [client[e.engine_id].apply_async(worker.rollback, target) for e in survivors]
+                ars = [client[e.engine_id].apply_async(entrypoints.rollback, target) for e in survivors]
                 await asyncio.gather(*(asyncio.wrap_future(a) for a in ars))
                 return reached, target, {e.engine_id for e in joining}
         else:
@@ -785,7 +785,7 @@ class TrainingRun:
         if ckpt.latest_checkpoint(self.checkpoint_dir) is None:
             raise RuntimeError("engines were lost before any commit or checkpoint; start the "
                                "run again")
-        ar = client[self.members[0].engine_id].apply_async(worker.load_state, self.checkpoint_dir)
+        ar = client[self.members[0].engine_id].apply_async(entrypoints.load_state, self.checkpoint_dir)
         loaded = await asyncio.wrap_future(ar)
         self._event("warning", message=f"no common in-memory commit: restored {loaded['path']}")
         return reached, loaded["progress"]["step"], {e.engine_id for e in self.members[1:]}
