@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import load_latest
+from .checkpoint import CheckpointError, load_latest
 from .generation import run_generation
 from .worker import SetupError, Worker
 
@@ -33,6 +33,7 @@ class EngineState:
         slot, device: set once by init_engine (None / "cpu" before).
         worker: the current run's Worker (None between runs).
         store: the connection to the current run's rendezvous store (None before connect_store).
+        log_path: the current run's log file for this engine (None: the engine's own output).
     """
 
     def __init__(self):
@@ -40,6 +41,7 @@ class EngineState:
         self.device: str = "cpu"
         self.worker: Worker | None = None
         self.store = None
+        self.log_path: str | None = None
 
 
 _state = EngineState()
@@ -110,7 +112,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     Returns {"samples", "total_steps", "parameters", "eval_samples"}. Raises SetupError or the
     cell's own exception (the owner shows its traceback); the engine then holds no Worker.
     """
-    _state.worker = None
+    _state.worker, _state.log_path = None, log_path
     with _logging_to(log_path):
         seed = config["seed"]
         random.seed(seed)
@@ -129,9 +131,20 @@ def load_state(folder: str) -> dict:
     engine's Worker from the newest usable checkpoint in `folder`.
 
     Returns {"path", "warnings", "progress", "config", "history"}; warnings name newer files
-    that were skipped (one short line each). Raises CheckpointError when none is usable.
+    that were skipped, one short line each; torch's full errors go to the engine's log.
+    Raises CheckpointError when none is usable.
     """
-    path, state, warnings = load_latest(folder)
+    details: list[str] = []
+    try:
+        path, state, warnings = load_latest(folder, log=details.append)
+    except CheckpointError as e:
+        if details and _state.log_path:
+            raise CheckpointError(f"{e}\n(torch's full errors: {_state.log_path})") from None
+        raise
+    finally:
+        with _logging_to(_state.log_path):
+            for text in details:
+                print(text, file=sys.stderr)
     w = _state.worker
     w.restore(state)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
