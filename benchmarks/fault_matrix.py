@@ -2,7 +2,7 @@
 
 For each phase (forward, backward, allreduce, optimizer, checkpoint, resize) one run on a pool
 of 3 engines takes KILLS kills, each landing in that phase: the run's ``fault_dir`` arms the
-phase's fault point (engine.worker.fault_point) on one engine, which writes a marker and holds
+phase's fault point (engine.faultpoints) on one engine, which writes a marker and holds
 there until this script SIGKILLs it. Between kills the run recovers and a replacement joins. The
 "resize" kills arm the point and then request a resize, so they land while a generation forms.
 Afterwards the run's parameters are compared with a fault-free run's (float64, allclose rtol

@@ -105,7 +105,7 @@ class RunConfig:
     commit_every: int = 10
     standby: int = 0
     sync_batchnorm: bool = False
-    fault_dir: str | None = None  # fault-injection hook for tests (see engine.worker.fault_point)
+    fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
     def validate(self) -> None:

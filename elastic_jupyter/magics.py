@@ -51,6 +51,29 @@ def _schedule(text: str) -> list[tuple[int, int]]:
     return out
 
 
+class _PoolStatus(dict):
+    """The status dict; as a cell's last line it shows nothing more, since the magic has
+    printed it as a table already (IPython would otherwise print the raw dict below it)."""
+
+    def _ipython_display_(self):
+        pass
+
+
+def _status_table(status: dict) -> str:
+    """The pool's status as lines of text: size and bounds, the engines, excluded slots."""
+    lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
+             f"backend {status['backend']}, run: {status['run'] or 'none'}"]
+    rows = [("slot", "device", "pid", "engine id")] + [
+        (str(e["slot"]), e["device"], str(e["pid"]), str(e["engine_id"]))
+        for e in status["engines"]]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+              for row in rows]
+    for slot, reason in sorted(status["excluded_slots"].items()):
+        lines.append(f"Excluded slot {slot}: {reason}")
+    return "\n".join(lines)
+
+
 def _pool_parser() -> _Parser:
     p = _Parser(prog="%elastic_pool", description="Start, inspect, resize or stop the engine pool.")
     p.add_argument("action", choices=["start", "status", "resize", "stop"])
@@ -158,7 +181,9 @@ class ElasticMagics(Magics):
         if self.pool is None or not self.pool.running:
             raise UsageError("no pool is running: start one with %elastic_pool start")
         if args.action == "status":
-            return self.pool.status()
+            status = _PoolStatus(self.pool.status())
+            print(_status_table(status))  # shown wherever the line is in the cell
+            return status
         if args.action == "resize":
             if args.size is None:
                 raise UsageError("%elastic_pool resize needs a size, like %elastic_pool resize 3")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
 import time
 import uuid
@@ -23,6 +24,11 @@ from .reaper import start_reaper, write_pidfile
 from .registry import registry_dir
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
+# Seconds the controller gets to exit on SIGTERM (it takes ~0.4 s and removes its connection
+# files) before SIGKILL, and a removed engine's nanny after its engine is gone.
+STOP_GRACE = 1.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -76,8 +82,10 @@ class EnginePool:
         self.calls = EngineCalls(self)
         self._run = None  # the run training on this pool (claim / release)
         self._stopping: set = set()  # background tasks stopping removed engines
+        self._removing: set[psutil.Process] = set()  # the engines those tasks stop
         self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
         self._pidfile = None
+        self._reaper = None  # subprocess.Popen of the reaper
 
     # properties --------------------------------------------------------------------------------
 
@@ -181,7 +189,7 @@ class EnginePool:
         await self.cluster.start_controller()
         self._pidfile = os.path.join(registry_dir(), f"pool-{self.cluster.cluster_id}.pids")
         self._update_pidfile()
-        start_reaper(self._pidfile)
+        self._reaper = start_reaper(self._pidfile)
         atexit.register(self._shutdown_at_exit)
         self.client = await self.cluster.connect_client()
         await self.add_engines(self.config.n)
@@ -210,17 +218,42 @@ class EnginePool:
     async def _stop(self) -> None:
         if self.cluster is None:
             return
+        # removals in flight: their engines need no grace either (the nannies, still alive,
+        # tell the controller at once), then the tasks finish quickly and report their own errors
+        _signal(list(self._removing), psutil.Process.kill)
         await asyncio.gather(*self._stopping, return_exceptions=True)
+        # We end every process ourselves, all at once and without blocking the loop:
+        # ipyparallel's stop joins each launcher's wait thread in turn, blocking this loop for
+        # the SIGTERM grace of each engine, and knows nothing of the engines' nannies, which
+        # outlive their engine by seconds once the controller is gone. Engines get SIGKILL at
+        # once: they hold nothing by now (the run has stopped and drained its checkpoint
+        # writes) and their graceful exit takes a second of kernel and socket teardown.
+        engines = _with_descendants([e.pid for e in self.engines])  # with their nannies
+        _signal(engines, psutil.Process.kill)
+        others = [self.cluster.controller.pid]  # with its schedulers
+        if self._reaper is not None:
+            others.append(self._reaper.pid)  # nothing is left for it to watch
         try:
-            await self.cluster.stop_cluster()
+            await _terminate(engines + _with_descendants(others), grace=STOP_GRACE)
+            try:
+                await self.cluster.stop_cluster()  # now only its bookkeeping: state, files, logs
+            except Exception as e:
+                log.warning("elastic_jupyter: ipyparallel's cleanup after stopping the pool "
+                            "failed: %s: %s", type(e).__name__, e)
         finally:
-            if self._pidfile is not None and os.path.exists(self._pidfile):
-                os.unlink(self._pidfile)  # the reaper exits
-            self._pidfile = None
-            if self.client is not None:
-                self.client.close()
-            self.cluster = self.client = None
-            self.engines = []
+            self._forget_cluster()
+
+    def _forget_cluster(self) -> None:
+        if self._pidfile is not None and os.path.exists(self._pidfile):
+            os.unlink(self._pidfile)  # a reaper still running exits
+        self._pidfile = None
+        if self._reaper is not None and self._reaper.poll() is None:
+            self._reaper.terminate()
+        self._reaper = None  # Popen reaps it: no zombie is left behind
+        if self.client is not None:
+            self.client.close()
+        self.cluster = self.client = None
+        self.engines = []
 
     @property
     def usable_slots(self) -> int:
@@ -281,46 +314,99 @@ class EnginePool:
         for e in engines:
             self.engines.remove(e)
         self._update_pidfile()
-        task = asyncio.ensure_future(self._stop_engines(engines))
+        # the processes now (psutil then checks that a pid was not reused before signalling)
+        procs = _processes([e.pid for e in engines])
+        self._removing.update(procs)
+        task = asyncio.ensure_future(self._stop_engines(engines, procs))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
         return task
 
-    async def _stop_engines(self, engines: list[Engine]) -> None:
+    async def _stop_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+        # a background task nobody may await: it reports its failure here, in one line,
+        # rather than leaving asyncio to print "Task exception was never retrieved"
+        try:
+            await self._end_engines(engines, procs)
+        except Exception as err:
+            log.warning("elastic_jupyter: stopping the engine(s) of slot %s failed: %s: %s",
+                        ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
+        finally:
+            self._removing.difference_update(procs)
+
+    async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+        nannies = [c for p in procs for c in _children(p)]
         # ipyparallel's stop waits for the process with a blocking join, which would freeze
         # the owner loop for seconds: end the processes here first, then let it clean up.
-        await _terminate([e.pid for e in engines])
-        await asyncio.gather(*(self.cluster.stop_engines(e.set_id) for e in engines),
-                             return_exceptions=True)
-        for e in engines:
-            await self._wait_unregistered(e.engine_id)
+        await _terminate(procs)
+        cluster = self.cluster
+        if cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
+            await asyncio.gather(*(cluster.stop_engines(e.set_id) for e in engines),
+                                 return_exceptions=True)
+            for e in engines:
+                await self._wait_unregistered(e.engine_id)
+        # each nanny has told the controller its engine is gone; without a controller it
+        # would linger for seconds
+        await _terminate(nannies, grace=STOP_GRACE)
 
     async def _wait_unregistered(self, engine_id: int, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
-        while engine_id in self.client.ids and time.monotonic() < deadline:
+        while (self.client is not None and engine_id in self.client.ids
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.02)
 
 
-async def _terminate(pids: list[int], grace: float = 5.0) -> None:
-    """SIGTERM the processes, SIGKILL those still alive after `grace` seconds; never blocks
-    the event loop."""
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    """The processes of `pids` that still exist."""
     procs = []
     for pid in pids:
         try:
-            proc = psutil.Process(pid)
-            proc.terminate()
-            procs.append(proc)
+            procs.append(psutil.Process(pid))
         except psutil.Error:
             pass
-    deadline = time.monotonic() + grace
-    while procs:
-        procs = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        if procs and time.monotonic() > deadline:
-            for p in procs:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-            deadline = float("inf")
+    return procs
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:  # it exited meanwhile
+        return []
+
+
+def _with_descendants(pids: list[int]) -> list[psutil.Process]:
+    """The processes and everything they started (an engine's nanny, the controller's
+    schedulers)."""
+    return [q for p in _processes(pids) for q in [p] + _children(p)]
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:  # it exited between the two checks
+        return False
+
+
+def _signal(procs: list[psutil.Process], send) -> None:
+    for p in procs:
+        try:
+            send(p)
+        except psutil.Error:  # already gone
+            pass
+
+
+async def _terminate(procs: list[psutil.Process], grace: float = 5.0) -> None:
+    """SIGTERM the processes, SIGKILL those still alive after `grace` seconds, and return once
+    all are gone (at most a second after the SIGKILL). Never blocks the event loop; a process
+    may exit at any moment in between."""
+    _signal(procs, psutil.Process.terminate)
+    deadline, killed = time.monotonic() + grace, False
+    while procs := [p for p in procs if _alive(p)]:
+        if time.monotonic() > deadline:
+            if killed:
+                log.warning("elastic_jupyter: process(es) %s survived SIGKILL",
+                            ", ".join(str(p.pid) for p in procs))
+                return
+            _signal(procs, psutil.Process.kill)
+            deadline, killed = time.monotonic() + 1.0, True
         await asyncio.sleep(0.02)
 

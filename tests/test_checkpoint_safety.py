@@ -399,3 +399,64 @@ def test_resume_refuses_a_checkpoint_that_would_run_code(idle_pool, tmp_path):
     assert run.state == "failed"
     assert not marker.exists()
     assert idle_pool.run is None or not idle_pool.run.active
+
+
+# ----------------------------------------------------------------------------- 5. short reasons
+
+def _torn_without_record(folder, step) -> str:
+    """A truncated checkpoint with no record, so that torch itself meets the damage."""
+    path = ckpt.write_checkpoint(folder, _state(step), keep=5)["path"]
+    _truncate(path)
+    os.unlink(path[:-3] + ".json")
+    return path
+
+
+def _assert_short(line: str) -> None:
+    assert "\n" not in line and len(line) < 250, line
+    assert "Weights only load failed" not in line and "add_safe_globals" not in line, line
+
+
+def test_skipped_checkpoints_get_one_short_line_each_and_the_detail_in_the_log(tmp_path):
+    folder = str(tmp_path / "c")
+    os.makedirs(folder)
+    good = ckpt.write_checkpoint(folder, _state(10), keep=5)["path"]
+    torn = _torn_without_record(folder, 20)
+    typed = _plant_code_checkpoint(folder, 30, tmp_path / "pwned")
+    details = []
+    path, state, warnings = ckpt.load_latest(folder, log=details.append)
+    assert path == good and state["progress"]["step"] == 10
+    assert len(warnings) == 2, warnings
+    for line in warnings:
+        _assert_short(line)
+    assert warnings[0].startswith(f"skipped checkpoint {typed}: it holds a type the safe load")
+    assert "posix.system" in warnings[0] or "os.system" in warnings[0], warnings[0]
+    assert warnings[1].startswith(f"skipped checkpoint {torn}: torn or corrupted ("), warnings[1]
+    assert len(details) == 2 and "Weights only load failed" in details[0], details
+
+    os.unlink(good)  # none usable: the error says the same, one line per file
+    with pytest.raises(ckpt.CheckpointError) as info:
+        ckpt.load_latest(folder)
+    lines = str(info.value).splitlines()
+    assert lines[0] == f"no usable checkpoint in {folder}" and len(lines) == 3, lines
+    for line in lines[1:]:
+        _assert_short(line)
+    assert typed in lines[1] and torn in lines[2]
+
+
+def test_a_refused_resume_says_one_short_line_per_file(idle_pool, tmp_path):
+    name = unique("refused")
+    folder = str(tmp_path / "elastic-checkpoints" / name)
+    os.makedirs(folder)
+    torn = _torn_without_record(folder, 10)
+    typed = _plant_code_checkpoint(folder, 20, tmp_path / "pwned")
+    run = TrainingRun(idle_pool, _digits_config(name), source=DIGITS_CELL, resume=True,
+                      workspace=str(tmp_path))
+    with pytest.raises(RunSetupError) as info:
+        run.start()
+    message = str(info.value)
+    assert message.count(typed) == 1 and message.count(torn) == 1, message
+    assert "Weights only load failed" not in message and len(message.splitlines()) <= 4, message
+    # torch's full messages are in the engine's log
+    logs = "".join(open(os.path.join(folder, "logs", f)).read()
+                   for f in os.listdir(os.path.join(folder, "logs")) if f.startswith("engine-"))
+    assert "Weights only load failed" in logs and typed in logs and torn in logs

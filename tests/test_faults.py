@@ -1,7 +1,7 @@
 """Fault injection on a real cluster: a lost engine costs time, never the result.
 
 Each kill is an external SIGKILL sent when the engine reaches a chosen phase: the run's
-``fault_dir`` arms a fault point (engine.worker.fault_point), the engine claims it, writes a
+``fault_dir`` arms a fault point (engine.faultpoints), the engine claims it, writes a
 ``hit`` marker and stays in that phase until the kill arrives, so the marker proves where it
 landed. After the fault the run must end with the parameters of a fault-free run.
 """

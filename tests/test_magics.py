@@ -286,6 +286,24 @@ def test_pool_status(ip, magics):
     assert len(status["engines"]) == POOL_SIZE
 
 
+def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell, monkeypatch):
+    monkeypatch.setitem(magics.pool.excluded_slots, 3, "failed 3 times in a row")
+    result, out, err = cell("%elastic_pool status\nx = 1")  # not the cell's last line
+    assert result.success, err
+    lines = out.splitlines()
+    assert lines[0] == f"Pool: {POOL_SIZE} engine(s), bounds [1, 4], backend gloo, run: none"
+    assert lines[1].split() == ["slot", "device", "pid", "engine", "id"]
+    for line, engine in zip(lines[2:], magics.pool.engines):
+        assert line.split() == [str(engine.slot), engine.device, str(engine.pid),
+                                str(engine.engine_id)]
+    assert lines[2 + POOL_SIZE:] == ["Excluded slot 3: failed 3 times in a row"]
+    # as the last line: the same table once, not followed by the raw dict (a terminal shell
+    # still writes its bare output prompt; a notebook shows nothing more)
+    result, last, err = cell("%elastic_pool status")
+    assert result.success and last.startswith(out) and "'engines'" not in last, (last, err)
+    assert result.result["size"] == POOL_SIZE  # still the dict
+
+
 def test_pool_resize_with_no_run(ip, magics, cell):
     result, out, err = cell("%elastic_pool resize 3")
     assert result.success, err

@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import threading
 import time
 
@@ -25,7 +26,14 @@ POINTER = "latest.json"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message says which file and why."""
+    """A checkpoint could not be written or read; the message says which file and why.
+
+    ``reason`` is the why alone; ``detail`` the full underlying error when the message
+    shortens it (torch's can run to a paragraph)."""
+
+    def __init__(self, message: str, detail: str = "", reason: str = ""):
+        super().__init__(message)
+        self.detail, self.reason = detail, reason or message
 
 
 def _fsync_dir(folder: str) -> None:
@@ -154,44 +162,67 @@ def verify(path: str) -> str | None:
     if not os.path.exists(path):
         return "the file is missing"
     if os.path.getsize(path) != record["bytes"] or _sha256(path) != record["sha256"]:
-        return "its contents do not match the SHA-256 recorded when it was written (torn or corrupted)"
+        return "torn or corrupted (its SHA-256 differs from the one recorded when it was written)"
     return None
 
 
-def load_latest(folder: str) -> tuple[str, dict, list[str]]:
+def load_latest(folder: str, log=None) -> tuple[str, dict, list[str]]:
     """Load the newest checkpoint of `folder` that verifies and loads, newest first.
 
-    Returns (path, state, warnings about the newer files that were skipped).
-    Raises CheckpointError when none can be used.
+    Args:
+        log: called with the full error of each file that fails to load (torch's messages run
+            to a paragraph; the warnings and the error keep one short line per file).
+    Returns (path, state, warnings): one line per newer file that was skipped, saying why
+    (torn or corrupted, or holding a type the safe load refuses).
+    Raises CheckpointError when none can be used, with one such line per file.
     """
     candidates = [c["path"] for c in reversed(list_checkpoints(folder))]
     pointed = latest_checkpoint(folder)
     if pointed in candidates:
         candidates.remove(pointed)
         candidates.insert(0, pointed)
-    warnings = []
+    skipped = []
     for path in candidates:
         problem = verify(path)
         if problem is None:
             try:
-                return path, load_checkpoint(path), warnings
+                return path, load_checkpoint(path), [f"skipped checkpoint {p}: {why}"
+                                                     for p, why in skipped]
             except CheckpointError as e:
-                problem = str(e)
-        warnings.append(f"skipped checkpoint {path}: {problem}")
+                problem = e.reason
+                if log is not None:
+                    log(f"cannot load checkpoint {path}: {e.detail}")
+        skipped.append((path, problem))
     raise CheckpointError(f"no usable checkpoint in {folder}" +
-                          ("".join(f"\n  {w}" for w in warnings) if warnings else ""))
+                          "".join(f"\n  cannot load checkpoint {p}: {why}" for p, why in skipped))
 
 
 def load_checkpoint(path: str) -> dict:
     """Load a checkpoint with ``weights_only=True`` (a file that would run code is refused).
 
-    Raises CheckpointError naming the file and the reason.
+    Raises CheckpointError naming the file and the reason in one line (``reason``), with
+    torch's full message as ``detail``.
     """
     try:
         import torch
         return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError...
-        raise CheckpointError(f"cannot load checkpoint {path}: {e}") from e
+    except Exception as e:  # torch raises UnpicklingError, RuntimeError, EOFError, KeyError...
+        reason = _why_unloadable(e)
+        raise CheckpointError(f"cannot load checkpoint {path}: {reason}",
+                              detail=f"{type(e).__name__}: {e}", reason=reason) from e
+
+
+def _why_unloadable(error: Exception) -> str:
+    """One short line for why ``torch.load(weights_only=True)`` failed: the file holds a type
+    the safe load refuses, or it is torn or corrupted (its first line of error)."""
+    text = str(error)
+    refused = re.search(r"GLOBAL ([\w.]+)", text)
+    if refused and "Weights only load failed" in text:
+        return f"it holds a type the safe load (weights_only) refuses: {refused.group(1)}"
+    cause = re.search(r"WeightsUnpickler error: (.*)", text)  # e.g. an unknown opcode
+    cause = cause.group(1) if cause else (text.strip().splitlines() or [""])[0]
+    cause = cause.split(". ")[0][:120]
+    return f"torn or corrupted ({type(error).__name__}{': ' + cause if cause else ''})"
 
 
 class CheckpointWriter:

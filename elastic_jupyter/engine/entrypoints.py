@@ -1,0 +1,207 @@
+"""The functions the owner calls on each engine through ipyparallel (``apply_async``).
+
+An engine is a persistent process, so what one call sets up (the engine's slot, the run's
+Worker, the rendezvous store connection) must outlive the call: it lives in one ``EngineState``
+object, ``_state``, owned by this module and changed only by these functions. ipyparallel
+ships each function by reference to this module, so every call on an engine sees the same
+``_state``.
+
+This module imports nothing from IPython, ipyparallel or the UI.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import sys
+import traceback
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CheckpointError, load_latest
+from .generation import run_generation
+from .worker import SetupError, Worker
+
+
+class EngineState:
+    """What persists on one engine between the owner's calls.
+
+    Attributes:
+        slot, device: set once by init_engine (None / "cpu" before).
+        worker: the current run's Worker (None between runs).
+        store: the connection to the current run's rendezvous store (None before connect_store).
+        log_path: the current run's log file for this engine (None: the engine's own output).
+    """
+
+    def __init__(self):
+        self.slot: int | None = None
+        self.device: str = "cpu"
+        self.worker: Worker | None = None
+        self.store = None
+        self.log_path: str | None = None
+
+
+_state = EngineState()
+
+
+@contextlib.contextmanager
+def _logging_to(path: str | None):
+    """Send this task's prints, warnings and tracebacks to the engine's log file."""
+    if not path:
+        yield
+        return
+    with open(path, "a", buffering=1) as log, contextlib.redirect_stdout(log), \
+            contextlib.redirect_stderr(log):
+        yield
+
+
+def _cell_file(source: str, log_path: str | None) -> str:
+    """A real file holding the cell, so tracebacks (formatted by IPython on the engine) show
+    the cell's lines; it lands beside the engine logs."""
+    if not log_path:
+        return "<elastic_train cell>"
+    path = os.path.join(os.path.dirname(log_path), "cell.py")
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(source)
+    os.replace(tmp, path)
+    return path
+
+
+def init_engine(slot: int, device: str, threads: int) -> dict:
+    """Called once by the pool right after the engine registered: bind it to its slot.
+
+    Returns {"pid", "slot", "device", "host"}.
+    """
+    torch.set_num_threads(threads)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds exactly this slot's GPU
+    _state.slot, _state.device = slot, device
+    return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename}
+
+
+def _run_setup(config: dict, source: str | None, setup_fn: bytes | None, pushed: dict,
+               log_path: str | None) -> dict:
+    """The user's objects: from the cloudpickled `setup_fn`, or by running the cell `source`."""
+    namespace = {"__name__": "__elastic_cell__", **pushed}
+    if setup_fn is not None:
+        import cloudpickle
+        objects = cloudpickle.loads(setup_fn)()
+        if not isinstance(objects, dict):
+            raise SetupError("the setup function must return a dict with model, optimizer, "
+                             f"dataset and loss_fn; it returned {type(objects).__name__}")
+        namespace.update(objects)
+        return namespace
+    try:
+        exec(compile(source, _cell_file(source, log_path), "exec"), namespace)
+    except NameError as e:
+        raise NameError(f"{e}. Engines cannot see notebook variables: send them with "
+                        "--push NAME (or push={'NAME': value} in the Python API)") from None
+    return namespace
+
+
+def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: dict,
+              log_path: str | None) -> dict:
+    """Called when a run starts (or adds an engine): run the cell `source` (or the
+    cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines, replacing
+    any earlier run's.
+
+    Returns {"samples", "total_steps", "parameters", "eval_samples"}. Raises SetupError or the
+    cell's own exception (the owner shows its traceback); the engine then holds no Worker.
+    """
+    _state.worker, _state.log_path = None, log_path
+    with _logging_to(log_path):
+        seed = config["seed"]
+        random.seed(seed)
+        np.random.seed(seed % 2**32)
+        torch.manual_seed(seed)
+        namespace = _run_setup(config, source, setup_fn, pushed, log_path)
+        _state.worker = Worker(namespace, config, _state.device, slot=_state.slot)
+    w = _state.worker
+    return {"samples": len(w.dataset), "total_steps": config["total_steps"],
+            "parameters": sum(p.numel() for p in w.model.parameters()),
+            "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0}
+
+
+def load_state(folder: str) -> dict:
+    """Called on rank 0 for ``--resume`` and after a fault no commit covers: restore this
+    engine's Worker from the newest usable checkpoint in `folder`.
+
+    Returns {"path", "warnings", "progress", "config", "history"}; warnings name newer files
+    that were skipped, one short line each; torch's full errors go to the engine's log.
+    Raises CheckpointError when none is usable.
+    """
+    details: list[str] = []
+    try:
+        path, state, warnings = load_latest(folder, log=details.append)
+    except CheckpointError as e:
+        if details and _state.log_path:
+            raise CheckpointError(f"{e}\n(torch's full errors: {_state.log_path})") from None
+        raise
+    finally:
+        with _logging_to(_state.log_path):
+            for text in details:
+                print(text, file=sys.stderr)
+    w = _state.worker
+    w.restore(state)
+    return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
+            "config": state["config"], "history": w.history}
+
+
+def connect_store(host: str, port: int, timeout: float) -> None:
+    """Called after setup_run: connect to the owner's rendezvous store (kept for the life of
+    the engine's run; every generation's process group forms through it)."""
+    _state.store = dist.TCPStore(host, port, is_master=False,
+                                 timeout=datetime.timedelta(seconds=timeout))
+
+
+def train_generation(spec: dict, log_path: str | None) -> dict:
+    """Called on every member at the start of each generation: train until the run ends or
+    every rank agreed to leave (see generation.run_generation for `spec` and the result).
+    Errors carry this engine's traceback, also written to its log."""
+    with _logging_to(log_path):
+        try:
+            return run_generation(_state.worker, spec, _state.store)
+        except Exception:
+            traceback.print_exc(file=sys.stderr)
+            raise
+
+
+def training_state() -> dict:
+    """Called on rank 0 when the run ends (finished or stopped), for the final weights:
+    the Worker's full state as plain data on the CPU."""
+    return _state.worker.capture()
+
+
+def drop_run() -> None:
+    """Called when a run ends or an engine leaves it: wait for pending checkpoint writes and
+    forget the run (the engine stays, ready for the next one)."""
+    w = _state.worker
+    if w is not None and w.writer is not None:
+        w.writer.drain()
+    _state.worker = None
+
+
+def commit_steps() -> dict:
+    """Called on the survivors after a fault, to find a commit they all hold.
+
+    Returns {"commits": steps of the in-memory commits this engine holds, "step": its progress}.
+    """
+    w = _state.worker
+    return {"commits": w.commit_steps(), "step": w.progress.step}
+
+
+def rollback(step: int) -> dict:
+    """Called on the survivors after a fault: roll this engine's Worker back to its commit of
+    `step` (KeyError if it has none); returns the progress."""
+    _state.worker.rollback(step)
+    return _state.worker.progress.as_dict()
+
+
+def history_since(step: int) -> list[dict]:
+    """Called on rank 0 after a fault, for the records the live stream had not delivered:
+    this engine's history records after `step`."""
+    return [r for r in _state.worker.history if r["step"] > step]

@@ -1,0 +1,44 @@
+"""Fault injection for tests and benchmarks: make an engine stop at a chosen phase of a step.
+
+Off unless the run's config names a ``fault_dir``. A test arms a phase by writing the slot of
+the engine that should stop into ``<fault_dir>/arm.<phase>``; that engine, on reaching the
+phase, claims the file and holds there until it is killed, so a SIGKILL sent from outside lands
+exactly in that phase instead of wherever the engine happened to be.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+FAULT_HOLD = 30.0  # seconds an armed fault point waits for its kill
+
+
+def fault_point(phase: str, worker) -> None:
+    """Fault-injection hook (off unless the run's config names a ``fault_dir``).
+
+    When ``<fault_dir>/arm.<phase>`` holds this engine's slot (``worker.slot``), the engine
+    claims it, writes ``hit.<phase>.<slot>.<step>`` (holding its pid) and stays in this phase
+    until it is killed (or for the config's ``fault_hold``, default ``FAULT_HOLD`` seconds).
+
+    Args:
+        phase: "resize", "forward", "backward", "allreduce", "optimizer" or "checkpoint".
+        worker: the engine's Worker (its config, slot and progress), or None.
+    """
+    folder = worker.config.get("fault_dir") if worker is not None else None
+    if not folder:
+        return
+    arm = os.path.join(folder, f"arm.{phase}")
+    slot = worker.slot
+    try:
+        with open(arm) as f:
+            if int(f.read().strip() or -1) != slot:
+                return
+        os.rename(arm, f"{arm}.claimed")  # atomic: one hit per arming
+    except (OSError, ValueError):
+        return
+    with open(os.path.join(folder, f"hit.{phase}.{slot}.{worker.progress.step}"), "w") as f:
+        f.write(str(os.getpid()))
+    hold = float(worker.config.get("fault_hold", FAULT_HOLD))
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
