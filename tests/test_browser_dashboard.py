@@ -41,7 +41,7 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     dashboard = page.locator(".ej-dashboard")
     dashboard.wait_for(timeout=120_000)
     slider = dashboard.locator(".ej-slider")
-    control = wait_for(lambda: live_run("digits"), 60, "the run in the registry")["control"]
+    socket_path = wait_for(lambda: live_run("digits"), 60, "the run in the registry")["control"]
 
     # wait until the notebook's scheduled resizes (150:3, 450:1) are done and the run.wait cell
     # is executing ([*]): a resize to 3 can then only come from the slider
@@ -51,27 +51,27 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
         return wait_cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
 
     def ready():
-        status = control.request(control, {"op": "status"})
+        status = control.request(socket_path, {"op": "status"})
         return (status["state"] == "training" and status["step"] > 460 and status["world_size"] == 1
                 and status["requested_size"] != 3 and busy() and not slider.is_disabled())
     wait_for(ready, 120, "training at world size 1 after step 460 while run.wait executes")
-    step_at_drag = control.request(control, {"op": "status"})["step"]
+    step_at_drag = control.request(socket_path, {"op": "status"})["step"]
     slider.scroll_into_view_if_needed()
     drag_slider(page, slider, 3)
     assert slider.input_value() == "3"
     assert busy(), "the drag must happen while another cell executes"
 
     # the request reaches the run at once (no waiting for the busy cell), then takes effect
-    wait_for(lambda: control.request(control, {"op": "status"})["requested_size"] == 3, 10,
+    wait_for(lambda: control.request(socket_path, {"op": "status"})["requested_size"] == 3, 10,
              "the run to receive the slider's request")
     assert busy()
     wait_for(lambda: dashboard.get_attribute("data-request-path") == lab.request_path, 10,
              f"the request to go over the {lab.request_path} path")
-    events = wait_for(lambda: [e for e in control.request(control, {"op": "events"})["events"]
+    events = wait_for(lambda: [e for e in control.request(socket_path, {"op": "events"})["events"]
                                if e["kind"] == "resized" and e["to"] == 3
                                and e["step"] > step_at_drag], 60, "the resize to 3")
-    assert control.request(control, {"op": "status"})["world_size"] == 3
-    requests = [e for e in control.request(control, {"op": "events"})["events"]
+    assert control.request(socket_path, {"op": "status"})["world_size"] == 3
+    requests = [e for e in control.request(socket_path, {"op": "events"})["events"]
                 if e["kind"] == "resize" and e["step"] >= step_at_drag]
     assert requests and requests[0]["to"] == 3 and not requests[0].get("scheduled"), requests
 
@@ -90,11 +90,11 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     # the remaining cells end, then drag to 2
     menu(page, "Kernel", "Interrupt Kernel")
     page.locator(".jp-StatusBar-TextItem", has_text="Idle").first.wait_for(timeout=60_000)
-    wait_for(lambda: not busy() and control.request(control, {"op": "status"})["state"] == "training",
+    wait_for(lambda: not busy() and control.request(socket_path, {"op": "status"})["state"] == "training",
              30, "an idle kernel with the run still training")
     slider.scroll_into_view_if_needed()
     drag_slider(page, slider, 2)
-    wait_for(lambda: control.request(control, {"op": "status"})["world_size"] == 2, 30,
+    wait_for(lambda: control.request(socket_path, {"op": "status"})["world_size"] == 2, 30,
              "the resize to 2 from an idle kernel")
     wait_for(lambda: dashboard.get_attribute("data-world-size") == "2", 10, "world size 2 shown")
 

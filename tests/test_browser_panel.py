@@ -30,7 +30,7 @@ def page(lab):
 
 def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab, page):
     open_and_run_all(page, lab, "lab/tree/01_quickstart.ipynb")
-    control = wait_for(lambda: live_run("digits"), 120, "the run in the registry")["control"]
+    socket_path = wait_for(lambda: live_run("digits"), 120, "the run in the registry")["control"]
 
     page.locator(".jp-SideBar .lm-TabBar-tab[title='Elastic training']").click()
     panel = page.locator("#elastic-jupyter-panel")
@@ -47,12 +47,12 @@ def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab
         return wait_cell.locator(".jp-InputPrompt").inner_text().strip() == "[*]:"
 
     def ready():  # after the notebook's scheduled resizes (150:3, 450:1), with the kernel busy
-        status = control.request(control, {"op": "status"})
+        status = control.request(socket_path, {"op": "status"})
         return status["step"] > 460 and status["world_size"] == 1 and busy() and \
             detail.get_attribute("data-world-size") == "1"
     wait_for(ready, 120, "world size 1 after step 460 while run.wait executes")
     assert "training" in row.inner_text() and "W 1/1" in row.inner_text()
-    step_at_drag = control.request(control, {"op": "status"})["step"]
+    step_at_drag = control.request(socket_path, {"op": "status"})["step"]
 
     slider.scroll_into_view_if_needed()
     drag_slider(page, slider, 3)
@@ -63,7 +63,7 @@ def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab
     wait_for(lambda: detail.locator(".ejp-feedback").get_attribute("data-kind") == "done", 10,
              "the resize shown as done")
     assert "done in" in detail.locator(".ejp-feedback").inner_text() and busy()
-    requests = [e for e in control.request(control, {"op": "events"})["events"]
+    requests = [e for e in control.request(socket_path, {"op": "events"})["events"]
                 if e["kind"] == "resize" and e["step"] >= step_at_drag]
     assert requests and requests[0]["to"] == 3 and not requests[0].get("scheduled"), requests
 
@@ -84,7 +84,7 @@ def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab
     page.locator(".jp-SideBar .lm-TabBar-tab[title='Elastic training']").click()
     detail.locator(".ejp-stop").click()
     page.locator(".jp-Dialog button", has_text="Stop").click()
-    wait_for(lambda: control.request(control, {"op": "status"})["state"] == "stopped", 60,
+    wait_for(lambda: control.request(socket_path, {"op": "status"})["state"] == "stopped", 60,
              "the run to stop")
     wait_for(lambda: detail.locator(".ejp-controls").is_hidden(), 15, "the slider to go away")
     assert "stopped" in detail.locator(".ejp-reason").inner_text()
