@@ -11,6 +11,7 @@ import os
 from .config import RESUME_KEYS, UsageError
 from .engine import checkpoint as ckpt
 from .engine_calls import remote_message, remote_summary
+from .rendezvous import Rendezvous
 
 
 class RunSetupError(RuntimeError):
@@ -41,7 +42,8 @@ def prepare_checkpoint_dir(folder: str, log_dir: str, name: str, resume: bool) -
 
 
 class CellSetup:
-    """Runs the run's cell (or setup function) on engines and connects them to the rendezvous.
+    """Runs the run's cell (or setup function) on engines and connects them to the run's
+    rendezvous store, which it owns.
 
     Args:
         calls: EngineCalls. log: the RunLog. config: the run's config as plain data.
@@ -52,7 +54,7 @@ class CellSetup:
     def __init__(self, calls, log, config: dict, source, setup_bytes, push: dict):
         self.calls, self.log, self.config = calls, log, config
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
-        self.rendezvous = None  # set once the run has one; new engines connect to it
+        self.rendezvous: Rendezvous | None = None  # opened once the first engines are set up
         self.total_steps = 0
 
     def engine_log(self, engine) -> str:
@@ -74,6 +76,14 @@ class CellSetup:
                     f"the cell failed on engine slot {engine.slot}: {remote_summary(result)}\n"
                     f"--- engine traceback ---\n{detail}")
         self.total_steps = results[0]["total_steps"]
+
+    def open_rendezvous(self) -> Rendezvous:
+        self.rendezvous = Rendezvous(timeout=self.config["collective_timeout"])
+        return self.rendezvous
+
+    def close_rendezvous(self) -> None:
+        if self.rendezvous is not None:
+            self.rendezvous.close()
 
     async def connect(self, engines) -> None:
         rdv = self.rendezvous

@@ -22,11 +22,8 @@ from .engine import checkpoint as ckpt
 from .engine_calls import remote_message, remote_summary
 from .owner import background
 from .recovery import BelowMinimum, Recovery
-from .rendezvous import Rendezvous
 
 POLL = 0.05  # seconds between the driver's looks at a running generation
-ACTIVE_STATES = ("starting", "training", "resizing")
-FINAL_STATES = ("finished", "failed", "stopped")
 
 
 class GenerationError(Exception):
@@ -52,12 +49,11 @@ class Driver:
         self.sizer, self.policies, self.membership, self.cell = sizer, policies, membership, cell
         self.config, self.checkpoint_dir, self._on_end = config, checkpoint_dir, on_end
         self.recovery = Recovery(membership, calls, log, sizer, pool, checkpoint_dir,
-                                 config.standby)
+                                 config.standby, POLL)
         self.state = "created"
         self.error: str | None = None
         self.final_state: dict | None = None
         self.done = threading.Event()
-        self.rendezvous: Rendezvous | None = None
         self._task: asyncio.Task | None = None
 
     @property
@@ -79,18 +75,18 @@ class Driver:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
         self.sizer.begin(size, pool.min_size, pool.usable_slots)
-        self.sizer.take(self.policies, 0, time.monotonic())  # a schedule given up front
+        self.take_requests()  # a schedule given up front
         try:
             await self.cell.run_cell(self.members)
             self._check_schedule()
             if resume_from:
                 resume_from = await self.cell.resume(self.members[0], self.checkpoint_dir)
-            self.rendezvous = self.cell.rendezvous = Rendezvous(
-                timeout=self.config.collective_timeout)
+            self.cell.open_rendezvous()
             await self.cell.connect(self.members)
         except BaseException:
             if pool.client is not None:
                 await self.calls.drop_run(self.members)
+            self.membership.start_with([])
             raise
         return resume_from
 
@@ -130,11 +126,18 @@ class Driver:
                     newcomers = await self._change_membership(result["progress"]["step"])
                 broadcast = bool(newcomers)
         except BelowMinimum as e:
-            await self._stop_below_minimum(str(e))
+            await self._end_safely(self._stop_below_minimum(str(e)))
         except Exception as e:
             await self._fail(e)
         finally:
             self.done.set()
+
+    async def _end_safely(self, ending) -> None:
+        """Run an ending (stop below --min) that may itself fail: then the run fails."""
+        try:
+            await ending
+        except Exception as e:
+            await self._fail(e)
 
     # ---------------------------------------------------------------- one generation
 
@@ -144,7 +147,8 @@ class Driver:
     async def _run_generation(self, generation: int, newcomers: set, broadcast: bool) -> dict:
         """Run one generation to its end; returns rank 0's result, or {"reason": "fault"}."""
         end_at = self._end_at()
-        self.rendezvous.request_end(generation, end_at)
+        rendezvous = self.cell.rendezvous
+        rendezvous.request_end(generation, end_at)
         W = len(self.members)
         tasks = [self.calls.train_generation(engine, {
             "rank": rank, "world_size": W, "generation": generation,
@@ -168,10 +172,10 @@ class Driver:
             grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)
             if first_failure is not None and time.monotonic() - first_failure > grace:
                 break  # the ranks still out are hung
-            self._take_requests()
+            self.take_requests()
             if (want := self._end_at()) != end_at:  # a request, or spares became ready
                 end_at = want
-                self.rendezvous.request_end(generation, end_at)
+                rendezvous.request_end(generation, end_at)
         outcome = faults.classify(self.members, [t.future for t in tasks])
         if outcome.fault:
             return {"reason": "fault", "outcome": outcome}
@@ -181,19 +185,23 @@ class Driver:
         self.log.merge(result, complete=True)
         return result
 
-    def _take_requests(self) -> None:
-        """Feed the size policies to the sizer and keep engines booted for what it wants
-        (once requests settled: no boot for a size overridden a moment later)."""
+    def take_requests(self) -> None:
+        """Feed the size policies' new requests to the sizer, and keep as many engines set up
+        as it wants (once requests settled: no boot for a size overridden a moment later).
+        Call on the owner loop: at every look at a generation, and when a request is queued."""
         now = time.monotonic()
-        self.sizer.take(self.policies, self.log.step, now)
+        for request in self.sizer.take(self.policies, self.log.step, now):
+            self.log.log(f"resize request size={request.size} at_step={request.at_step} "
+                         f"from {request.source}")
         if self.membership.gave_up:
             self.sizer.settle(len(self.members))
-        if self.sizer.settled(now):
+        if self.sizer.settled(now) and self.state in ("training", "resizing"):
             self.membership.boot(self._wanted())
+            self.membership.trim(self._wanted())
 
     async def _change_membership(self, step: int) -> set:
         """Apply the size due after `step`; returns the engine ids that join."""
-        self.sizer.take(self.policies, step, time.monotonic())
+        self.take_requests()
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
         W = len(self.members)
         if change.target == W:
@@ -268,6 +276,5 @@ class Driver:
 
     async def _release(self) -> None:
         await self.membership.release()
-        if self.rendezvous is not None:
-            self.rendezvous.close()
+        self.cell.close_rendezvous()
         self._on_end()

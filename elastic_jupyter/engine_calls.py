@@ -58,7 +58,10 @@ class GenerationTask:
         return self._ar.data or {}
 
     def error(self) -> BaseException | None:
-        """The task's error once it ended with one, else None."""
+        """The task's error once it ended with one (a cancelled task: CancelledError), else
+        None."""
+        if self.future.cancelled():
+            return asyncio.CancelledError()
         return self.future.exception() if self.future.done() else None
 
 

@@ -73,6 +73,9 @@ def classify(members, futures) -> Outcome:
             out.lost.append(engine)
             out.hung.append(engine)
             continue
+        if fut.cancelled():  # the client dropped the task: the engine is out of reach
+            out.lost.append(engine)
+            continue
         error = fut.exception()
         if error is None:
             out.results[engine.engine_id] = fut.result()

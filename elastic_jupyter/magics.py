@@ -264,6 +264,7 @@ class ElasticMagics(Magics):
         if not self._training():
             raise UsageError("no run is training: start one with %%elastic_train")
         size, run = self.pool.check_size(args.size), self.run
+        self.pool.owner.flush()  # an earlier request in flight counts: the newest one wins
         if args.at_step is None and size == run.world_size == run.requested_size:
             print(f"Run {run.name!r} already trains at world size {size}: nothing to do.")
             return

@@ -46,6 +46,11 @@ class Owner:
         """Run a plain function on the owner loop soon, without waiting."""
         self.loop.call_soon_threadsafe(fn, *args)
 
+    def flush(self, timeout: float | None = 10.0) -> None:
+        """Wait until everything posted before this call has run (the loop runs callbacks in
+        the order they were posted)."""
+        self.call(asyncio.sleep(0), timeout)
+
 
 def background(coro, report) -> asyncio.Task:
     """Run `coro` as a task on the running loop; if it fails, `report(one line)` is called, so

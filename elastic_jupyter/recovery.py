@@ -4,7 +4,7 @@ When a generation ends with a fault (faults.classify), :meth:`Recovery.recover` 
 engines, waits for replacements if fewer than ``--min`` survive, rolls the survivors back to the
 newest in-memory commit they all hold (or the newest checkpoint, when they hold none in common),
 and names the engines that must receive that state by broadcast in the next generation.
-Faults during recovery (a survivor dying meanwhile) are absorbed the same way. When no
+A survivor that dies during the rollback is dropped and the rollback retried. When no
 recovery is possible it raises :class:`BelowMinimum` or ``RuntimeError``; the driver ends
 the run.
 """
@@ -15,8 +15,6 @@ import time
 from . import faults
 from .engine import checkpoint as ckpt
 
-POLL = 0.05
-
 
 class BelowMinimum(Exception):
     """Fewer than --min engines and no replacement started in time."""
@@ -24,12 +22,13 @@ class BelowMinimum(Exception):
 
 class Recovery:
     """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, checkpoint_dir,
-    standby (engines kept set up besides the members)."""
+    standby (engines kept set up besides the members), poll (s between looks while waiting)."""
 
-    def __init__(self, membership, calls, log, sizer, pool, checkpoint_dir: str, standby: int):
+    def __init__(self, membership, calls, log, sizer, pool, checkpoint_dir: str, standby: int,
+                 poll: float):
         self.membership, self.calls, self.log = membership, calls, log
         self.sizer, self.pool = sizer, pool
-        self.checkpoint_dir, self.standby = checkpoint_dir, standby
+        self.checkpoint_dir, self.standby, self.poll = checkpoint_dir, standby, poll
         self._last_rollback = 0
         self._faults_without_progress = 0
 
@@ -72,7 +71,7 @@ class Recovery:
                        f"{faults.MIN_WAIT_TIMEOUT:.0f} s for replacements")
         deadline = time.monotonic() + faults.MIN_WAIT_TIMEOUT
         if not await self.membership.wait_for_joiners(
-                needed, self.sizer.engines_wanted(self.standby), deadline, POLL):
+                needed, self.sizer.engines_wanted(self.standby), deadline, self.poll):
             raise BelowMinimum(
                 f"stopped: fewer than --min {self.pool.min_size} engines and no replacement "
                 f"started within {faults.MIN_WAIT_TIMEOUT:.0f} s; resume later with --resume")

@@ -21,7 +21,7 @@ import psutil
 
 from .control import ControlServer
 from .owner import background
-from .snapshot import FINAL_STATES
+from .snapshot import FINAL_STATES, last_snapshot
 
 
 def registry_dir() -> str:
@@ -134,7 +134,7 @@ def list_runs(forget_gone: bool = False) -> list[dict]:
 
 def ended(entry: dict) -> bool:
     """The run is over: its kernel is gone, or it reached a final state."""
-    return not entry["live"] or (entry.get("snapshot") or {}).get("state") in FINAL_STATES
+    return not entry["live"] or last_snapshot(entry).get("state") in FINAL_STATES
 
 
 def forget(entry: dict) -> None:

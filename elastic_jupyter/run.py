@@ -18,12 +18,12 @@ import time
 from . import registry
 from .cellsetup import CellSetup, RunSetupError, pickle_by_value, prepare_checkpoint_dir
 from .config import RunConfig, UsageError
-from .driver import ACTIVE_STATES, Driver
+from .driver import Driver
 from .engine import checkpoint as ckpt
 from .membership import Membership
 from .runlog import RunLog, describe_event
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
-from .snapshot import RunSnapshot, of_run
+from .snapshot import ACTIVE_STATES, RunSnapshot, of_run
 
 __all__ = ["TrainingRun", "RunSetupError", "CHECKPOINT_FOLDER", "describe_event"]
 
@@ -112,7 +112,7 @@ class TrainingRun:
 
     @property
     def world_size(self) -> int:
-        return len(self._membership.members) if self.state != "created" else 0
+        return len(self._membership.members)
 
     @property
     def requested_size(self) -> int:
@@ -206,9 +206,8 @@ class TrainingRun:
 
     def _request(self, request: SizeRequest) -> None:
         if self.active:
-            self.log.log(f"resize request size={request.size} at_step={request.at_step}")
             self._requests.add(request)
-            self._sizer.take([self._requests], self.step, time.monotonic())
+            self._driver.take_requests()
 
     def wait(self, timeout: float | None = None, progress: bool = False) -> str:
         """Block until the run ends or `timeout` seconds pass; returns the state.
@@ -326,8 +325,8 @@ class TrainingRun:
             self._driver.fail_setup(e)
             raise
         self.log.event("start", world_size=self.world_size, resumed_from=self._resumed_from)
-        self._registration = registry.register(self)
         self._driver.launch()
+        self._registration = registry.register(self)
 
     async def _claim_pool_and_setup(self) -> None:
         pool = self.pool

@@ -52,9 +52,10 @@ class RunLog:
 
     @property
     def resize(self) -> dict | None:
-        """The latest resize: from, to, step, requested_time, pending (True until the first
-        step at the new size completed), latency_s (s from request to that step; None while
-        pending). None before the first resize."""
+        """The latest resize: from, to, requested_time, pending (True until the first step at
+        the new size completed), step (while pending: the step after which the generation
+        ended for it; then the first step at the new size), latency_s (s from request to that
+        step; None while pending). None before the first resize."""
         return dict(self._resize) if self._resize is not None else None
 
     # ------------------------------------------------------------------ writing (owner thread)
@@ -77,14 +78,13 @@ class RunLog:
         return event
 
     def resize_started(self, step: int, old: int, new: int, requested_time: float,
-                       scheduled: bool) -> dict:
+                       scheduled: bool) -> None:
         """The generation ended after `step` to change the world size from `old` to `new`."""
         event = self.event("resize", step=step, requested_time=requested_time,
                            scheduled=scheduled, **{"from": old, "to": new})
         self._resize = {"from": old, "to": new, "step": step, "requested_time": requested_time,
                         "pending": True, "latency_s": None}
         self._resize_event = event
-        return event
 
     def resize_settled(self, new: int) -> None:
         """The resize under way ends at `new` engines (fewer engines could start)."""

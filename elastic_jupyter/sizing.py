@@ -36,9 +36,11 @@ class SizePolicy(abc.ABC):
     """A source of size requests.
 
     The generation driver calls :meth:`requests` at every look at a running generation (every
-    ``driver.POLL`` s) and at each step boundary, and feeds what it returns to the run's
-    :class:`Sizer`. A policy that reacts to the outside world (free GPUs, a preemption notice)
-    decides here; one driven by calls (:class:`UserRequests`) hands over what was queued.
+    ``driver.POLL`` s), at each step boundary and whenever a request is queued, and feeds what
+    it returns to the run's :class:`Sizer`. A policy that reacts to the outside world (free
+    GPUs, a preemption notice) decides here and returns a request only when its wish changes
+    (requests reset the coalescing window); one driven by calls (:class:`UserRequests`) hands
+    over what was queued.
     """
 
     @abc.abstractmethod
@@ -93,7 +95,7 @@ class Sizer:
     def __init__(self, size: int = 0, min_size: int = 1, usable: int = 1):
         self.begin(size, min_size, usable)
         self.stop_requested = False
-        self._schedule: list[tuple[int, int, float]] = []  # (at_step, size, time), sorted
+        self._schedule: list[tuple[int, int]] = []  # (at_step, size), soonest first
         self._request_time: float | None = None  # of the newest immediate request not yet met
         self._last_request = float("-inf")  # monotonic time of the newest request
 
@@ -105,21 +107,24 @@ class Sizer:
 
     def submit(self, request: SizeRequest, now: float) -> None:
         """Take a request (`now`: monotonic seconds, for coalescing). An immediate request
-        replaces the requested size (newest wins); a scheduled one joins the schedule."""
-        size = max(1, min(request.size, self.usable))
+        replaces the requested size (newest wins); a scheduled one joins the schedule as
+        given (the run validated it) and is bounded when it falls due."""
         if request.at_step is None:
-            self.requested = size
+            self.requested = self._bounded(request.size)
             self._request_time = request.time
         else:
-            bisect.insort(self._schedule, (request.at_step, size, request.time))
+            bisect.insort(self._schedule, (request.at_step, request.size))
         self._last_request = now
 
-    def take(self, policies: list[SizePolicy], step: int, now: float) -> bool:
-        """Submit every policy's new requests; returns whether there were any."""
+    def _bounded(self, size: int) -> int:
+        return max(1, min(size, self.usable))
+
+    def take(self, policies: list[SizePolicy], step: int, now: float) -> list[SizeRequest]:
+        """Submit every policy's new requests; returns them."""
         new = [r for p in policies for r in p.requests(step, now)]
         for request in new:
             self.submit(request, now)
-        return bool(new)
+        return new
 
     def stop(self) -> None:
         """The run should stop after the current step."""
@@ -139,7 +144,7 @@ class Sizer:
     @property
     def schedule(self) -> list[tuple[int, int]]:
         """Pending scheduled resizes as (at_step, size), soonest first."""
-        return [(at, size) for at, size, _ in self._schedule]
+        return list(self._schedule)
 
     def settled(self, now: float) -> bool:
         """No request for COALESCE_S: a boot now serves the newest wish, not an overridden one."""
@@ -158,7 +163,7 @@ class Sizer:
     def engines_wanted(self, standby: int) -> int:
         """Engines to keep set up (members and ready spares): the largest size requested now
         or scheduled, at least the minimum, plus `standby`, within the usable slots."""
-        wanted = max([self.requested, self.min_size] + [size for _, size, _ in self._schedule])
+        wanted = max([self.requested, self.min_size] + [size for _, size in self._schedule])
         return min(wanted + standby, self.usable)
 
     def due(self, step: int, step_time: float) -> Change:
@@ -168,7 +173,7 @@ class Sizer:
         requested_time, self._request_time = self._request_time, None
         scheduled = False
         while self._schedule and self._schedule[0][0] <= step:
-            _, self.requested, _ = self._schedule.pop(0)
+            self.requested = self._bounded(self._schedule.pop(0)[1])
             scheduled = True
         if scheduled:
             requested_time = step_time

@@ -8,7 +8,7 @@ type (labextension/src/common/snapshot.ts). Wire model (JSON, :meth:`RunSnapshot
 =================  ===========================================================================
 id, name           registry id (None before registration), run name
 notebook           notebook path, when known
-state              starting, training, resizing, finished, failed, stopped; the server adds
+state              created, starting, training, resizing, finished, failed, stopped; the server adds
                    lost (kernel gone) and unresponsive (kernel alive, run silent)
 step, total_steps  newest completed step; the run's length in steps (None when unknown)
 epoch              epoch of the newest step
@@ -104,7 +104,7 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
     checkpoint = log.last_event("checkpoint")
     return RunSnapshot(
         id=run_id, name=run.name, notebook=run.notebook,
-        state="starting" if run.state == "created" else run.state,
+        state=run.state,
         step=step, total_steps=run.total_steps, epoch=last.get("epoch"),
         world_size=run.world_size, requested_size=run.requested_size,
         min_size=run.pool.min_size, max_size=run.pool.max_size, backend=run.pool.backend,
@@ -116,12 +116,17 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
         log_dir=run.log_dir, slots=[m.device for m in run.members], resize=log.resize)
 
 
+def last_snapshot(entry: dict) -> dict:
+    """The snapshot a registry entry recorded (entries of version 0.1 held state and step)."""
+    return entry.get("snapshot") or {"state": entry.get("state"), "step": entry.get("step")}
+
+
 def of_entry(entry: dict) -> RunSnapshot:
     """Snapshot of a run that does not answer, from its registry entry (the last state it
     recorded there) and its checkpoint folder: its final state if it ended, else
     "unresponsive" while its kernel process lives, else "lost"."""
     checkpoints = list_checkpoints(entry["checkpoint_dir"])
-    last = entry.get("snapshot") or {}
+    last = last_snapshot(entry)
     if last.get("state") in FINAL_STATES:
         snap = RunSnapshot(**{k: v for k, v in last.items()
                               if k in {f.name for f in dataclasses.fields(RunSnapshot)}})

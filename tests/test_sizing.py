@@ -78,6 +78,14 @@ def test_bounds_requests_and_caps_never_exceed_the_usable_slots():
     assert s.requested == 2
 
 
+def test_a_schedule_is_kept_as_given_for_validation_and_bounded_when_it_falls_due():
+    s = sizer(size=2, usable=4)
+    s.take([Schedule([(10, 8)])], step=0, now=0)
+    assert s.schedule == [(10, 8)]  # the run refuses it with the pool's bounds
+    s.cap(3)
+    assert s.due(step=10, step_time=0.0).target == 3
+
+
 def test_requests_coalesce_no_boot_until_they_settle():
     s = sizer()
     s.submit(SizeRequest(3), now=10.0)
@@ -92,9 +100,9 @@ def test_user_requests_policy_hands_over_what_was_queued_once():
     user.add(SizeRequest(3))
     user.add(SizeRequest(2))
     s = sizer()
-    assert s.take([user], step=0, now=0) is True
+    assert [r.size for r in s.take([user], step=0, now=0)] == [3, 2]
     assert s.requested == 2
-    assert s.take([user], step=1, now=1) is False
+    assert s.take([user], step=1, now=1) == []
 
 
 # ------------------------------------------------------------------ membership

@@ -83,7 +83,7 @@ def init_engine(slot: int, device: str, threads: int) -> dict:
     return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename}
 
 
-def _run_setup(config: dict, source: str | None, setup_fn: bytes | None, pushed: dict,
+def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,
                log_path: str | None) -> dict:
     """The user's objects: from the cloudpickled `setup_fn`, or by running the cell `source`."""
     namespace = {"__name__": "__elastic_cell__", **pushed}
@@ -118,7 +118,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
-        namespace = _run_setup(config, source, setup_fn, pushed, log_path)
+        namespace = _run_setup(source, setup_fn, pushed, log_path)
         _state.worker = Worker(namespace, config, _state.device, slot=_state.slot)
     w = _state.worker
     return {"samples": len(w.dataset), "total_steps": config["total_steps"],

@@ -50,7 +50,7 @@ export interface RunSnapshot {
   max_size: number | null;
   backend: string | null;
   loss: number | null;
-  recent_loss: number[];
+  recent_loss: (number | null)[]; // null where the loss was not finite
   samples_per_s: number | null;
   eta_s: number | null;
   error: string | null;

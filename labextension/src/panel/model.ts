@@ -99,8 +99,8 @@ export class HistoryCursor {
 }
 
 /** SVG polyline points for a sparkline of `values` in a width x height box. */
-export function sparklinePoints(values: number[], width: number, height: number): string {
-  const finite = values.filter(Number.isFinite);
+export function sparklinePoints(values: (number | null)[], width: number, height: number): string {
+  const finite = values.filter((v): v is number => Number.isFinite(v));
   if (finite.length < 2) {
     return '';
   }
@@ -108,7 +108,7 @@ export function sparklinePoints(values: number[], width: number, height: number)
   const span = Math.max(...finite) - lo || 1;
   const dx = width / (values.length - 1);
   return values
-    .map((v, i) => (Number.isFinite(v) ? `${(i * dx).toFixed(1)},${(height - 1 - ((v - lo) / span) * (height - 2)).toFixed(1)}` : ''))
+    .map((v, i) => (v !== null && Number.isFinite(v) ? `${(i * dx).toFixed(1)},${(height - 1 - ((v - lo) / span) * (height - 2)).toFixed(1)}` : ''))
     .filter(Boolean)
     .join(' ');
 }
