@@ -9,7 +9,7 @@ pool ``--max``         number of GPUs; 4 without GPUs
 pool ``--gpus``        all (``none`` forces CPU slots; ``0,2`` picks GPUs)
 engine start timeout   60 s
 ``--global-batch``     64
-``--micro-batch``      none (a rank's whole share in one pass)
+``--micro-batch``      no cap (the count of micro-batches follows from the pool's bounds)
 ``--epochs``           1 (unless ``--steps``)
 ``--checkpoint-every`` 100 steps, and always at the end
 ``--checkpoint-dir``   ``elastic-checkpoints/<name>/`` beside the notebook
@@ -88,6 +88,8 @@ class RunConfig:
     """A run's options; plain data, stored in every checkpoint.
 
     Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given.
+    ``micro_batch`` caps a micro-batch's size; ``pool_min_size`` and ``pool_max_size`` are the
+    pool's bounds, filled in by the run (engine.batching derives the micro-batches from them).
     """
 
     name: str
@@ -105,6 +107,8 @@ class RunConfig:
     commit_every: int = 10
     standby: int = 0
     sync_batchnorm: bool = False
+    pool_min_size: int = 1
+    pool_max_size: int = 1
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 

@@ -76,7 +76,8 @@ class TrainingRun:
         self._requests = UserRequests()
         self._sizer = Sizer()
         calls = pool.calls
-        cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir)
+        cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir,
+                           pool_min_size=pool.min_size, pool_max_size=pool.max_size)
         self._cell = CellSetup(calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
                                dict(push or {}))

@@ -1,17 +1,27 @@
 """Which samples each rank uses at each step: the data-assignment half of elastic training.
 
-The plan depends only on (seed, epoch, position in the epoch, global batch, world size), never on
-how the run got there, so a resize mid-epoch neither repeats nor skips a sample. Horovod's
-ElasticSampler and torch's DistributedSampler pad or drop samples when the world size changes
-(horovod #3399, #3143; pytorch #36650); this plan does not.
+The plan depends only on (seed, epoch, position in the epoch, global batch, micro-batch cap, the
+pool's size bounds), never on the world size or on how the run got there, so a resize mid-epoch
+neither repeats nor skips a sample. Horovod's ElasticSampler and torch's DistributedSampler pad
+or drop samples when the world size changes (horovod #3399, #3143; pytorch #36650); this plan
+does not.
+
+Each step's batch of b samples is cut into K micro-batches at the offsets ``k * b // K`` (sizes
+differ by at most one); K depends on b, the cap and the pool's bounds (see
+:func:`micro_batch_count`), never on the world size W. Rank r of W processes the contiguous
+micro-batches ``rank_share(K, r, W)``. A micro-batch is the unit of one forward pass, of one
+random stream (engine.randomness) and of BatchNorm statistics (engine.running_stats), so the
+computation does not depend on W: only which rank does which part of it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, epoch) pairs over the generator's seed space
+SLOWDOWN = (11, 10)  # a step may take 11/10 of an even split's time at every pool size
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
@@ -27,9 +37,9 @@ def steps_per_epoch(n: int, global_batch: int) -> int:
 
 
 def rank_share(batch_size: int, rank: int, world_size: int) -> slice:
-    """The contiguous part of a batch of `batch_size` samples that `rank` processes.
+    """The contiguous part of `batch_size` items (samples or micro-batches) that `rank` takes.
 
-    Shares differ by at most one sample; the first ``batch_size % world_size`` ranks take one more.
+    Shares differ by at most one item; the first ``batch_size % world_size`` ranks take one more.
     A rank may get an empty share (the last step of an epoch can hold fewer samples than ranks).
     """
     base, extra = divmod(batch_size, world_size)
@@ -38,7 +48,7 @@ def rank_share(batch_size: int, rank: int, world_size: int) -> slice:
 
 
 def micro_batches(indices: torch.Tensor, micro_batch: int | None) -> list[torch.Tensor]:
-    """Split a rank's share into chunks of at most `micro_batch` samples (gradient accumulation)."""
+    """Split `indices` into chunks of at most `micro_batch` samples (evaluation's passes)."""
     if len(indices) == 0:
         return []
     if not micro_batch or micro_batch >= len(indices):
@@ -46,17 +56,69 @@ def micro_batches(indices: torch.Tensor, micro_batch: int | None) -> list[torch.
     return list(torch.split(indices, micro_batch))
 
 
+def micro_batch_bounds(batch_size: int, count: int) -> list[int]:
+    """Offsets of the `count` micro-batches of a batch: ``[k * batch_size // count for k in
+    0..count]``; sizes differ by at most one, the larger ones spread evenly."""
+    return [k * batch_size // count for k in range(count + 1)]
+
+
+def busiest_rank(bounds: list[int], world_size: int) -> int:
+    """Samples of the rank with the most, when the micro-batches cut at `bounds` are dealt out
+    to `world_size` ranks by :func:`rank_share` (its step time, in samples)."""
+    count = len(bounds) - 1
+    shares = (rank_share(count, r, world_size) for r in range(world_size))
+    return max(bounds[s.stop] - bounds[s.start] for s in shares)
+
+
+@functools.lru_cache(maxsize=256)
+def micro_batch_count(batch_size: int, cap: int | None, min_size: int, max_size: int) -> int:
+    """K, the number of micro-batches a batch of `batch_size` samples is cut into.
+
+    K is the smallest count such that
+      - no micro-batch holds more than `cap` samples (``--micro-batch``; None: no cap),
+      - every rank gets a micro-batch whenever the batch has at least as many samples as ranks
+        (K >= min(batch_size, max_size)), and
+      - at every world size W in ``[min_size, max_size]``, the busiest rank processes at most
+        1.1 * batch_size / W samples (the step takes at most 1.1 x an even split's time).
+    Fewer micro-batches are larger and run faster per sample, hence the smallest. When no K
+    meets 1.1 (tiny batches: 8 samples on 1..8 ranks), K is the smallest count with the lowest
+    worst ratio. Examples: 64 samples on 1..4 ranks: 12 micro-batches of 5-6; 256 on 1..8: 39
+    of 6-7.
+
+    Raises ValueError for a batch, cap or bound below 1, or min_size > max_size.
+    """
+    if batch_size < 1 or (cap is not None and cap < 1) or not 1 <= min_size <= max_size:
+        raise ValueError(f"bad micro-batch plan: batch {batch_size}, cap {cap}, "
+                         f"pool sizes {min_size}..{max_size}")
+    lowest = max(-(-batch_size // cap) if cap else 1, min(batch_size, max_size))
+    best, best_worst = lowest, None
+    for count in range(lowest, batch_size + 1):
+        bounds = micro_batch_bounds(batch_size, count)
+        # busiest * W / batch_size is the slowdown; batch_size is fixed, so compare busiest * W
+        worst = max(busiest_rank(bounds, w) * w for w in range(min_size, max_size + 1))
+        if worst * SLOWDOWN[1] <= batch_size * SLOWDOWN[0]:
+            return count
+        if best_worst is None or worst < best_worst:
+            best, best_worst = count, worst
+    return best
+
+
 class BatchPlan:
-    """The global batch of every step for one dataset size, cached per epoch.
+    """The global batch of every step and its micro-batches, for one dataset size.
 
     Args:
         n: number of samples in the dataset.
         global_batch: B, samples consumed by one optimizer step whatever the world size.
         seed: the run's seed; epoch e uses the permutation of (seed, e).
+        micro_batch: cap on a micro-batch's size in samples (None: no cap).
+        min_size, max_size: the pool's bounds; the micro-batch count keeps a step within 1.1 x
+            an even split's time at every world size between them (:func:`micro_batch_count`).
     """
 
-    def __init__(self, n: int, global_batch: int, seed: int):
+    def __init__(self, n: int, global_batch: int, seed: int, micro_batch: int | None = None,
+                 min_size: int = 1, max_size: int = 1):
         self.n, self.global_batch, self.seed = n, global_batch, seed
+        self.micro_batch, self.min_size, self.max_size = micro_batch, min_size, max_size
         self._epoch, self._perm = None, None
 
     def batch(self, epoch: int, position: int) -> torch.Tensor:
@@ -69,3 +131,21 @@ class BatchPlan:
         """(epoch, position) after the step at `position`."""
         position += min(self.global_batch, self.n - position)
         return (epoch + 1, 0) if position >= self.n else (epoch, position)
+
+    def micro_batch_count(self, batch_size: int) -> int:
+        """K for a step of `batch_size` samples (the last step of an epoch has fewer than B)."""
+        return micro_batch_count(batch_size, self.micro_batch, self.min_size, self.max_size)
+
+    def micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """The step's K micro-batches in order: consecutive slices of `batch` (sample indices)."""
+        bounds = micro_batch_bounds(len(batch), self.micro_batch_count(len(batch)))
+        return [batch[start:stop] for start, stop in zip(bounds, bounds[1:])]
+
+    def rank_micro_batches(self, batch: torch.Tensor, rank: int,
+                           world_size: int) -> list[tuple[int, torch.Tensor]]:
+        """(index k, sample indices) of the micro-batches `rank` processes: the contiguous run
+        ``rank_share(K, rank, world_size)``; empty when the batch has fewer micro-batches than
+        ranks (the rank still takes part in the step's collectives)."""
+        parts = self.micro_batches(batch)
+        mine = rank_share(len(parts), rank, world_size)
+        return list(zip(range(mine.start, mine.stop), parts[mine]))

@@ -24,6 +24,8 @@ from . import state as state_mod
 from .batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
 from .checkpoint import CheckpointWriter
 from .faultpoints import fault_point
+from .randomness import micro_batch_stream
+from .running_stats import RunningStats
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 
@@ -75,7 +77,10 @@ class Worker:
         if config.get("sync_batchnorm"):
             self._convert_batchnorm()
         self.model.to(self.device)
-        self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"])
+        self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"],
+                              config.get("micro_batch"), config.get("pool_min_size", 1),
+                              config.get("pool_max_size", 1))
+        self.running_stats = RunningStats(self.model)
         if not config.get("total_steps"):
             epochs = config.get("epochs") or 1
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
@@ -112,6 +117,13 @@ class Worker:
             raise SetupError("--sync-batchnorm needs GPU slots: torch's SyncBatchNorm runs only "
                              "on CUDA. On CPU slots, BatchNorm statistics are per rank, so "
                              "results depend on the world size")
+        n, B, most = len(self.dataset), self.config["global_batch"], self.config.get("pool_max_size", 1)
+        if 0 < n % B < most:
+            raise SetupError(
+                f"--sync-batchnorm needs a sample on every rank at every step (SyncBatchNorm is a "
+                f"collective), but the last step of each epoch holds {n % B} samples, fewer than "
+                f"the pool's --max {most}: choose a --global-batch that divides the dataset size "
+                f"{n} or leaves a remainder of at least {most}")
         # the converted layers keep the same Parameter objects, so the optimizer still holds them
         self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
 
@@ -151,11 +163,35 @@ class Worker:
 
     # one optimizer step ----------------------------------------------------------------------
 
-    def _local_pass(self, indices: torch.Tensor, B: int) -> tuple[float, list[float]]:
-        """Forward and backward over this rank's share of a batch of `B` samples; returns
-        (loss, extra metrics), each already weighted by the share's fraction of the batch."""
+    # --- micro-batches: random streams and BatchNorm statistics (engine.randomness,
+    # engine.running_stats); see engine.batching for the plan
+
+    def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int):
+        """Yield the sample indices of each of this rank's micro-batches (index, indices) of a
+        batch of `B` samples; the caller's loop body runs inside that micro-batch's random
+        stream with its BatchNorm statistics recorded. After the last one, the running
+        statistics are combined across ranks (a collective: every rank's loop must end). An
+        exception in the loop body closes this generator as it leaves the caller (CPython frees
+        the loop's iterator), which restores the outer RNG state and the layers' momenta."""
+        if self.config.get("sync_batchnorm") and parts:
+            # SyncBatchNorm's statistics span what every rank forwards at once: one pass over
+            # the rank's whole share gives the global batch (and no rank waits on another)
+            parts = [(parts[0][0], torch.cat([chunk for _, chunk in parts]))]
+        self.running_stats.begin()
+        for index, chunk in parts:
+            with micro_batch_stream(self.config["seed"], self.progress.step, index, self.device), \
+                    self.running_stats.micro_batch(index):
+                yield chunk
+        self.running_stats.combine(self.plan.micro_batch_count(B))
+
+    # --- end of micro-batches
+
+    def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int) -> tuple[float, list[float]]:
+        """Forward and backward over this rank's micro-batches (index, sample indices) of a
+        batch of `B` samples; returns (loss, extra metrics), each already weighted by the
+        micro-batches' fraction of the batch."""
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
-        for chunk in micro_batches(indices, self.config.get("micro_batch")):
+        for chunk in self._micro_batch_passes(parts, B):
             batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
             fault_point("forward", self)
             out = self.loss_fn(self.model, batch)
@@ -197,7 +233,7 @@ class Worker:
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, extras = self._local_pass(batch[rank_share(len(batch), rank, world_size)], len(batch))
+        loss, extras = self._local_pass(self.plan.rank_micro_batches(batch, rank, world_size), len(batch))
         fault_point("allreduce", self)
         loss, extras, leave = self._all_reduce(loss, extras, leave_flag)
         if self.config.get("clip_grad_norm"):
@@ -220,6 +256,14 @@ class Worker:
 
     # evaluation ------------------------------------------------------------------------------
 
+    def _share_buffers(self, world_size: int) -> None:
+        """Give every rank rank 0's buffers (the model ``run.state_dict()`` returns), which may
+        differ elsewhere: a custom layer's buffer updated from each rank's own samples."""
+        if world_size > 1:
+            for buffer in self.model.buffers():
+                dist.broadcast(buffer, src=0)
+
+
     def evaluate(self, rank: int, world_size: int) -> dict:
         """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one."""
         if self.eval_dataset is None:
@@ -227,6 +271,10 @@ class Worker:
         n = len(self.eval_dataset)
         share = torch.arange(n)[rank_share(n, rank, world_size)]
         sums, count = {}, 0
+        # --- modes and buffers: every layer's own training flag is restored afterwards (a
+        # layer the cell froze with eval() stays frozen); every rank evaluates rank 0's buffers
+        modes = [(module, module.training) for module in self.model.modules()]
+        self._share_buffers(world_size)
         self.model.eval()
         with torch.no_grad():
             for chunk in micro_batches(share, self.config.get("micro_batch") or self.config["global_batch"]):
@@ -234,7 +282,9 @@ class Worker:
                 for name, value in self.metric_fn(self.model, batch).items():
                     sums[name] = sums.get(name, 0.0) + float(value) * len(chunk)
                 count += len(chunk)
-        self.model.train()
+        for module, training in modes:
+            module.training = training
+        # --- end of modes and buffers
         gathered = [None] * world_size
         if world_size > 1:
             dist.all_gather_object(gathered, (sums, count))

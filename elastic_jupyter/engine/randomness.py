@@ -1,0 +1,51 @@
+"""Random streams per micro-batch: randomness that does not depend on the world size.
+
+In plain data-parallel training each rank draws from its own generator, so the dropout mask a
+sample gets depends on which rank processes it and on how many ranks there are (and here, where
+every engine is seeded alike, all ranks drew the same masks). Following EasyScale (Li et al.,
+"EasyScale: Accuracy-consistent Elastic Training for Deep Learning", SC'23), which runs a fixed
+number of virtual workers ("EasyScaleThreads"), each with its own RNG state, on however many
+GPUs are present, the unit of randomness here is the micro-batch (engine.batching): micro-batch
+k of step s draws from a stream seeded by (seed, s, k) alone, whichever rank processes it at
+whatever world size. A model with dropout therefore ends with the same parameters at any world
+size and across resizes.
+
+Covered: torch's CPU generator and, on a GPU rank, its CUDA device's generator, for everything
+a micro-batch runs (loading its samples, forward, backward). Python's ``random`` and numpy's
+global generator are not reseeded: draws from them stay per rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import struct
+
+import torch
+
+
+def stream_seed(seed: int, step: int, index: int) -> int:
+    """The 64-bit seed of micro-batch `index` of step `step` (both counted from 0) of a run
+    seeded `seed` (any int; taken mod 2**64).
+
+    A hash (BLAKE2b) of the three numbers, so neighbouring micro-batches and steps get
+    unrelated streams; a seed of (seed, step) alone would give every micro-batch of a step the
+    same mask. Raises struct.error for a negative step or index, or one of 2**64 or more.
+    """
+    data = struct.pack("<QQQ", seed % 2**64, step, index)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"ej-micro").digest(),
+                          "little")
+
+
+@contextlib.contextmanager
+def micro_batch_stream(seed: int, step: int, index: int, device: torch.device):
+    """Run the block with torch's generators seeded by :func:`stream_seed`: the CPU one, and
+    the current CUDA device's when `device` is a CUDA device. The outer generator states are
+    restored afterwards (also on an exception), so code outside micro-batches is unaffected."""
+    cuda = device.type == "cuda"
+    devices = [torch.cuda.current_device()] if cuda else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        value = stream_seed(seed, step, index)
+        torch.default_generator.manual_seed(value)
+        if cuda:
+            torch.cuda.manual_seed(value)
+        yield

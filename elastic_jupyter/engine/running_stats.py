@@ -1,0 +1,109 @@
+"""BatchNorm running statistics in micro-batch order, whatever the world size.
+
+In training mode a BatchNorm layer normalises with the statistics s of the samples of one
+forward pass, here one micro-batch (the same at every world size, see engine.batching), and
+folds them into its buffers: R <- (1 - f) R + f s, with f the momentum (or 1 / batches tracked
+when the momentum is None). A single process running a step's K micro-batches in order applies
+K such updates in sequence; with W ranks, each rank sees only its own micro-batches.
+
+So during a step each training-mode layer runs with momentum 1, which leaves exactly s_k in its
+buffers after micro-batch k; the rank copies them into row k of a table. One all-reduce sums the
+tables of all ranks (each row has one contributor and zeros elsewhere, so the sum is exact), and
+every rank replays the K updates in micro-batch order from the buffers the step started with.
+Every rank ends the step with the buffers a single process would have, to float round-off.
+
+A layer must run at most once in training mode per micro-batch (a second call would overwrite
+s_k); more raises RuntimeError on every rank. SyncBatchNorm layers are left alone: their
+statistics already span the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+class RunningStats:
+    """Records each micro-batch's BatchNorm statistics and combines them across ranks.
+
+    Per step, on every rank: :meth:`begin`, then :meth:`micro_batch` around each of the rank's
+    micro-batches, then :meth:`combine` (a collective every rank calls, also one without
+    micro-batches; no collective when no layer is in training mode).
+
+    Args:
+        model: the module whose BatchNorm layers (not SyncBatchNorm) tracking running
+            statistics are handled; the list is fixed here.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = [(name, m) for name, m in model.named_modules()
+                       if isinstance(m, _BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)
+                       and m.track_running_stats]
+        self._start: list = []  # (name, layer, mean, var, batches tracked) of training layers
+        self._rows: dict = {}  # micro-batch index -> [(calls, mean, var)] per training layer
+
+    def begin(self) -> None:
+        """Note the buffers the step starts with, for the layers in training mode (the same on
+        every rank)."""
+        self._start = [(name, m, m.running_mean.clone(), m.running_var.clone(),
+                        int(m.num_batches_tracked)) for name, m in self.layers if m.training]
+        self._rows = {}
+
+    @contextlib.contextmanager
+    def micro_batch(self, index: int):
+        """Run the block (micro-batch `index`'s forward and backward) recording its statistics."""
+        momenta = [m.momentum for _, m, *_ in self._start]
+        tracked = [int(m.num_batches_tracked) for _, m, *_ in self._start]
+        for _, m, *_ in self._start:
+            m.momentum = 1.0  # the buffers then hold exactly this micro-batch's statistics
+        try:
+            yield
+        finally:
+            for (_, m, *_), momentum in zip(self._start, momenta):
+                m.momentum = momentum
+        self._rows[index] = [(int(m.num_batches_tracked) - before, m.running_mean.clone(),
+                              m.running_var.clone())
+                             for (_, m, *_), before in zip(self._start, tracked)]
+
+    def combine(self, count: int) -> None:
+        """Gather the statistics of the step's `count` micro-batches from every rank and set
+        every layer's buffers to the result of applying them in micro-batch order.
+
+        Raises RuntimeError (on every rank) if a layer ran more than once in one micro-batch.
+        """
+        if not self._start:
+            return
+        table = self._table(count)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(table)
+        offset = 0
+        for name, m, mean, var, tracked in self._start:
+            width = mean.numel()
+            for row in table[:, offset:offset + 1 + 2 * width]:
+                calls = int(row[0])
+                if calls > 1:
+                    raise RuntimeError(
+                        f"BatchNorm layer {name!r} ran {calls} times in training mode in one "
+                        "micro-batch: running statistics in micro-batch order need at most one")
+                if calls:
+                    tracked += 1
+                    f = m.momentum if m.momentum is not None else 1.0 / tracked
+                    mean = row[1:1 + width].to(mean.dtype) * f + mean * (1 - f)
+                    var = row[1 + width:].to(var.dtype) * f + var * (1 - f)
+            m.running_mean.copy_(mean)
+            m.running_var.copy_(var)
+            m.num_batches_tracked.fill_(tracked)
+            offset += 1 + 2 * width
+
+    def _table(self, count: int) -> torch.Tensor:
+        """Rows 0..count-1: [calls, mean, var] of every training layer, zero for micro-batches
+        of other ranks; float64, which holds the buffers' values exactly."""
+        device = self._start[0][1].running_mean.device
+        width = sum(1 + 2 * mean.numel() for _, _, mean, _, _ in self._start)
+        table = torch.zeros(count, width, dtype=torch.float64, device=device)
+        for index, layers in self._rows.items():
+            table[index] = torch.cat([torch.cat([mean.new_tensor([calls]), mean, var]).double()
+                                      for calls, mean, var in layers])
+        return table
