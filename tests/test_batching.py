@@ -1,7 +1,14 @@
 """The data plan: shares, remainders and micro-batches (pure functions, no cluster)."""
-import torch
+from fractions import Fraction
 
-from elastic_jupyter.engine.batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from elastic_jupyter.engine.batching import (BatchPlan, busiest_rank, micro_batch_bounds,
+                                             micro_batch_count, micro_batches, rank_share,
+                                             steps_per_epoch)
 
 
 def test_shares_cover_the_batch_and_differ_by_at_most_one():
@@ -37,3 +44,102 @@ def test_micro_batches_split_a_share():
     assert [len(c) for c in chunks] == [8, 8, 6]
     assert micro_batches(torch.arange(0), 8) == []
     assert len(micro_batches(torch.arange(5), None)) == 1
+
+
+# micro-batches -------------------------------------------------------------------------------
+
+LIMIT = Fraction(11, 10)  # a step within 1.1 x an even split's time
+
+def slowdown(b, count, world_size):
+    """The busiest rank's samples over an even split's, b / world_size (exact)."""
+    return Fraction(busiest_rank(micro_batch_bounds(b, count), world_size) * world_size, b)
+
+
+def worst_slowdown(b, count, lo, hi):
+    return max(slowdown(b, count, w) for w in range(lo, hi + 1))
+
+
+def test_default_micro_batch_counts():
+    # 64 samples on 1..4 ranks: 12 micro-batches of 5-6; at 3 ranks the busiest takes 22
+    # samples, 22 / (64/3) = 1.031; 11 micro-batches would put 18 on one of 4 ranks (1.125)
+    assert micro_batch_count(64, None, 1, 4) == 12
+    assert [busiest_rank(micro_batch_bounds(64, 12), w) for w in (1, 2, 3, 4)] == [64, 32, 22, 16]
+    assert worst_slowdown(64, 11, 1, 4) == 1.125
+    # 256 samples on 1..8 ranks: 39 micro-batches of 6-7, worst at 7 ranks: 40 / (256/7) = 1.094
+    assert micro_batch_count(256, None, 1, 8) == 39
+    assert worst_slowdown(256, 39, 1, 8) == 40 * 7 / 256
+    # a fixed pool size needs one micro-batch per rank
+    assert micro_batch_count(64, None, 2, 2) == 2
+    # --micro-batch caps the size: 64 / 4 needs at least 16, and 16 is too uneven at 3 ranks
+    assert micro_batch_count(64, 4, 1, 4) == 19
+    assert max(b - a for a, b in zip(micro_batch_bounds(64, 19), micro_batch_bounds(64, 19)[1:])) == 4
+    # tiny batches cannot reach 1.1: 8 samples on 1..8 ranks, one per micro-batch (7 ranks: 1.75)
+    assert micro_batch_count(8, None, 1, 8) == 8
+    assert worst_slowdown(8, 8, 1, 8) == 1.75
+
+
+def test_a_rank_without_micro_batches():
+    # the last step of an epoch may hold fewer samples than ranks: 2 samples on 3 ranks
+    plan = BatchPlan(n=10, global_batch=8, seed=0, min_size=1, max_size=3)
+    batch = plan.batch(0, 8)
+    assert len(batch) == 2 and plan.micro_batch_count(2) == 2
+    parts = [plan.rank_micro_batches(batch, r, 3) for r in range(3)]
+    assert [[k for k, _ in p] for p in parts] == [[0], [1], []]
+
+
+def test_micro_batch_count_rejects_bad_plans():
+    for args in ((0, None, 1, 2), (8, 0, 1, 2), (8, None, 0, 2), (8, None, 3, 2)):
+        with pytest.raises(ValueError):
+            micro_batch_count(*args)
+
+
+@st.composite
+def runs(draw):
+    """A dataset, a global batch, a micro-batch cap, pool bounds and a world size per step."""
+    n = draw(st.integers(1, 300))
+    global_batch = draw(st.integers(1, n))
+    cap = draw(st.none() | st.integers(1, global_batch))
+    lo = draw(st.integers(1, 6))
+    hi = draw(st.integers(lo, 8))
+    steps = 2 * steps_per_epoch(n, global_batch)
+    sizes = draw(st.lists(st.integers(lo, hi), min_size=steps, max_size=steps))
+    return n, global_batch, cap, lo, hi, sizes
+
+
+@settings(max_examples=150, deadline=None)
+@given(runs(), st.integers(0, 2**32))
+def test_plan_properties(run, seed):
+    """Every sample once per epoch at any resize schedule; micro-batches as documented."""
+    n, global_batch, cap, lo, hi, sizes = run
+    plan = BatchPlan(n, global_batch, seed, cap, lo, hi)
+    epoch, position, seen = 0, 0, {0: [], 1: []}
+    for world_size in sizes:
+        batch = plan.batch(epoch, position)
+        b = len(batch)
+        micro = plan.micro_batches(batch)
+        count = len(micro)
+        lengths = [len(m) for m in micro]
+        # boundaries: consecutive slices, sizes differing by at most one, within the cap
+        assert torch.equal(torch.cat(micro), batch)
+        assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
+        assert cap is None or max(lengths) <= cap
+        # the count is the documented rule's: the smallest that meets 1.1 at every pool size
+        lowest = max(-(-b // cap) if cap else 1, min(b, hi))
+        worst = worst_slowdown(b, count, lo, hi)
+        if worst <= LIMIT:
+            assert all(worst_slowdown(b, k, lo, hi) > LIMIT for k in range(lowest, count))
+        else:  # no count meets 1.1: the smallest with the lowest worst ratio
+            assert all(worst_slowdown(b, k, lo, hi) > worst for k in range(lowest, count))
+            assert all(worst_slowdown(b, k, lo, hi) >= worst for k in range(count, b + 1))
+        # each rank: a contiguous run of whole micro-batches, the plan's own (independent of W)
+        parts = [plan.rank_micro_batches(batch, r, world_size) for r in range(world_size)]
+        indices = [[k for k, _ in part] for part in parts]
+        assert sum(indices, []) == list(range(count))
+        assert all(torch.equal(chunk, micro[k]) for part in parts for k, chunk in part)
+        counts = [len(i) for i in indices]
+        assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
+        if b >= world_size:
+            assert min(counts) >= 1
+        seen[epoch] += [int(i) for part in parts for _, chunk in part for i in chunk]
+        epoch, position = plan.advance(epoch, position)
+    assert sorted(seen[0]) == list(range(n)) and sorted(seen[1]) == list(range(n))
