@@ -72,7 +72,8 @@ def test_default_micro_batch_counts():
     assert micro_batch_count(64, None, 2, 2) == 2
     # --micro-batch caps the size: 64 / 4 needs at least 16, and 16 is too uneven at 3 ranks
     assert micro_batch_count(64, 4, 1, 4) == 19
-    assert max(b - a for a, b in zip(micro_batch_bounds(64, 19), micro_batch_bounds(64, 19)[1:])) == 4
+    bounds = micro_batch_bounds(64, 19)
+    assert max(b - a for a, b in zip(bounds, bounds[1:])) == 4
     # tiny batches cannot reach 1.1: 8 samples on 1..8 ranks, one per micro-batch (7 ranks: 1.75)
     assert micro_batch_count(8, None, 1, 8) == 8
     assert worst_slowdown(8, 8, 1, 8) == 1.75

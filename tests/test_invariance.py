@@ -1,22 +1,27 @@
 """Resize invariance: the parameters after S steps do not depend on the world-size schedule.
 
 Each run trains the same float64 model on the same data with a constant global batch of 64:
-at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch. 64 over 3 ranks gives
-uneven shares (22, 21, 21) and the micro-batch of 16 forces gradient accumulation. All must end
-with the parameters of a single-process reference that takes the mean gradient of each batch.
+at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch. On the test pool
+(sizes 1..4) a batch of 64 is cut into 12 micro-batches of 5-6 samples (the last step of an
+epoch, 40 samples, into 12 of 3-4); 12 over 3 ranks gives 4 each, over 2 ranks 6 each. All must
+end with the parameters (and buffers) of a single-process reference that runs the same
+micro-batches in order, each with its own random stream, and takes the mean gradient of each
+batch. The model is plain, or has dropout (a mask per micro-batch), or BatchNorm in training
+mode (statistics per micro-batch, running statistics updated in micro-batch order).
 """
 import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine.batching import BatchPlan, rank_share
+from elastic_jupyter.engine.randomness import stream_seed
 
 CELL = '''
 import torch
 from sklearn.datasets import load_digits
 X, y = load_digits(return_X_y=True)
 dataset = torch.utils.data.TensorDataset(torch.tensor(X[:1000], dtype=DTYPE) / 16, torch.tensor(y[:1000]))
-model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).to(DTYPE)
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), LAYER torch.nn.Tanh(), torch.nn.Linear(16, 10)).to(DTYPE)
 optimizer = OPTIMIZER(model.parameters())
 def loss_fn(model, batch):
     x, y = batch
@@ -24,12 +29,16 @@ def loss_fn(model, batch):
 '''
 OPTIMIZERS = {"sgd": "lambda p: torch.optim.SGD(p, lr=0.2)",
               "adam": "lambda p: torch.optim.Adam(p, lr=0.01)"}
+LAYERS = {"plain": "", "dropout": "torch.nn.Dropout(0.5),",
+          "batchnorm": "torch.nn.BatchNorm1d(16),"}
 STEPS, BATCH, MICRO = 56, 64, 16  # 1000 samples: 16 steps per epoch, the last one of 40
 SCHEDULE = [(20, 3), (40, 1)]  # both mid-epoch
+POOL = (1, 4)  # the test pool's bounds, which fix the micro-batches
 
 
-def cell(optimizer: str, dtype: str) -> str:
-    return CELL.replace("DTYPE", f"torch.{dtype}").replace("OPTIMIZER", f"({OPTIMIZERS[optimizer]})")
+def cell(optimizer: str, dtype: str, layer: str = "plain") -> str:
+    return (CELL.replace("DTYPE", f"torch.{dtype}").replace("LAYER", LAYERS[layer])
+            .replace("OPTIMIZER", f"({OPTIMIZERS[optimizer]})"))
 
 
 def run_elastic(pool, tmp_path, source, engines, schedule=(), name="inv"):
@@ -41,31 +50,57 @@ def run_elastic(pool, tmp_path, source, engines, schedule=(), name="inv"):
     return run
 
 
-def reference(source: str, world_sizes=None):
-    """Single-process training of the same cell. With `world_sizes` (step -> W), each rank's
-    share is weighted 1/W instead of n_rank/B: the classic mistake the test must catch."""
+def reference(source: str, passes):
+    """Single-process training of the same cell: each step runs the forward passes
+    ``passes(plan, step, batch)`` gives as (sample indices, loss weight, torch seed), in order.
+    Returns the named parameters before training and the state dict after it."""
     import random
     import numpy as np
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
     ns = {}
     exec(source, ns)
     model, opt, data, loss_fn = ns["model"], ns["optimizer"], ns["dataset"], ns["loss_fn"]
-    start = [p.detach().clone() for p in model.parameters()]
-    plan, epoch, position = BatchPlan(len(data), BATCH, 7), 0, 0
+    start = {k: p.detach().clone() for k, p in model.named_parameters()}
+    plan, epoch, position = BatchPlan(len(data), BATCH, 7, MICRO, *POOL), 0, 0
     for step in range(STEPS):
         idx = plan.batch(epoch, position)
         opt.zero_grad()
-        if world_sizes is None:
-            loss_fn(model, torch.utils.data.default_collate([data[int(i)] for i in idx])).backward()
-        else:
-            W = world_sizes(step)
-            for r in range(W):
-                share = idx[rank_share(len(idx), r, W)]
-                batch = torch.utils.data.default_collate([data[int(i)] for i in share])
-                (loss_fn(model, batch) / W).backward()
+        for samples, weight, seed in passes(plan, step, idx):
+            torch.manual_seed(seed)
+            batch = torch.utils.data.default_collate([data[int(i)] for i in samples])
+            (loss_fn(model, batch) * weight).backward()
         opt.step()
         epoch, position = plan.advance(epoch, position)
     return start, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def micro_batch_passes(plan, step, idx):
+    """What every schedule must match: the plan's micro-batches, micro-batch k of step s drawing
+    from the stream of (seed, s, k), each mean loss weighted by its share of the batch."""
+    return [(m, len(m) / len(idx), stream_seed(7, step, k))
+            for k, m in enumerate(plan.micro_batches(idx))]
+
+
+def one_stream_passes(plan, step, idx):
+    """Wrong: a stream per (seed, step) only, so every micro-batch draws the same mask."""
+    return [(m, weight, stream_seed(7, step, 0))
+            for m, weight, _ in micro_batch_passes(plan, step, idx)]
+
+
+def rank_share_passes(weighting):
+    """Wrong: one forward pass per rank of the 2 -> 3 -> 1 schedule over its share (per-rank
+    BatchNorm statistics), its loss weighted by ``weighting(n_rank, B, W)``."""
+    def passes(plan, step, idx):
+        W = scheduled_world_size(step)
+        shares = [idx[rank_share(len(idx), r, W)] for r in range(W)]
+        return [(s, weighting(len(s), len(idx), W), 7) for s in shares]
+    return passes
+
+
+# per model, a mistake the comparison must be sharp enough to see
+WRONG = {"plain": rank_share_passes(lambda n, B, W: 1 / W),  # the classic: 1/W for n_rank/B
+         "dropout": one_stream_passes,
+         "batchnorm": rank_share_passes(lambda n, B, W: n / B)}
 
 
 def scheduled_world_size(step: int) -> int:
@@ -76,16 +111,20 @@ def max_relative_deviation(a: dict, b: dict) -> float:
     return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_parameters_do_not_depend_on_the_world_size_schedule(idle_pool, tmp_path, optimizer):
-    source = cell(optimizer, "float64")
-    start, expected = reference(source)
-    _, wrong = reference(source, scheduled_world_size)
+@pytest.mark.parametrize("optimizer,layer", [("sgd", "plain"), ("adam", "plain"),
+                                             ("sgd", "dropout"), ("adam", "batchnorm")])
+def test_parameters_do_not_depend_on_the_world_size_schedule(idle_pool, tmp_path, optimizer,
+                                                             layer):
+    assert (idle_pool.min_size, idle_pool.max_size) == POOL
+    source = cell(optimizer, "float64", layer)
+    start, expected = reference(source, micro_batch_passes)
+    _, wrong = reference(source, WRONG[layer])
     close = dict(rtol=1e-7, atol=1e-9)
-    # the check is sharp enough to see a loss scaled by 1/W instead of n_rank/B
     assert not all(torch.allclose(wrong[k], expected[k], **close) for k in expected)
-    moved = sum((p - s).norm() for p, s in zip(expected.values(), start)) / sum(s.norm() for s in start)
-    assert moved > 0.01
+    moved = sum((expected[k] - s).norm() for k, s in start.items())
+    assert moved / sum(s.norm() for s in start.values()) > 0.01
+    if layer == "batchnorm":  # one update of the running statistics per micro-batch, 12 a step
+        assert int(expected["1.num_batches_tracked"]) == 12 * STEPS
 
     runs = {"1": run_elastic(idle_pool, tmp_path, source, 1),
             "2": run_elastic(idle_pool, tmp_path, source, 2),

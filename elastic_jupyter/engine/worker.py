@@ -115,9 +115,11 @@ class Worker:
         """BatchNorm statistics over the whole global batch instead of each rank's share."""
         if self.device.type != "cuda":
             raise SetupError("--sync-batchnorm needs GPU slots: torch's SyncBatchNorm runs only "
-                             "on CUDA. On CPU slots, BatchNorm statistics are per rank, so "
-                             "results depend on the world size")
-        n, B, most = len(self.dataset), self.config["global_batch"], self.config.get("pool_max_size", 1)
+                             "on CUDA. Plain BatchNorm needs no conversion for results "
+                             "independent of the world size: its statistics are per "
+                             "micro-batch, combined in micro-batch order")
+        n, B = len(self.dataset), self.config["global_batch"]
+        most = self.config.get("pool_max_size", 1)
         if 0 < n % B < most:
             raise SetupError(
                 f"--sync-batchnorm needs a sample on every rank at every step (SyncBatchNorm is a "
@@ -186,7 +188,8 @@ class Worker:
 
     # --- end of micro-batches
 
-    def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int) -> tuple[float, list[float]]:
+    def _local_pass(self, parts: list[tuple[int, torch.Tensor]],
+                    B: int) -> tuple[float, list[float]]:
         """Forward and backward over this rank's micro-batches (index, sample indices) of a
         batch of `B` samples; returns (loss, extra metrics), each already weighted by the
         micro-batches' fraction of the batch."""
@@ -233,7 +236,8 @@ class Worker:
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
         self.optimizer.zero_grad(set_to_none=True)
-        loss, extras = self._local_pass(self.plan.rank_micro_batches(batch, rank, world_size), len(batch))
+        parts = self.plan.rank_micro_batches(batch, rank, world_size)
+        loss, extras = self._local_pass(parts, len(batch))
         fault_point("allreduce", self)
         loss, extras, leave = self._all_reduce(loss, extras, leave_flag)
         if self.config.get("clip_grad_norm"):
