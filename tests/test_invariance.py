@@ -21,7 +21,8 @@ import torch
 from sklearn.datasets import load_digits
 X, y = load_digits(return_X_y=True)
 dataset = torch.utils.data.TensorDataset(torch.tensor(X[:1000], dtype=DTYPE) / 16, torch.tensor(y[:1000]))
-model = torch.nn.Sequential(torch.nn.Linear(64, 16), LAYER torch.nn.Tanh(), torch.nn.Linear(16, 10)).to(DTYPE)
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), LAYER torch.nn.Tanh(),
+                            torch.nn.Linear(16, 10)).to(DTYPE)
 optimizer = OPTIMIZER(model.parameters())
 def loss_fn(model, batch):
     x, y = batch
