@@ -99,7 +99,8 @@ def _train_parser() -> _Parser:
     p.add_argument("--global-batch", type=_positive_int, default=64,
                    help="samples per optimizer step, whatever the world size (default 64)")
     p.add_argument("--micro-batch", type=_positive_int,
-                   help="largest batch per forward pass; more is accumulated (default: no limit)")
+                   help="cap on a micro-batch's size (default: none; the micro-batches follow "
+                        "from the global batch and the pool's --min/--max)")
     p.add_argument("--epochs", type=_positive_int, help="epochs to train (default 1)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps to train (instead of --epochs)")
     p.add_argument("--eval-every", type=_positive_int,

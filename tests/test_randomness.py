@@ -29,6 +29,7 @@ def test_streams_differ_per_micro_batch_and_step_and_restore_the_outer_state():
     torch.manual_seed(stream_seed(7, 3, 4))
     assert torch.equal(first, again) and torch.equal(first, torch.rand(8))
     assert not torch.equal(first, other)
+    outer = torch.get_rng_state()
     with pytest.raises(ZeroDivisionError), micro_batch_stream(7, 3, 4, CPU):
         torch.rand(3)
         raise ZeroDivisionError
