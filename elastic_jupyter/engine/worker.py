@@ -112,7 +112,7 @@ class Worker:
             raise SetupError("eval_dataset is defined but metric_fn(model, batch) -> dict is not")
 
     def _convert_batchnorm(self) -> None:
-        """BatchNorm statistics over the whole global batch instead of each rank's share."""
+        """BatchNorm statistics over the whole global batch instead of each micro-batch."""
         if self.device.type != "cuda":
             raise SetupError("--sync-batchnorm needs GPU slots: torch's SyncBatchNorm runs only "
                              "on CUDA. Plain BatchNorm needs no conversion for results "
@@ -266,7 +266,6 @@ class Worker:
         if world_size > 1:
             for buffer in self.model.buffers():
                 dist.broadcast(buffer, src=0)
-
 
     def evaluate(self, rank: int, world_size: int) -> dict:
         """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one."""
