@@ -26,6 +26,9 @@ import os
 from dataclasses import asdict, dataclass, field
 
 DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
+# a file name has room for 255 bytes: the run's folder and its discovery entry
+# (``<name>-<8 hex>.json.tmp``) must fit
+MAX_NAME_BYTES = 200
 
 
 class UsageError(ValueError):
@@ -117,6 +120,9 @@ class RunConfig:
 
         if not self.name or any(c in self.name for c in "/\\") or self.name.startswith("."):
             raise UsageError(f"--name must be a plain name (no slashes), got {self.name!r}")
+        if len(self.name.encode()) > MAX_NAME_BYTES:
+            raise UsageError(f"--name is {len(self.name.encode())} bytes long; at most "
+                             f"{MAX_NAME_BYTES} (it names the run's folder and files)")
         positive("--global-batch", self.global_batch)
         positive("--micro-batch", self.micro_batch, allow_none=True)
         positive("--epochs", self.epochs, allow_none=True)
