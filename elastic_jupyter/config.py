@@ -18,6 +18,8 @@ engine start timeout   60 s
 collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
 ``--commit-every``     10 steps (in-memory commits a fault rolls back to)
 ``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
+``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
+                       training loss
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -108,6 +110,7 @@ class RunConfig:
     commit_every: int = 10
     standby: int = 0
     sync_batchnorm: bool = False
+    plateau_metric: str | None = None  # the val_* metric a ReduceLROnPlateau steps on
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
@@ -138,6 +141,14 @@ class RunConfig:
             raise UsageError("give --epochs or --steps, not both")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+        if self.plateau_metric is not None:
+            metric = self.plateau_metric
+            if not isinstance(metric, str) or not metric.startswith("val_"):
+                raise UsageError("--plateau-metric names a validation metric as logged, like "
+                                 f"val_loss or val_accuracy; got {metric!r}")
+            if self.eval_every is None:
+                raise UsageError(f"--plateau-metric {metric} needs --eval-every N: "
+                                 "the scheduler steps at each evaluation")
 
     def as_dict(self) -> dict:
         return asdict(self)
