@@ -87,6 +87,7 @@ class TrainingRun:
                               on_end=self._on_end)
         self._registration = None
         self._resumed_from = None
+        self._folder_lock = None  # held from setup to the run's end (cellsetup.FolderLock)
 
     # ---------------------------------------------------------------- what views read
 
@@ -339,14 +340,21 @@ class TrainingRun:
                     f"--global-batch {self.config.global_batch} is smaller than the world size "
                     f"{size}: every rank needs at least one sample; raise the global batch to "
                     f"at least {size} or use fewer --engines")
-            resume_from = prepare_checkpoint_dir(self.checkpoint_dir, self.log_dir, self.name,
-                                                 self.resume)
+            resume_from, self._folder_lock = prepare_checkpoint_dir(
+                self.checkpoint_dir, self.log_dir, self.name, self.resume, self.notebook)
             self._resumed_from = await self._driver.setup(size, resume_from)
         except BaseException:
+            self._release_folder()
             pool.release(self)
             raise
 
+    def _release_folder(self) -> None:
+        if self._folder_lock is not None:
+            self._folder_lock.release()
+
     def _on_end(self) -> None:
-        """The driver reached a final state: free the pool, record the end for discovery."""
+        """The driver reached a final state (its last checkpoint written): free the pool and
+        the checkpoint folder, record the end for discovery."""
+        self._release_folder()
         self.pool.release(self)
         registry.update(self._registration, self)
