@@ -115,13 +115,22 @@ class CellSetup:
         calls: EngineCalls. log: the RunLog. config: the run's config as plain data.
         source / setup_bytes: the cell's code, or a cloudpickled setup function.
         push: notebook variables defined on the engines first.
+        workdir: the notebook's working folder when the cell ran; engines run the cell there.
+
+    Attributes:
+        total_steps: the run's length in steps, fixed by the first engines' setup.
+        dataset: their dataset's fingerprint ({"samples", "hash"}); an engine that builds
+            another dataset later is refused (the run's steps never change mid-run).
     """
 
-    def __init__(self, calls, log, config: dict, source, setup_bytes, push: dict):
+    def __init__(self, calls, log, config: dict, source, setup_bytes, push: dict,
+                 workdir: str):
         self.calls, self.log, self.config = calls, log, config
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
+        self.workdir = workdir
         self.rendezvous: Rendezvous | None = None  # opened once the first engines are set up
         self.total_steps = 0
+        self.dataset: dict | None = None
 
     def engine_log(self, engine) -> str:
         return os.path.join(self.log.log_dir, f"engine-slot{engine.slot}.log")
@@ -133,7 +142,7 @@ class CellSetup:
 
     async def run_cell(self, engines) -> None:
         results = await self.calls.setup_run(engines, self.config, self.source, self.setup_bytes,
-                                             self.push, self.engine_log)
+                                             self.push, self.engine_log, self.workdir)
         for engine, result in zip(engines, results):
             if isinstance(result, BaseException):
                 detail = remote_message(result)
@@ -141,7 +150,32 @@ class CellSetup:
                 raise RunSetupError(
                     f"the cell failed on engine slot {engine.slot}: {remote_summary(result)}\n"
                     f"--- engine traceback ---\n{detail}")
-        self.total_steps = results[0]["total_steps"]
+        self._check_datasets(engines, [r["dataset"] for r in results])
+        if self.dataset is None:
+            self.dataset, self.total_steps = results[0]["dataset"], results[0]["total_steps"]
+
+    def _check_datasets(self, engines, found: list[dict]) -> None:
+        """Raise RunSetupError naming the engines whose dataset differs from the run's (or,
+        at the start, from the first engine's)."""
+        reference = self.dataset or found[0]
+        odd = [(e, d) for e, d in zip(engines, found) if d != reference]
+        if not odd:
+            return
+        why = (f"the cell must build the same dataset on every engine: each runs it in "
+               f"{self.workdir}; check the files it reads and seed any random split")
+        if self.dataset is None:
+            listed = "; ".join(f"slot {e.slot}: {_describe(d)}" for e, d in zip(engines, found))
+            slots = ", ".join(str(e.slot) for e, _ in odd)
+            differ = f"slots {slots} differ" if len(odd) > 1 else f"slot {slots} differs"
+            message = (f"the engines built different datasets (engine {differ} from slot "
+                       f"{engines[0].slot}): {listed}. {why[0].upper()}{why[1:]}")
+        else:
+            message = "; ".join(f"engine slot {e.slot} built another dataset than the run's "
+                                f"({_describe(d)}; the run's: {_describe(reference)})"
+                                for e, d in odd)
+            message += f": refused, since a run's steps never change mid-run; {why}"
+        self.log.log(message)
+        raise RunSetupError(message)
 
     def open_rendezvous(self) -> Rendezvous:
         self.rendezvous = Rendezvous(timeout=self.config["collective_timeout"])
@@ -175,6 +209,10 @@ class CellSetup:
                              "--name")
         self.log.load(loaded["history"], loaded["progress"]["step"])
         return loaded["path"]
+
+
+def _describe(dataset: dict) -> str:
+    return f"{dataset['samples']} samples, items hash {dataset['hash']}"
 
 
 def pickle_by_value(fn) -> bytes:

@@ -45,6 +45,8 @@ class TrainingRun:
         resume: continue from the newest checkpoint in the run's checkpoint folder.
         engines: starting world size (default: the pool's size).
         workspace: folder that holds ``elastic-checkpoints/<name>/`` (default: the current folder).
+            The cell runs on the engines in the current folder (the notebook's), whatever
+            `workspace` says, so it opens and imports the files the notebook would.
         schedule: resizes as (at_step, size) pairs, the same as ``resize(size, at_step)``
             called before training starts.
 
@@ -68,7 +70,8 @@ class TrainingRun:
         config.validate()
         self.pool, self.config, self.name = pool, config, config.name
         self.resume, self.engines_at_start, self.notebook = resume, engines, notebook
-        workspace = os.path.abspath(workspace or os.getcwd())
+        self.workdir = os.getcwd()
+        workspace = os.path.abspath(workspace or self.workdir)
         self.checkpoint_dir = os.path.abspath(
             config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
@@ -79,7 +82,7 @@ class TrainingRun:
         cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir)
         self._cell = CellSetup(calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
-                               dict(push or {}))
+                               dict(push or {}), self.workdir)
         self._membership = Membership(pool, self.log, self._cell)
         self._driver = Driver(pool, calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
