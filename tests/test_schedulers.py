@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from elastic_jupyter import RunConfig, TrainingRun, UsageError
+from elastic_jupyter import RunConfig, RunSetupError, TrainingRun, UsageError
 from elastic_jupyter.engine import checkpoint as ckpt
 from elastic_jupyter.engine.batching import BatchPlan
 
@@ -118,6 +118,17 @@ def test_a_plateau_metric_the_evaluation_lacks_fails_the_run_naming_those_it_has
                       workspace=str(tmp_path)).start()
     assert run.wait(timeout=120) == "failed"
     assert "--plateau-metric val_los: the evaluation gives val_accuracy, val_loss" in run.error
+
+
+def test_a_plateau_metric_for_another_scheduler_is_refused_at_setup(idle_pool, tmp_path):
+    config = RunConfig(name=f"plateau-{uuid.uuid4().hex[:6]}", global_batch=B, steps=10,
+                       eval_every=5, plateau_metric="val_loss", seed=SEED)
+    run = TrainingRun(idle_pool, config, source=cell("S.StepLR(optimizer, 3)"),
+                      workspace=str(tmp_path))
+    with pytest.raises(RunSetupError, match="--plateau-metric val_loss is for a "
+                                            "ReduceLROnPlateau lr_scheduler; the cell's "
+                                            "lr_scheduler is StepLR"):
+        run.start()
 
 
 @pytest.mark.parametrize("scheduler", [
