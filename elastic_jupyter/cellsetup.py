@@ -1,4 +1,5 @@
-"""Setting a run up on engines: the checkpoint folder, the cell on every engine, a resume.
+"""Setting a run up on engines: the checkpoint folder and its lock, the cell on every engine
+(in the notebook's working folder, with the same dataset everywhere), a resume.
 
 Used when the run starts and whenever membership boots new engines. Every failure becomes a
 :class:`UsageError` (bad options, folder problems) or :class:`RunSetupError` (the cell failed on
@@ -6,11 +7,15 @@ an engine, with that engine's traceback); the pool stays usable either way.
 """
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import time
 
 from .config import RESUME_KEYS, UsageError
 from .engine import checkpoint as ckpt
 from .engine_calls import remote_message, remote_summary
+from .registry import kernel_id
 from .rendezvous import Rendezvous
 
 
@@ -18,10 +23,68 @@ class RunSetupError(RuntimeError):
     """The run's setup failed on an engine; the message carries that engine's traceback."""
 
 
-def prepare_checkpoint_dir(folder: str, log_dir: str, name: str, resume: bool) -> str | None:
-    """Create and probe `folder`; returns the checkpoint to resume from (or None).
+LOCK_FILE = ".lock"
 
-    Raises UsageError: not writable, checkpoints present without `resume`, none with it.
+
+class FolderLock:
+    """This process's exclusive hold on a checkpoint folder for a run's life, so two live runs
+    never write into one folder (even two kernels starting the same name at the same moment).
+
+    ``fcntl.flock`` on ``<folder>/.lock``, which records the holder (pid, kernel, notebook,
+    run name, start time); the lock goes with :meth:`release` or with the process.
+
+    Raises UsageError naming the holder when another run holds the folder.
+    """
+
+    def __init__(self, folder: str, name: str, notebook: str | None = None):
+        self.path = os.path.join(folder, LOCK_FILE)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_holder(fd)
+            os.close(fd)
+            raise UsageError(f"checkpoint folder {folder} is in use by {holder}: two live runs "
+                             "cannot share a checkpoint folder; stop that run first, or choose "
+                             "another --name (or --checkpoint-dir)") from None
+        self._fd = fd
+        me = {"pid": os.getpid(), "kernel": kernel_id(), "notebook": notebook, "name": name,
+              "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+
+    def release(self) -> None:
+        """Let other runs use the folder (closing the file ends the lock); idempotent."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _read_holder(fd: int) -> str:
+    """Who holds the lock, in words. The holder writes its record right after it took the
+    lock, so a racing reader may find the file still empty for a moment."""
+    for _ in range(40):
+        try:
+            h = json.loads(os.pread(fd, 4096, 0))
+            break
+        except ValueError:
+            time.sleep(0.05)
+    else:
+        return "another process"
+    where = ", ".join(filter(None, [f"process {h.get('pid')}",
+                                    h.get("kernel") and f"kernel {h['kernel']}",
+                                    h.get("notebook") and f"notebook {h['notebook']}"]))
+    since = time.strftime("%H:%M:%S", time.localtime(h.get("since") or 0))
+    return f"run {h.get('name')!r} ({where}) since {since}"
+
+
+def prepare_checkpoint_dir(folder: str, log_dir: str, name: str, resume: bool,
+                           notebook: str | None = None) -> tuple[str | None, FolderLock]:
+    """Create, probe and lock `folder`; returns (the checkpoint to resume from or None, the
+    lock, which the run holds until it ends).
+
+    Raises UsageError: not writable, held by another live run, checkpoints present without
+    `resume`, none with it.
     """
     try:
         os.makedirs(log_dir, exist_ok=True)
@@ -32,13 +95,16 @@ def prepare_checkpoint_dir(folder: str, log_dir: str, name: str, resume: bool) -
     except OSError as e:
         raise UsageError(f"checkpoint folder {folder} is not writable ({e.strerror or e}); pass "
                          "--checkpoint-dir (checkpoint_dir=) with a writable folder") from None
+    lock = FolderLock(folder, name, notebook)
     latest = ckpt.latest_checkpoint(folder)
     if latest and not resume:
+        lock.release()
         raise UsageError(f"run name {name!r} already has checkpoints in {folder}: pass --resume "
                          "(resume=True) to continue it, or choose another --name")
     if resume and not latest:
+        lock.release()
         raise UsageError(f"--resume: no checkpoint of run {name!r} in {folder}")
-    return latest
+    return latest, lock
 
 
 class CellSetup:
@@ -49,13 +115,22 @@ class CellSetup:
         calls: EngineCalls. log: the RunLog. config: the run's config as plain data.
         source / setup_bytes: the cell's code, or a cloudpickled setup function.
         push: notebook variables defined on the engines first.
+        workdir: the notebook's working folder when the cell ran; engines run the cell there.
+
+    Attributes:
+        total_steps: the run's length in steps, fixed by the first engines' setup.
+        dataset: their dataset's fingerprint ({"samples", "hash"}); an engine that builds
+            another dataset later is refused (the run's steps never change mid-run).
     """
 
-    def __init__(self, calls, log, config: dict, source, setup_bytes, push: dict):
+    def __init__(self, calls, log, config: dict, source, setup_bytes, push: dict,
+                 workdir: str):
         self.calls, self.log, self.config = calls, log, config
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
+        self.workdir = workdir
         self.rendezvous: Rendezvous | None = None  # opened once the first engines are set up
         self.total_steps = 0
+        self.dataset: dict | None = None
 
     def engine_log(self, engine) -> str:
         return os.path.join(self.log.log_dir, f"engine-slot{engine.slot}.log")
@@ -67,7 +142,7 @@ class CellSetup:
 
     async def run_cell(self, engines) -> None:
         results = await self.calls.setup_run(engines, self.config, self.source, self.setup_bytes,
-                                             self.push, self.engine_log)
+                                             self.push, self.engine_log, self.workdir)
         for engine, result in zip(engines, results):
             if isinstance(result, BaseException):
                 detail = remote_message(result)
@@ -75,7 +150,32 @@ class CellSetup:
                 raise RunSetupError(
                     f"the cell failed on engine slot {engine.slot}: {remote_summary(result)}\n"
                     f"--- engine traceback ---\n{detail}")
-        self.total_steps = results[0]["total_steps"]
+        self._check_datasets(engines, [r["dataset"] for r in results])
+        if self.dataset is None:
+            self.dataset, self.total_steps = results[0]["dataset"], results[0]["total_steps"]
+
+    def _check_datasets(self, engines, found: list[dict]) -> None:
+        """Raise RunSetupError naming the engines whose dataset differs from the run's (or,
+        at the start, from the first engine's)."""
+        reference = self.dataset or found[0]
+        odd = [(e, d) for e, d in zip(engines, found) if d != reference]
+        if not odd:
+            return
+        why = (f"the cell must build the same dataset on every engine: each runs it in "
+               f"{self.workdir}; check the files it reads and seed any random split")
+        if self.dataset is None:
+            listed = "; ".join(f"slot {e.slot}: {_describe(d)}" for e, d in zip(engines, found))
+            slots = ", ".join(str(e.slot) for e, _ in odd)
+            differ = f"slots {slots} differ" if len(odd) > 1 else f"slot {slots} differs"
+            message = (f"the engines built different datasets (engine {differ} from slot "
+                       f"{engines[0].slot}): {listed}. {why[0].upper()}{why[1:]}")
+        else:
+            message = "; ".join(f"engine slot {e.slot} built another dataset than the run's "
+                                f"({_describe(d)}; the run's: {_describe(reference)})"
+                                for e, d in odd)
+            message += f": refused, since a run's steps never change mid-run; {why}"
+        self.log.log(message)
+        raise RunSetupError(message)
 
     def open_rendezvous(self) -> Rendezvous:
         self.rendezvous = Rendezvous(timeout=self.config["collective_timeout"])
@@ -109,6 +209,10 @@ class CellSetup:
                              "--name")
         self.log.load(loaded["history"], loaded["progress"]["step"])
         return loaded["path"]
+
+
+def _describe(dataset: dict) -> str:
+    return f"{dataset['samples']} samples, items hash {dataset['hash']}"
 
 
 def pickle_by_value(fn) -> bytes:

@@ -18,6 +18,8 @@ engine start timeout   60 s
 collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
 ``--commit-every``     10 steps (in-memory commits a fault rolls back to)
 ``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
+``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
+                       training loss
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -26,6 +28,9 @@ import os
 from dataclasses import asdict, dataclass, field
 
 DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
+# a file name has room for 255 bytes: the run's folder and its discovery entry
+# (``<name>-<8 hex>.json.tmp``) must fit
+MAX_NAME_BYTES = 200
 
 
 class UsageError(ValueError):
@@ -109,6 +114,7 @@ class RunConfig:
     sync_batchnorm: bool = False
     pool_min_size: int = 1
     pool_max_size: int = 1
+    plateau_metric: str | None = None  # the val_* metric a ReduceLROnPlateau steps on
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
@@ -121,6 +127,9 @@ class RunConfig:
 
         if not self.name or any(c in self.name for c in "/\\") or self.name.startswith("."):
             raise UsageError(f"--name must be a plain name (no slashes), got {self.name!r}")
+        if len(self.name.encode()) > MAX_NAME_BYTES:
+            raise UsageError(f"--name is {len(self.name.encode())} bytes long; at most "
+                             f"{MAX_NAME_BYTES} (it names the run's folder and files)")
         positive("--global-batch", self.global_batch)
         positive("--micro-batch", self.micro_batch, allow_none=True)
         positive("--epochs", self.epochs, allow_none=True)
@@ -136,6 +145,14 @@ class RunConfig:
             raise UsageError("give --epochs or --steps, not both")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+        if self.plateau_metric is not None:
+            metric = self.plateau_metric
+            if not isinstance(metric, str) or not metric.startswith("val_"):
+                raise UsageError("--plateau-metric names a validation metric as logged, like "
+                                 f"val_loss or val_accuracy; got {metric!r}")
+            if self.eval_every is None:
+                raise UsageError(f"--plateau-metric {metric} needs --eval-every N: "
+                                 "the scheduler steps at each evaluation")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -2,8 +2,9 @@
 (the Jupyter server extension, scripts) read and steer the run.
 
 The server runs on the owner loop, so a request is answered and applied in one step, without
-a hop back onto the loop. The socket lives in the registry folder (mode 0700: only this user
-can connect) and never touches the network. Protocol: one JSON request per line, one JSON reply
+a hop back onto the loop. The socket lives in the registry folder, or in a short private one
+when that is too deep for a socket address (registry.socket_path; mode 0700 either way: only
+this user can connect), and never touches the network. Protocol: one JSON request per line, one JSON reply
 per line:
 
     {"op": "status"}                     -> the run's snapshot (snapshot.RunSnapshot.as_dict)

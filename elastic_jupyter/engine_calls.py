@@ -89,10 +89,11 @@ class EngineCalls:
         return await asyncio.wrap_future(ar)
 
     async def setup_run(self, engines, config: dict, source, setup_bytes, push: dict,
-                        log_path) -> list:
-        """Run the cell on every engine; one result dict or exception per engine."""
+                        log_path, workdir: str) -> list:
+        """Run the cell on every engine, in `workdir`; one result dict or exception per
+        engine."""
         futures = [asyncio.wrap_future(self._submit(
-            e, entrypoints.setup_run, config, source, setup_bytes, push, log_path(e)))
+            e, entrypoints.setup_run, config, source, setup_bytes, push, log_path(e), workdir))
             for e in engines]
         return await asyncio.gather(*futures, return_exceptions=True)
 

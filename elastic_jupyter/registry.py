@@ -1,9 +1,9 @@
 """Run discovery: one owner-only file per run in ``<runtime dir>/elastic-jupyter/``.
 
 Each run writes ``<run id>.json`` with its name, kernel, pid and process start time, notebook
-path, checkpoint folder, the path of its control socket (control.py) and its latest
-:class:`~elastic_jupyter.snapshot.RunSnapshot` (written at start and at the end, so a finished
-run keeps its final figures after its kernel is gone). The folder is mode 0700.
+path, checkpoint folder, the path of its control socket (control.py, :func:`socket_path`) and
+its latest :class:`~elastic_jupyter.snapshot.RunSnapshot` (written at start and at the end, so a
+finished run keeps its final figures after its kernel is gone). The folder is mode 0700.
 
 A reader tells a live entry from a stale one by the pid and its start time (a reused pid has
 another start time). Entries of ended runs are dismissed by the user or pruned by age and count
@@ -12,8 +12,10 @@ another start time). Entries of ended runs are dismissed by the user or pruned b
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import os
+import stat
 import time
 import uuid
 
@@ -32,7 +34,8 @@ def registry_dir() -> str:
     return path
 
 
-def _kernel_id() -> str | None:
+def kernel_id() -> str | None:
+    """The id of the Jupyter kernel this process runs (None outside one)."""
     try:
         from ipykernel import get_connection_file
         name = os.path.basename(get_connection_file())
@@ -41,21 +44,48 @@ def _kernel_id() -> str | None:
     return name[len("kernel-"):-len(".json")] if name.startswith("kernel-") else name
 
 
+# A Unix socket's path has room for 107 bytes (sun_path is 108 with its terminating NUL).
+SOCKET_PATH_MAX = 107
+
+
+def _private_dir(path: str) -> str:
+    """`path` as a folder only this user can enter: created mode 0700, and refused when it is
+    a link or another user's (a shared /tmp must not let anyone else plant our socket)."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{path} is not a folder of this user")
+    os.chmod(path, 0o700)
+    return path
+
+
+def socket_path(run_id: str) -> str:
+    """Where the control socket of `run_id` goes: a name of fixed length (a hash of the id,
+    never the run name) in the registry folder, or, when the runtime dir is so deep that
+    the path would not fit in a socket address, in ``/tmp/elastic-jupyter-<uid>/`` (mode
+    0700). Readers take the path from the run's entry."""
+    name = hashlib.sha256(run_id.encode()).hexdigest()[:16] + ".sock"
+    path = os.path.join(registry_dir(), name)
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        return path
+    return os.path.join(_private_dir(f"/tmp/elastic-jupyter-{os.getuid()}"), name)
+
+
 class Registration:
     """A run's discovery entry and control channel.
 
     Attributes:
-        run_id: ``<name>-<8 hex>``; path: the entry file; socket_path: the control socket.
+        run_id: ``<name>-<8 hex>``; path: the entry file; socket_path: the control socket
+            (see :func:`socket_path`).
     """
 
     def __init__(self, run):
         self.run_id = f"{run.name}-{uuid.uuid4().hex[:8]}"
-        folder = registry_dir()
-        self.path = os.path.join(folder, f"{self.run_id}.json")
-        self.socket_path = os.path.join(folder, f"{self.run_id}.sock")
+        self.path = os.path.join(registry_dir(), f"{self.run_id}.json")
+        self.socket_path = socket_path(self.run_id)
         me = psutil.Process()
         self.entry = {"id": self.run_id, "name": run.name, "pid": me.pid,
-                      "pid_start_time": me.create_time(), "kernel_id": _kernel_id(),
+                      "pid_start_time": me.create_time(), "kernel_id": kernel_id(),
                       "notebook": run.notebook or os.environ.get("JPY_SESSION_NAME"),
                       "checkpoint_dir": run.checkpoint_dir, "started": time.time(),
                       "control": self.socket_path}
@@ -77,7 +107,8 @@ def register(run) -> Registration | None:
         reg = Registration(run)
         reg.write(run)
     except OSError as e:
-        run.log.log(f"could not register the run for discovery: {e}")
+        run.log.event("warning", message=f"could not register the run for discovery (the side "
+                      f"panel and the server will not list it): {e}")
         return None
     background(ControlServer(run, reg.socket_path).start(),
                lambda e: run.log.event("warning", message=f"control channel not started: {e}"))
@@ -91,7 +122,7 @@ def update(reg: Registration | None, run) -> None:
         try:
             reg.write(run)
         except OSError as e:
-            run.log.log(f"could not update the run's discovery entry: {e}")
+            run.log.event("warning", message=f"could not update the run's discovery entry: {e}")
 
 
 def _unlink(path: str) -> None:

@@ -45,6 +45,8 @@ class TrainingRun:
         resume: continue from the newest checkpoint in the run's checkpoint folder.
         engines: starting world size (default: the pool's size).
         workspace: folder that holds ``elastic-checkpoints/<name>/`` (default: the current folder).
+            The cell runs on the engines in the current folder (the notebook's), whatever
+            `workspace` says, so it opens and imports the files the notebook would.
         schedule: resizes as (at_step, size) pairs, the same as ``resize(size, at_step)``
             called before training starts.
 
@@ -68,7 +70,8 @@ class TrainingRun:
         config.validate()
         self.pool, self.config, self.name = pool, config, config.name
         self.resume, self.engines_at_start, self.notebook = resume, engines, notebook
-        workspace = os.path.abspath(workspace or os.getcwd())
+        self.workdir = os.getcwd()
+        workspace = os.path.abspath(workspace or self.workdir)
         self.checkpoint_dir = os.path.abspath(
             config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
@@ -80,7 +83,7 @@ class TrainingRun:
                            pool_min_size=pool.min_size, pool_max_size=pool.max_size)
         self._cell = CellSetup(calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
-                               dict(push or {}))
+                               dict(push or {}), self.workdir)
         self._membership = Membership(pool, self.log, self._cell)
         self._driver = Driver(pool, calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
@@ -88,6 +91,7 @@ class TrainingRun:
                               on_end=self._on_end)
         self._registration = None
         self._resumed_from = None
+        self._folder_lock = None  # held from setup to the run's end (cellsetup.FolderLock)
 
     # ---------------------------------------------------------------- what views read
 
@@ -340,14 +344,21 @@ class TrainingRun:
                     f"--global-batch {self.config.global_batch} is smaller than the world size "
                     f"{size}: every rank needs at least one sample; raise the global batch to "
                     f"at least {size} or use fewer --engines")
-            resume_from = prepare_checkpoint_dir(self.checkpoint_dir, self.log_dir, self.name,
-                                                 self.resume)
+            resume_from, self._folder_lock = prepare_checkpoint_dir(
+                self.checkpoint_dir, self.log_dir, self.name, self.resume, self.notebook)
             self._resumed_from = await self._driver.setup(size, resume_from)
         except BaseException:
+            self._release_folder()
             pool.release(self)
             raise
 
+    def _release_folder(self) -> None:
+        if self._folder_lock is not None:
+            self._folder_lock.release()
+
     def _on_end(self) -> None:
-        """The driver reached a final state: free the pool, record the end for discovery."""
+        """The driver reached a final state (its last checkpoint written): free the pool and
+        the checkpoint folder, record the end for discovery."""
+        self._release_folder()
         self.pool.release(self)
         registry.update(self._registration, self)

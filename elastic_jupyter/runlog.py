@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import time
 
+import numpy as np
+
 
 class RunLog:
     """Records (step -> dict), events (list of dicts, in order) and ``<log_dir>/run.log``."""
@@ -96,7 +98,7 @@ class RunLog:
         is `complete`: a generation's result fills any gap the live stream left)."""
         for record in data.get("records", ()):
             if complete or record["step"] > self._merged_upto:
-                self._records[record["step"]] = record
+                self._records[record["step"]] = _plain(record)
                 self._merged_upto = max(self._merged_upto, record["step"])
         self._finish_resize()
         for event in data.get("events", ()):
@@ -128,6 +130,14 @@ class RunLog:
     @property
     def merged_upto(self) -> int:
         return self._merged_upto
+
+
+def _plain(record: dict) -> dict:
+    """The record with numpy numbers (a numpy learning rate lands in "lr") as Python ones, so
+    every view can send it as JSON."""
+    if all(type(v) in (int, float, str, bool) for v in record.values()):
+        return record
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in record.items()}
 
 
 def describe_event(event: dict) -> str | None:

@@ -7,9 +7,11 @@ from elastic_jupyter import RunConfig, TrainingRun
 CELL = '''
 import os
 import torch
+import torch.distributed as dist
 
 class RecordingDataset(torch.utils.data.Dataset):
-    """100 samples; every __getitem__ is appended to a per-engine file."""
+    """100 samples; every __getitem__ for training (inside a process group: not the setup's
+    reads of a few items, for the dataset's fingerprint) is appended to a per-engine file."""
     def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.randn(100, 4, generator=g), torch.randint(0, 2, (100,), generator=g)
@@ -17,7 +19,8 @@ class RecordingDataset(torch.utils.data.Dataset):
     def __len__(self):
         return 100
     def __getitem__(self, i):
-        self.log.write(f"{i}\\n")
+        if dist.is_initialized():
+            self.log.write(f"{i}\\n")
         return self.x[i], self.y[i]
 
 dataset = RecordingDataset()

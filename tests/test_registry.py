@@ -110,3 +110,61 @@ def test_ended_runs_are_pruned_by_age_and_count_live_runs_never(tmp_path, monkey
     # the 3 newest ended runs stay; the oldest beyond the count and the one past 30 days go
     assert names == ["gone-0", "gone-1", "live-done", "live-old"]
     assert sorted(e["id"] for e in registry.list_runs()) == names
+
+
+# ----------------------------------------------------------------------------- long names
+
+LONG_NAME = "resnet18_cifar10_sgd_lr0.1_bs256_wd5e-4_cosine_warmup5_seed0_run1"
+
+
+def _deep_runtime_dir(tmp_path) -> str:
+    return str(tmp_path / ("runtime-" + "d" * 60) / ("jupyter-" + "r" * 60))
+
+
+def test_the_socket_path_fits_whatever_the_name_and_the_runtime_dir(tmp_path, monkeypatch):
+    for runtime, inside_registry in ((str(tmp_path / "rt"), True),
+                                     (_deep_runtime_dir(tmp_path), False)):
+        monkeypatch.setenv("JUPYTER_RUNTIME_DIR", runtime)
+        paths = [registry.socket_path(f"{name}-0123abcd")
+                 for name in ("a", LONG_NAME, "n" * 200)]
+        assert len({len(p) for p in paths}) == 1, paths  # the name never changes the length
+        assert all(len(os.fsencode(p)) <= registry.SOCKET_PATH_MAX for p in paths)
+        assert (os.path.dirname(paths[0]) == registry.registry_dir()) is inside_registry
+        assert stat.S_IMODE(os.stat(os.path.dirname(paths[0])).st_mode) == 0o700
+
+
+def test_a_long_run_name_in_a_deep_runtime_dir_answers_on_its_control_channel(
+        idle_pool, tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", _deep_runtime_dir(tmp_path))
+    assert len(os.fsencode(os.path.join(registry.registry_dir(), LONG_NAME))) > 200
+    run = TrainingRun(idle_pool, RunConfig(name=LONG_NAME, steps=2000, checkpoint_every=0),
+                      source=CELL, engines=1, workspace=str(tmp_path)).start()
+    try:
+        reg = run._registration
+        entry = [e for e in registry.list_runs() if e["id"] == reg.run_id][0]
+        assert entry["control"] == reg.socket_path and entry["live"]
+        deadline = time.time() + 10
+        while not os.path.exists(reg.socket_path) and time.time() < deadline:
+            time.sleep(0.05)
+        status = control.request(entry["control"], {"op": "status"})
+        assert status["name"] == LONG_NAME and status["state"] == "training"
+        assert not [e for e in run.events if e["kind"] == "warning"]
+    finally:
+        run.stop()
+        run.wait(timeout=60)
+
+
+def test_a_control_channel_that_cannot_start_is_reported(idle_pool, tmp_path, monkeypatch):
+    too_long = "/tmp/" + "x" * 200 + ".sock"
+    monkeypatch.setattr(registry, "socket_path", lambda run_id: too_long)
+    run = TrainingRun(idle_pool, RunConfig(name="nochannel", steps=2000, checkpoint_every=0),
+                      source=CELL, engines=1, workspace=str(tmp_path)).start()
+    try:
+        deadline = time.time() + 10
+        while not [e for e in run.events if e["kind"] == "warning"] and time.time() < deadline:
+            time.sleep(0.05)
+        warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
+        assert warnings and warnings[0].startswith("control channel not started: OSError")
+    finally:
+        run.stop()
+        run.wait(timeout=60)

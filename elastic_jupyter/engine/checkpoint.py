@@ -9,17 +9,20 @@ Layout of a checkpoint folder::
 A file is written to a temporary name, fsynced, then renamed; its record and the pointer are
 replaced the same way afterwards, so a crash at any point leaves the previous checkpoint
 loadable. Loading checks the SHA-256 and falls back to the previous checkpoint when a file is
-torn or corrupted.
+torn or corrupted. A state is checked before it is written (:func:`unloadable`), so every file
+written here loads with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import queue
 import re
 import threading
 import time
+from collections import Counter, OrderedDict
 
 
 POINTER = "latest.json"
@@ -75,10 +78,14 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
     """Write `state` atomically as the checkpoint of ``state["progress"]["step"]``.
 
     Returns the pointer record ``{"file", "path", "step", "sha256", "bytes", "time"}``.
-    Raises CheckpointError (disk full, permission) after removing the partial file.
+    Raises CheckpointError (disk full, permission) after removing the partial file, or before
+    writing when the state holds a value the safe load would refuse (see :func:`unloadable`).
     """
     step = state["progress"]["step"]
     path = os.path.join(folder, checkpoint_name(step))
+    problem = unloadable(_newest_record_only(state))
+    if problem:  # a file nothing could load is not written: the previous one stays the latest
+        raise CheckpointError(f"could not write checkpoint {path}: {problem}")
     try:
         import torch  # here, not at the top: the server lists checkpoints without torch
         atomic_write(path, lambda f: torch.save(state, f))
@@ -212,13 +219,95 @@ def load_checkpoint(path: str) -> dict:
                               detail=f"{type(e).__name__}: {e}", reason=reason) from e
 
 
+# ---------------------------------------------------------------- what the safe load refuses
+
+_HINT = ("convert it to plain data where the cell creates it (a Python number or string, a "
+         "list, tuple or dict of them, or a tensor), e.g. float(x), list(x) or torch.tensor(x)")
+
+
+def unloadable(state) -> str | None:
+    """Why ``torch.load(weights_only=True)`` would refuse `state`, or None when it loads.
+
+    A real ``torch.save`` and safe load round trip in memory, with every plain tensor replaced
+    by an empty one of its dtype (no copy of the model). The reason names the key path of the
+    first refused value (``optimizer.param_groups[0].betas``), its type and what to change.
+    """
+    light = _stand_ins(state)
+    if _round_trips(light):
+        return None
+    path, value = _first_refused(light, [])
+    kind = type(value)
+    return (f"{_key_path(path)} is a {kind.__module__}.{kind.__qualname__}, which the safe load "
+            f"(torch.load(weights_only=True)) refuses: {_HINT}")
+
+
+def _newest_record_only(state: dict) -> dict:
+    """`state` with its history cut to the newest record: the records all come from the same
+    code, and the safe load of a long history takes seconds."""
+    history = state.get("history")
+    return dict(state, history=history[-1:]) if isinstance(history, list) else state
+
+
+def _stand_ins(obj):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        plain = type(obj) in (torch.Tensor, torch.nn.Parameter)
+        if plain and obj.layout == torch.strided and not obj.is_quantized:
+            return torch.empty(0, dtype=obj.dtype)
+        return obj
+    if type(obj) in (dict, OrderedDict, Counter):
+        return type(obj)({k: _stand_ins(v) for k, v in obj.items()})
+    if type(obj) in (list, tuple):
+        return type(obj)(_stand_ins(v) for v in obj)
+    return obj
+
+
+def _round_trips(obj) -> bool:
+    import torch
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception:  # pickling errors, UnpicklingError: refused either way
+        return False
+    return True
+
+
+def _first_refused(obj, path: list) -> tuple[list, object]:
+    """(key path, value) of the innermost value in `obj` that does not round-trip; `obj` itself
+    when none of its parts is refused alone (its own type, or one of its keys)."""
+    if isinstance(obj, dict):
+        parts = obj.items()
+    elif isinstance(obj, (list, tuple, set)):
+        parts = enumerate(obj)
+    else:
+        parts = ()
+    for key, value in parts:
+        if not _round_trips(value):
+            return _first_refused(value, path + [key])
+    return path, obj
+
+
+def _key_path(path: list) -> str:
+    """``optimizer.param_groups[0].betas`` for ["optimizer", "param_groups", 0, "betas"]."""
+    text = ""
+    for key in path:
+        if isinstance(key, str) and key.isidentifier():
+            text += f".{key}" if text else key
+        else:
+            text += f"[{key!r}]"
+    return text or "the state"
+
+
 def _why_unloadable(error: Exception) -> str:
     """One short line for why ``torch.load(weights_only=True)`` failed: the file holds a type
     the safe load refuses, or it is torn or corrupted (its first line of error)."""
     text = str(error)
     refused = re.search(r"GLOBAL ([\w.]+)", text)
     if refused and "Weights only load failed" in text:
-        return f"it holds a type the safe load (weights_only) refuses: {refused.group(1)}"
+        return (f"it holds a type the safe load (weights_only) refuses: {refused.group(1)} "
+                "(a value that is not plain data, not damage)")
     cause = re.search(r"WeightsUnpickler error: (.*)", text)  # e.g. an unknown opcode
     cause = cause.group(1) if cause else (text.strip().splitlines() or [""])[0]
     cause = cause.split(". ")[0][:120]
@@ -243,9 +332,18 @@ class CheckpointWriter:
     def submit(self, state: dict) -> None:
         self._queue.put((state, time.time()))
 
+    def close(self) -> None:
+        """Finish pending writes, then end the thread (it holds the run's objects through
+        `before_write` until then)."""
+        self._queue.put((None, None))
+        self._thread.join()
+
     def _loop(self) -> None:
         while True:
             state, queued = self._queue.get()
+            if state is None:
+                self._queue.task_done()
+                return
             step = state["progress"]["step"]
             try:
                 if self._before_write is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import os
 import random
 import sys
@@ -21,7 +22,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .checkpoint import CheckpointError, load_latest
+from . import schedulers
+from . import state as state_mod
+from . import workdir as workdir_mod
+from .checkpoint import CheckpointError, load_latest, unloadable
+from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .worker import SetupError, Worker
 
@@ -34,6 +39,7 @@ class EngineState:
         worker: the current run's Worker (None between runs).
         store: the connection to the current run's rendezvous store (None before connect_store).
         log_path: the current run's log file for this engine (None: the engine's own output).
+        workdir_on_path: the import path entry the current run's setup added (None: none).
     """
 
     def __init__(self):
@@ -42,6 +48,7 @@ class EngineState:
         self.worker: Worker | None = None
         self.store = None
         self.log_path: str | None = None
+        self.workdir_on_path: str | None = None
 
 
 _state = EngineState()
@@ -104,26 +111,73 @@ def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,
 
 
 def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: dict,
-              log_path: str | None) -> dict:
-    """Called when a run starts (or adds an engine): run the cell `source` (or the
-    cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines, replacing
-    any earlier run's.
+              log_path: str | None, workdir: str) -> dict:
+    """Called when a run starts (or adds an engine): free any earlier run, enter the run's
+    working folder `workdir` (the notebook's, see engine.workdir), run the cell `source` (or
+    the cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines.
 
-    Returns {"samples", "total_steps", "parameters", "eval_samples"}. Raises SetupError or the
-    cell's own exception (the owner shows its traceback); the engine then holds no Worker.
+    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset"}: "dataset" is
+    the dataset's fingerprint (engine.fingerprint), which the owner compares across engines.
+    Raises SetupError (also when the training state holds a value no checkpoint could load,
+    naming its key path) or the cell's own exception (the owner shows its traceback); the
+    engine then holds no Worker.
     """
-    _state.worker, _state.log_path = None, log_path
+    _forget_run()
+    _state.log_path = log_path
+    _state.workdir_on_path, dropped = workdir_mod.enter(workdir, _state.workdir_on_path)
     with _logging_to(log_path):
+        if dropped:
+            print(f"re-importing from {workdir}: {', '.join(sorted(dropped))}", file=sys.stderr)
         seed = config["seed"]
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         namespace = _run_setup(source, setup_fn, pushed, log_path)
-        _state.worker = Worker(namespace, config, _state.device, slot=_state.slot)
-    w = _state.worker
+        worker = Worker(namespace, config, _state.device, slot=_state.slot)
+        try:
+            _check_worker(worker)
+            dataset = dataset_fingerprint(worker.dataset)
+        except BaseException:
+            _close(worker)
+            raise
+    _state.worker = w = worker
     return {"samples": len(w.dataset), "total_steps": config["total_steps"],
             "parameters": sum(p.numel() for p in w.model.parameters()),
-            "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0}
+            "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
+            "dataset": dataset}
+
+
+def _check_worker(worker: Worker) -> None:
+    """Refuse, before the first step, a setup whose checkpoints could not be loaded or whose
+    scheduler options do not fit."""
+    schedulers.check(worker)
+    state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
+                              worker.progress, worker.history, worker.config, copy_tensors=False)
+    problem = unloadable(state)
+    if problem:
+        raise SetupError(f"the training state could not be checkpointed: {problem}")
+
+
+def _close(worker: Worker) -> None:
+    """Finish the worker's checkpoint writes and end its writer thread (which holds it)."""
+    if worker.writer is not None:
+        worker.writer.close()
+
+
+def _forget_run() -> None:
+    """Drop this engine's run and free its memory: the model, optimizer and data of a run
+    re-run on the same pool must not stay beside the new one's."""
+    worker, _state.worker = _state.worker, None
+    if worker is not None:
+        _close(worker)
+    del worker
+    # a failed task's traceback keeps its frames, and with them the run's objects
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
+    if _state.device.startswith("cuda"):
+        torch.cuda.empty_cache()
 
 
 def load_state(folder: str) -> dict:
@@ -178,11 +232,8 @@ def training_state() -> dict:
 
 def drop_run() -> None:
     """Called when a run ends or an engine leaves it: wait for pending checkpoint writes and
-    forget the run (the engine stays, ready for the next one)."""
-    w = _state.worker
-    if w is not None and w.writer is not None:
-        w.writer.drain()
-    _state.worker = None
+    forget the run, freeing its memory (the engine stays, ready for the next one)."""
+    _forget_run()
 
 
 def commit_steps() -> dict:

@@ -17,6 +17,7 @@ import time
 import torch.distributed as dist
 
 from .faultpoints import fault_point
+from .schedulers import step_lr_scheduler
 from .worker import Worker
 
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
@@ -111,6 +112,7 @@ class Generation:
             if p.step >= cfg["total_steps"]:
                 record.update(w.evaluate(rank, world_size))
             w.history.append(record)
+            step_lr_scheduler(w, record)
             if cfg.get("commit_every") and p.step % cfg["commit_every"] == 0:
                 w.commit()
             if rank == 0:

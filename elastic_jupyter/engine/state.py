@@ -1,10 +1,19 @@
 """Training state as plain data: what a checkpoint holds and what a newcomer receives.
 
-Everything here is tensors, numbers, strings, lists and dicts, so a checkpoint loads with
-``torch.load(weights_only=True)`` and a file from a shared folder cannot run code.
+Everything here is tensors, numbers, strings, lists, tuples and dicts, so a checkpoint loads
+with ``torch.load(weights_only=True)`` and a file from a shared folder cannot run code.
+
+Values the safe load refuses are converted when the state is captured: a numpy scalar (a
+``numpy.float64`` learning rate, a ``numpy.bool_``) becomes the Python number, a numpy array a
+tensor. ``numpy_types`` records where each was and its dtype, and :func:`restore` gives the
+user's model, optimizer and scheduler their numpy values back, so a restored optimizer steps
+exactly as the captured one. Anything else the safe load refuses (an object of the user's own
+class) is left as it is: ``checkpoint.unloadable`` names it, at setup and before every write.
 """
 from __future__ import annotations
 
+import collections
+import copy
 import random
 from dataclasses import dataclass, field
 
@@ -51,36 +60,120 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _to_cpu(obj):
+# dict and tuple types the safe load accepts, rebuilt as they are; other subclasses (a
+# defaultdict, a namedtuple) are left alone for checkpoint.unloadable to name
+_DICTS = (dict, collections.OrderedDict, collections.Counter)
+_TUPLES = (tuple, torch.Size)
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
+
+
+def _numpy_array_as_tensor(array: np.ndarray):
+    """The array as a tensor of the same dtype (a copy), or as nested lists when torch has no
+    such dtype (strings, objects)."""
+    try:
+        return torch.from_numpy(np.array(array, dtype=array.dtype.newbyteorder("=")))
+    except (TypeError, ValueError):
+        return array.tolist()
+
+
+def _plain(obj, path: list | None, numpy_types: list | None, tensor):
+    """`obj` with tensors passed through `tensor` and numpy values converted to plain ones,
+    each recorded in `numpy_types` as ``[key path, "scalar" | "array", dtype]`` (when given:
+    then `path` is `obj`'s key path)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return tensor(obj)
+    if isinstance(obj, (np.generic, np.ndarray)):
+        if numpy_types is not None:
+            kind = "scalar" if isinstance(obj, np.generic) else "array"
+            numpy_types.append([path, kind, obj.dtype.str])
+        return obj.item() if isinstance(obj, np.generic) else _numpy_array_as_tensor(obj)
+    keep = numpy_types is not None  # build key paths only when they are recorded
+    if type(obj) in _DICTS:
+        out = {}
+        for k, v in obj.items():
+            # a numpy key becomes the Python number: it hashes and compares equal, so lookups
+            # find it as before
+            k = k.item() if isinstance(k, np.generic) else k
+            out[k] = _plain(v, path + [k] if keep else None, numpy_types, tensor)
+        return type(obj)(out)
+    if type(obj) is list or type(obj) in _TUPLES:
+        return type(obj)([_plain(v, path + [i] if keep else None, numpy_types, tensor)
+                          for i, v in enumerate(obj)])
+    if type(obj) is set:
+        return {_plain(v, None, None, tensor) for v in obj}
     return obj
 
 
-def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict) -> dict:
+_SCALARS = frozenset({float, int, str, bool, type(None)})
+
+
+def _plain_records(records: list, tensor) -> list:
+    """History records as plain data. A capture copies the whole history, so a record that is
+    plain already (nearly all) is kept after a check at C speed rather than walked."""
+    return [r if _SCALARS.issuperset(map(type, r.values())) else _plain(r, None, None, tensor)
+            for r in records]
+
+
+def _as_numpy(value, kind: str, dtype: str):
+    if kind == "scalar":
+        return np.dtype(dtype).type(value)
+    if isinstance(value, torch.Tensor):
+        return value.numpy().astype(dtype)
+    return np.array(value, dtype=dtype)
+
+
+def _replaced(obj, path: list, fn):
+    """A copy of `obj` whose value at `path` is ``fn(value)``; only the containers along the
+    path are copied (a commit is restored more than once, so it must stay as captured)."""
+    if not path:
+        return fn(obj)
+    key, rest = path[0], path[1:]
+    if isinstance(obj, tuple):
+        return type(obj)([_replaced(v, rest, fn) if i == key else v for i, v in enumerate(obj)])
+    out = copy.copy(obj)
+    out[key] = _replaced(obj[key], rest, fn)
+    return out
+
+
+def with_numpy_values(state: dict) -> dict:
+    """`state` (from :func:`capture`) with the numpy values capture converted given back their
+    numpy types, where the user's objects hold them (model, optimizer, scheduler)."""
+    for path, kind, dtype in state.get("numpy_types", ()):
+        state = _replaced(state, path, lambda v, kind=kind, dtype=dtype: _as_numpy(v, kind, dtype))
+    return state
+
+
+def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
+            copy_tensors: bool = True) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
-    another thread while training goes on.
+    another thread while training goes on. With ``copy_tensors=False`` the tensors are the
+    live ones (to inspect the state without copying the model).
     """
-    return {
-        "format": FORMAT_VERSION,
-        "model": _to_cpu(model.state_dict()),
-        "optimizer": _to_cpu(optimizer.state_dict()),
-        "lr_scheduler": _to_cpu(lr_scheduler.state_dict()) if lr_scheduler is not None else None,
+    tensor = _cpu_copy if copy_tensors else (lambda t: t)
+    numpy_types: list = []
+    objects = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+               "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+    state = {"format": FORMAT_VERSION}
+    state.update({part: _plain(value, [part], numpy_types, tensor)
+                  for part, value in objects.items()})
+    state.update({
         "progress": progress.as_dict(),
         "rng": rng_state(),
-        "history": list(history),  # records are never changed once appended
-        "config": dict(config),
-    }
+        "history": _plain_records(history, tensor),  # records never change once appended
+        "config": _plain(dict(config), None, None, tensor),
+        "numpy_types": numpy_types,
+    })
+    return state
 
 
 def restore(state: dict, model, optimizer, lr_scheduler) -> tuple[Progress, list]:
     """Load `state` (from :func:`capture`) into the objects; returns (progress, history)."""
+    state = with_numpy_values(state)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:

@@ -244,9 +244,7 @@ class Worker:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["clip_grad_norm"])
         lr = self.optimizer.param_groups[0]["lr"]
         fault_point("optimizer", self)
-        self.optimizer.step()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
+        self.optimizer.step()  # the scheduler steps in the loop, after evaluation (schedulers.py)
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
         p.step += 1
