@@ -24,22 +24,13 @@ from . import state as state_mod
 from .batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
 from .checkpoint import CheckpointWriter
 from .faultpoints import fault_point
+from .transfer import to_device as _to_device
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 
 
 class SetupError(RuntimeError):
     """The run's cell or setup function did not produce a usable training setup."""
-
-
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 class Worker:
