@@ -103,7 +103,7 @@ def reference(cell: str, cfg: dict, steps: int) -> Result:
             loss = loss_fn(model, batch)
         loss = loss[0] if isinstance(loss, tuple) else loss
         loss = loss.loss if isinstance(loss, MeanOver) else loss
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if scaler is None:
             loss.backward()
             optimizer.step()

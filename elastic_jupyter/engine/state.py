@@ -61,7 +61,8 @@ def _to_cpu(obj):
     return obj
 
 
-def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict) -> dict:
+def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
+            grad_scaler=None) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
@@ -76,14 +77,18 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
         "rng": rng_state(),
         "history": list(history),  # records are never changed once appended
         "config": dict(config),
+        # fp16's torch.amp.GradScaler: scale and growth tracker, plain numbers
+        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
     }
 
 
-def restore(state: dict, model, optimizer, lr_scheduler) -> tuple[Progress, list]:
+def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None) -> tuple[Progress, list]:
     """Load `state` (from :func:`capture`) into the objects; returns (progress, history)."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if grad_scaler is not None and state.get("grad_scaler"):
+        grad_scaler.load_state_dict(state["grad_scaler"])
     set_rng_state(state["rng"])
     return Progress(**state["progress"]), list(state["history"])
