@@ -18,6 +18,7 @@ engine start timeout   60 s
 collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
 ``--commit-every``     10 steps (in-memory commits a fault rolls back to)
 ``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
+``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
+PRECISIONS = (None, "bf16", "fp16")
 
 
 class UsageError(ValueError):
@@ -105,6 +107,7 @@ class RunConfig:
     commit_every: int = 10
     standby: int = 0
     sync_batchnorm: bool = False
+    precision: str | None = None  # None (fp32), "bf16" or "fp16": loss_fn under torch.autocast
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
@@ -130,6 +133,9 @@ class RunConfig:
             raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")
         if self.epochs is not None and self.steps is not None:
             raise UsageError("give --epochs or --steps, not both")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision takes bf16 or fp16 (leave it out for fp32), got "
+                             f"{self.precision!r}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
 

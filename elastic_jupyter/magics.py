@@ -119,6 +119,9 @@ def _train_parser() -> _Parser:
                    help="in-memory commit every N steps; a fault loses at most N (default 10)")
     p.add_argument("--standby", type=int, default=0,
                    help="engines kept set up outside the group so a grow is instant (default 0)")
+    p.add_argument("--precision", choices=["bf16", "fp16"],
+                   help="run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
+                        "scaler (default: fp32)")
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",
@@ -225,7 +228,7 @@ class ElasticMagics(Magics):
             clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
             collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm,
-            commit_every=args.commit_every, standby=args.standby)
+            commit_every=args.commit_every, standby=args.standby, precision=args.precision)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool().start()
             print(f"Started {self.pool!r}")
