@@ -214,3 +214,54 @@ def test_mixing_mean_over_and_plain_losses_is_refused():
     worker = Worker(cell_namespace(cell, 3), config(micro_batch=1, steps=1), "cpu")
     with pytest.raises(TypeError, match="MeanOver.* for some batches and a plain loss for others"):
         worker.train_step(0, 1, 0.0)
+
+
+# ------------------------------------------------------------------------- all of it, on the pool
+
+REAL_MODEL_CELL = '''
+import collections
+import torch
+from elastic_jupyter import MeanOver
+Tokens = collections.namedtuple("Tokens", "ids targets mask")
+g = torch.Generator().manual_seed(0)
+N, T = 96, 5
+ids = torch.randint(0, 50, (N, T), generator=g)
+targets = torch.randn(N, T, generator=g)
+mask = torch.arange(T)[None, :] < torch.randint(1, T + 1, (N,), generator=g)[:, None]
+dataset = torch.utils.data.TensorDataset(ids, targets, mask)
+def collate_fn(samples):
+    return Tokens(*torch.utils.data.default_collate(samples))
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+        self.unused = torch.nn.Linear(8, 1)
+        torch.nn.init.ones_(self.unused.weight), torch.nn.init.ones_(self.unused.bias)
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids))).squeeze(-1)
+model = Model()
+optimizer = torch.optim.SGD([{"params": model.embed.parameters()},  # sparse: no weight decay
+                             {"params": [*model.head.parameters(), *model.unused.parameters()],
+                              "weight_decay": 0.1}], lr=0.5)
+def loss_fn(model, batch):
+    assert isinstance(batch, Tokens)
+    error = (model(batch.ids) - batch.targets)[batch.mask]
+    return MeanOver((error ** 2).mean(), batch.mask.sum()), {"autocast": float(torch.is_autocast_enabled("cpu"))}
+'''
+
+
+def test_a_real_model_trains_on_the_pool_as_in_plain_pytorch(idle_pool, tmp_path):
+    """A namedtuple batch, a sparse embedding, an unused layer, a mean over tokens, bf16."""
+    from elastic_jupyter import RunConfig, TrainingRun
+    options = dict(global_batch=16, micro_batch=3, seed=5, precision="bf16")
+    run = TrainingRun(idle_pool, RunConfig(name="real-model", steps=8, checkpoint_every=0,
+                                           **options),
+                      source=REAL_MODEL_CELL, engines=2, workspace=str(tmp_path)).start()
+    assert run.wait(timeout=120) == "finished", run.logs()
+    expected = reference(REAL_MODEL_CELL, config(**options), steps=8)
+    got = run.state_dict()
+    assert torch.equal(got["unused.weight"], torch.ones(1, 8))
+    assert max_relative_deviation(got, expected.params) < 2e-2
+    assert [r["loss"] for r in run.history] == pytest.approx(expected.losses, rel=2e-2)
+    assert [r["autocast"] for r in run.history] == pytest.approx([1.0] * 8)  # token-weighted
