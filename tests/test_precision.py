@@ -15,7 +15,8 @@ CELL = '''
 import torch
 import torch.distributed as dist
 g = torch.Generator().manual_seed(0)
-dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+dataset = torch.utils.data.TensorDataset(torch.randn(64, 8, generator=g),
+                                         torch.randn(64, 1, generator=g))
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
 _calls = [0]

@@ -128,7 +128,8 @@ class GradReducer:
         if not self.sparse:
             return
         local = [_local_sparse(p) for p in self.sparse]
-        nnz = torch.tensor([g._nnz() for g in local], dtype=torch.int64, device=self.device)
+        nnz = torch.tensor([len(g.values()) for g in local], dtype=torch.int64,
+                           device=self.device)
         every = [torch.empty_like(nnz) for _ in range(world_size)]
         with collective("sparse gradient gather"):
             dist.all_gather(every, nnz)
@@ -141,8 +142,8 @@ class GradReducer:
             if not max(sizes):  # every rank's gradient is empty: so is the sum
                 p.grad = grad
                 continue
-            indices = _gather_padded(grad._indices(), 1, sizes)
-            values = _gather_padded(grad._values(), 0, sizes)
+            indices = _gather_padded(grad.indices(), 1, sizes)
+            values = _gather_padded(grad.values(), 0, sizes)
             p.grad = torch.sparse_coo_tensor(torch.cat(indices, 1), torch.cat(values),
                                              p.shape).coalesce()
 
@@ -156,10 +157,11 @@ class GradReducer:
 def _local_sparse(p: torch.Tensor) -> torch.Tensor:
     """This rank's gradient of the sparse parameter `p`, coalesced (empty when it has none)."""
     if p.grad is None:
-        return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64, device=p.device),
+        grad = torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64, device=p.device),
                                        torch.empty(0, *p.shape[1:], dtype=p.dtype,
                                                    device=p.device), p.shape)
-    grad = p.grad if p.grad.is_sparse else p.grad.to_sparse(1)
+    else:
+        grad = p.grad if p.grad.is_sparse else p.grad.to_sparse(1)
     return grad.coalesce()
 
 

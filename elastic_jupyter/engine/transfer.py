@@ -44,7 +44,7 @@ def to_device(obj, device: torch.device):
 
 def _mapping_to_device(obj: Mapping, device: torch.device) -> Mapping:
     moved = {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, MutableMapping):  # a copy keeps the type and its attributes (defaultdict's factory, ...)
+    if isinstance(obj, MutableMapping):  # a copy keeps its type and attributes (a factory, ...)
         clone = copy.copy(obj)
         clone.update(moved)
         return clone
