@@ -8,8 +8,9 @@ from .config import PoolConfig, RunConfig, UsageError
 
 __version__ = "0.1.0"
 __all__ = ["EnginePool", "Engine", "TrainingRun", "RunConfig", "PoolConfig", "UsageError",
-           "RunSetupError", "load_ipython_extension"]
-_LAZY = {"EnginePool": "pool", "Engine": "pool", "TrainingRun": "run", "RunSetupError": "run"}
+           "RunSetupError", "MeanOver", "load_ipython_extension"]
+_LAZY = {"EnginePool": "pool", "Engine": "pool", "TrainingRun": "run", "RunSetupError": "run",
+         "MeanOver": "engine.losses"}
 
 
 def __getattr__(name):

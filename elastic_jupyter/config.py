@@ -20,6 +20,7 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
+``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -31,6 +32,7 @@ DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
 # a file name has room for 255 bytes: the run's folder and its discovery entry
 # (``<name>-<8 hex>.json.tmp``) must fit
 MAX_NAME_BYTES = 200
+PRECISIONS = (None, "bf16", "fp16")
 
 
 class UsageError(ValueError):
@@ -115,6 +117,7 @@ class RunConfig:
     pool_min_size: int = 1
     pool_max_size: int = 1
     plateau_metric: str | None = None  # the val_* metric a ReduceLROnPlateau steps on
+    precision: str | None = None  # None (fp32), "bf16" or "fp16": loss_fn under torch.autocast
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
@@ -143,6 +146,9 @@ class RunConfig:
             raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")
         if self.epochs is not None and self.steps is not None:
             raise UsageError("give --epochs or --steps, not both")
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision takes bf16 or fp16 (leave it out for fp32), got "
+                             f"{self.precision!r}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         if self.plateau_metric is not None:

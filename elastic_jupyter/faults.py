@@ -6,6 +6,11 @@ timed out). The run survives a fault: survivors roll back to their last common i
 go on without the lost engine. An *error* is an exception raised by the user's code on a live
 engine; it ends the run. A peer's failure makes the other ranks fail inside the collective; those
 secondary errors are neither.
+
+Faults are told from errors by signals only: an engine that is gone, a rank that did not return,
+or the engine-side ``PeerFailure`` (engine.collective), raised when one of this package's own
+collectives fails. The words of a message never count: a dataset raising
+``TimeoutError("read timed out")`` is the user's error.
 """
 from __future__ import annotations
 
@@ -26,12 +31,10 @@ def is_engine_death(error: BaseException) -> bool:
     return name in ("EngineError", "DeadEngineError")
 
 
-def is_collective_error(error: BaseException) -> bool:
-    """An error raised because a peer failed inside a collective (not the cause itself)."""
-    text = f"{getattr(error, 'ename', '')} {getattr(error, 'evalue', '')} {error}"
-    return any(s in text for s in ("DistBackendError", "DistNetworkError", "DistError", "gloo",
-                                   "NCCL", "Connection closed by peer",
-                                   "Connection reset by peer", "Timed out", "timed out"))
+def is_peer_failure(error: BaseException) -> bool:
+    """One of our collectives failed on this rank because a peer did (not the cause itself):
+    the engine raised ``engine.collective.PeerFailure`` (ipyparallel names its type ``ename``)."""
+    return (getattr(error, "ename", None) or type(error).__name__) == "PeerFailure"
 
 
 def alive(pid: int) -> bool:
@@ -81,7 +84,7 @@ def classify(members, futures) -> Outcome:
             out.results[engine.engine_id] = fut.result()
         elif is_engine_death(error) or not alive(engine.pid):
             out.lost.append(engine)
-        elif is_collective_error(error):
+        elif is_peer_failure(error):
             out.collective.append((engine, error))
         else:
             out.errors.append((engine, error))

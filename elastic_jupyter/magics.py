@@ -124,6 +124,9 @@ def _train_parser() -> _Parser:
                    help="validation metric a ReduceLROnPlateau lr_scheduler steps on at each "
                         "evaluation, like val_loss (needs --eval-every; default: once per epoch "
                         "on the epoch's mean training loss)")
+    p.add_argument("--precision", choices=["bf16", "fp16"],
+                   help="run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
+                        "scaler (default: fp32)")
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",
@@ -231,7 +234,7 @@ class ElasticMagics(Magics):
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
             collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm,
             commit_every=args.commit_every, standby=args.standby,
-            plateau_metric=args.plateau_metric)
+            plateau_metric=args.plateau_metric, precision=args.precision)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool().start()
             print(f"Started {self.pool!r}")

@@ -1,1 +1,12 @@
-"""Engine-side code: runs inside each ipyparallel engine and imports nothing from Jupyter."""
+"""Engine-side code: runs inside each ipyparallel engine and imports nothing from Jupyter.
+
+``MeanOver`` (engine.losses) is what a cell's ``loss_fn`` returns for a loss that is a mean over
+items other than samples; it loads on first use, so importing this package stays light.
+"""
+
+
+def __getattr__(name):
+    if name == "MeanOver":
+        from .losses import MeanOver
+        return MeanOver
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

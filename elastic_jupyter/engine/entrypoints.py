@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import traceback
+import types
 
 import numpy as np
 import torch
@@ -93,7 +94,12 @@ def init_engine(slot: int, device: str, threads: int) -> dict:
 def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,
                log_path: str | None) -> dict:
     """The user's objects: from the cloudpickled `setup_fn`, or by running the cell `source`."""
-    namespace = {"__name__": "__elastic_cell__", **pushed}
+    # a real module, as a notebook's __main__ is: dataclasses, typing and pickle look up the
+    # cell's classes in sys.modules by their __module__
+    module = types.ModuleType("__elastic_cell__")
+    module.__dict__.update(pushed)
+    sys.modules[module.__name__] = module
+    namespace = module.__dict__
     if setup_fn is not None:
         import cloudpickle
         objects = cloudpickle.loads(setup_fn)()
@@ -103,7 +109,9 @@ def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,
         namespace.update(objects)
         return namespace
     try:
-        exec(compile(source, _cell_file(source, log_path), "exec"), namespace)
+        # dont_inherit: the cell is compiled as a notebook compiles it, not with this module's
+        # `from __future__ import annotations` (string annotations break a cell's dataclasses)
+        exec(compile(source, _cell_file(source, log_path), "exec", dont_inherit=True), namespace)
     except NameError as e:
         raise NameError(f"{e}. Engines cannot see notebook variables: send them with "
                         "--push NAME (or push={'NAME': value} in the Python API)") from None

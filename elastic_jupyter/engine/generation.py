@@ -11,11 +11,14 @@ This module imports nothing from IPython or the UI: it runs the same way from a 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 
+import torch
 import torch.distributed as dist
 
+from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .schedulers import step_lr_scheduler
 from .worker import Worker
@@ -48,6 +51,22 @@ def run_generation(worker: Worker, spec: dict, store) -> dict:
     return Generation(worker, spec, store).run()
 
 
+@contextlib.contextmanager
+def _out_of_memory_hint(config: dict):
+    """Running out of GPU memory in the user's step is the user's error: say what to change."""
+    try:
+        yield
+    except RuntimeError as e:
+        own = isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(e)
+        if isinstance(e, PeerFailure) or not own:
+            raise
+        now = config.get("micro_batch") or "none, a rank's whole share in one pass"
+        raise torch.cuda.OutOfMemoryError(
+            f"{e}\nThe step ran out of GPU memory: lower --micro-batch (now: {now}) so each "
+            "forward pass holds fewer samples; the share is then accumulated over several "
+            "passes and the update stays the same") from e
+
+
 class Generation:
     """One engine's part in one generation: the process group, the state broadcast, the loop."""
 
@@ -61,16 +80,18 @@ class Generation:
 
     def run(self) -> dict:
         spec, w = self.spec, self.worker
-        dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg/", self.control),
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=datetime.timedelta(seconds=spec["timeout"]))
+        with collective("forming the process group"):
+            dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg/", self.control),
+                                    rank=self.rank, world_size=self.world_size,
+                                    timeout=datetime.timedelta(seconds=spec["timeout"]))
         try:
             fault_point("resize", w)
             if spec["broadcast"]:
                 self._broadcast_state(spec["receive_state"])
             if w.commit_steps()[-1:] != [w.progress.step]:
                 w.commit()
-            return self._loop(spec.get("end_at"))
+            with _out_of_memory_hint(w.config):
+                return self._loop(spec.get("end_at"))
         finally:
             # closing this rank's sockets makes peers blocked in a collective fail now
             # instead of at the group timeout
@@ -80,7 +101,8 @@ class Generation:
         w = self.worker
         box = [w.capture() if self.rank == 0 else None]
         device = w.device if w.device.type == "cuda" else None
-        dist.broadcast_object_list(box, src=0, device=device)
+        with collective("state broadcast"):
+            dist.broadcast_object_list(box, src=0, device=device)
         if receive:
             w.restore(box[0])
 

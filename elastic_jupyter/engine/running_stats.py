@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .collective import collective
+
 
 class RunningStats:
     """Records each micro-batch's BatchNorm statistics and combines them across ranks.
@@ -77,7 +79,8 @@ class RunningStats:
             return
         table = self._table(count)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(table)
+            with collective("BatchNorm statistics all-reduce"):
+                dist.all_reduce(table)
         offset = 0
         for name, m, mean, var, tracked in self._start:
             width = mean.numel()

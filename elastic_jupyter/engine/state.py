@@ -147,7 +147,7 @@ def with_numpy_values(state: dict) -> dict:
 
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
-            copy_tensors: bool = True) -> dict:
+            copy_tensors: bool = True, grad_scaler=None) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
@@ -167,16 +167,21 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
         "history": _plain_records(history, tensor),  # records never change once appended
         "config": _plain(dict(config), None, None, tensor),
         "numpy_types": numpy_types,
+        # fp16's torch.amp.GradScaler: scale and growth tracker, plain numbers
+        "grad_scaler": (_plain(grad_scaler.state_dict(), None, None, tensor)
+                        if grad_scaler is not None else None),
     })
     return state
 
 
-def restore(state: dict, model, optimizer, lr_scheduler) -> tuple[Progress, list]:
+def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None) -> tuple[Progress, list]:
     """Load `state` (from :func:`capture`) into the objects; returns (progress, history)."""
     state = with_numpy_values(state)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+    if grad_scaler is not None and state.get("grad_scaler"):
+        grad_scaler.load_state_dict(state["grad_scaler"])
     set_rng_state(state["rng"])
     return Progress(**state["progress"]), list(state["history"])

@@ -8,7 +8,10 @@ owner makes are in engine.entrypoints.
 
 The update is the mean gradient of the global batch B whatever the world size: each rank scales
 the mean loss of a micro-batch of m samples by m / B, and gradients are summed across ranks. (The
-last step of an epoch has fewer samples than B; there B is that step's sample count.)
+last step of an epoch has fewer samples than B; there B is that step's sample count.) A loss that
+is a mean over c items (``MeanOver(loss, c)``) is scaled by c / B instead, the counts are summed
+with the gradients, and the sum is multiplied by B / (total count): the mean over every item.
+Gradients are summed as torch's DDP sums them (engine.reduce).
 
 This module imports nothing from IPython or the UI: it runs the same way from a script.
 """
@@ -23,25 +26,20 @@ import torch.distributed as dist
 from . import state as state_mod
 from .batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
 from .checkpoint import CheckpointWriter
+from .collective import collective
 from .faultpoints import fault_point
+from .losses import read_loss
+from .precision import Precision, PrecisionError
 from .randomness import micro_batch_stream
+from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
+from .transfer import to_device as _to_device
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 
 
 class SetupError(RuntimeError):
     """The run's cell or setup function did not produce a usable training setup."""
-
-
-def _to_device(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
 
 
 class Worker:
@@ -77,6 +75,13 @@ class Worker:
         if config.get("sync_batchnorm"):
             self._convert_batchnorm()
         self.model.to(self.device)
+        try:
+            self.reducer = GradReducer(self.model, self.device)
+            self.precision = Precision(config.get("precision"), self.device)
+        except (LayoutError, PrecisionError) as e:
+            raise SetupError(str(e)) from None
+        self._mean_over: bool | None = None  # what loss_fn's losses are means over, once seen
+        self._step_count = 0.0  # samples (or MeanOver items) this rank's share weighed this step
         self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"],
                               config.get("micro_batch"), config.get("pool_min_size", 1),
                               config.get("pool_max_size", 1))
@@ -133,11 +138,11 @@ class Worker:
 
     def capture(self) -> dict:
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                 self.history, self.config)
+                                 self.history, self.config, self.precision.scaler)
 
     def restore(self, state: dict) -> None:
         self.progress, self.history = state_mod.restore(
-            state, self.model, self.optimizer, self.lr_scheduler)
+            state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
 
     # commit / restore in memory: a fault rolls every survivor back to a commit all reached
 
@@ -145,7 +150,7 @@ class Worker:
         """Keep an in-memory copy of the state at this step (the last two are kept, since
         ranks may be one commit apart when a peer dies inside a collective)."""
         state = state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                  [], self.config)
+                                  [], self.config, self.precision.scaler)
         self._commits.append((self.progress.step, state, len(self.history)))
 
     def commit_steps(self) -> list[int]:
@@ -165,9 +170,6 @@ class Worker:
 
     # one optimizer step ----------------------------------------------------------------------
 
-    # --- micro-batches: random streams and BatchNorm statistics (engine.randomness,
-    # engine.running_stats); see engine.batching for the plan
-
     def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int):
         """Yield the sample indices of each of this rank's micro-batches (index, indices) of a
         batch of `B` samples; the caller's loop body runs inside that micro-batch's random
@@ -186,8 +188,6 @@ class Worker:
                 yield chunk
         self.running_stats.combine(self.plan.micro_batch_count(B))
 
-    # --- end of micro-batches
-
     def _local_pass(self, parts: list[tuple[int, torch.Tensor]],
                     B: int) -> tuple[float, list[float]]:
         """Forward and backward over this rank's micro-batches (index, sample indices) of a
@@ -197,12 +197,11 @@ class Worker:
         for chunk in self._micro_batch_passes(parts, B):
             batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
             fault_point("forward", self)
-            out = self.loss_fn(self.model, batch)
-            loss, metrics = out if isinstance(out, tuple) else (out, {})
-            weight = len(chunk) / B
+            with self.precision.autocast():
+                out = self.loss_fn(self.model, batch)
             fault_point("backward", self)
-            (loss * weight).backward()
-            loss_sum += float(loss.detach()) * weight
+            loss, metrics, weight = self._backward(out, len(chunk), B)
+            loss_sum += loss
             if metrics and not self.progress.metric_names:
                 self.progress.metric_names = sorted(metrics)
                 extras = [0.0] * len(metrics)
@@ -210,22 +209,40 @@ class Worker:
                 extras[j] += float(metrics[name]) * weight
         return loss_sum, extras
 
-    def _all_reduce(self, loss: float, extras: list[float], flag: float) -> tuple[float, list, bool]:
-        """Sum gradients, loss, extra metrics and the leave flag across ranks in one collective."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        dtype = params[0].dtype if params else torch.float32
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        tail = torch.tensor([flag, loss, *extras], dtype=dtype, device=self.device)
-        flat = torch.cat([g.reshape(-1) for g in grads] + [tail])
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flat)
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset:offset + n].view_as(p).clone()
-            offset += n
-        flag_sum, loss_sum, *extra_sums = flat[offset:].tolist()
-        return loss_sum, extra_sums, flag_sum > 0
+    def _backward(self, out, samples: int, B: int) -> tuple[float, dict, float]:
+        """Backward of one micro-batch's ``loss_fn`` output weighted by its count / `B`
+        (its samples, or its MeanOver items); returns (weighted loss, metrics, weight)."""
+        loss, metrics, count, mean_over = read_loss(out, samples)
+        if self._mean_over is None:
+            self._mean_over = mean_over
+        elif mean_over != self._mean_over:
+            raise TypeError("loss_fn returned MeanOver(loss, count) for some batches and a plain "
+                            "loss for others: return the same kind for every batch")
+        self._step_count += count
+        if not count:  # nothing to average: its loss (NaN for an empty mean) must not count
+            return 0.0, dict.fromkeys(metrics, 0.0), 0.0
+        weight = count / B
+        self.precision.backward(loss * weight)
+        return float(loss.detach()) * weight, metrics, weight
+
+    def _all_reduce(self, loss: float, extras: list[float], flag: float, B: int,
+                    world_size: int) -> tuple[float, list, bool]:
+        """Sum gradients, the count, loss, extra metrics and the leave flag across ranks.
+
+        The local pass weighted each micro-batch by count / B; with MeanOver counts the total
+        is not B, and multiplying by B / total makes the update the mean over every item.
+        Raises ValueError when the MeanOver counts of the whole global batch sum to 0.
+        """
+        flag, count, loss, *extras = self.reducer.reduce(
+            [flag, self._step_count, loss, *extras], world_size)
+        if count != B:
+            if not count:
+                raise ValueError(f"loss_fn's MeanOver counts sum to 0 over the global batch of "
+                                 f"step {self.progress.step + 1}: there is nothing to average")
+            factor = B / count
+            self.reducer.scale(factor)
+            loss, extras = loss * factor, [e * factor for e in extras]
+        return loss, extras, flag > 0
 
     def train_step(self, rank: int, world_size: int, leave_flag: float) -> tuple[dict, bool]:
         """One optimizer step on this rank's share of the global batch; all ranks call it.
@@ -236,15 +253,16 @@ class Worker:
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
         self.optimizer.zero_grad(set_to_none=True)
+        self._step_count = 0.0
         parts = self.plan.rank_micro_batches(batch, rank, world_size)
         loss, extras = self._local_pass(parts, len(batch))
         fault_point("allreduce", self)
-        loss, extras, leave = self._all_reduce(loss, extras, leave_flag)
-        if self.config.get("clip_grad_norm"):
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config["clip_grad_norm"])
+        loss, extras, leave = self._all_reduce(loss, extras, leave_flag, len(batch), world_size)
         lr = self.optimizer.param_groups[0]["lr"]
         fault_point("optimizer", self)
-        self.optimizer.step()  # the scheduler steps in the loop, after evaluation (schedulers.py)
+        # the scheduler steps in the loop, after evaluation (schedulers.py)
+        self.precision.step(self.optimizer, self.config.get("clip_grad_norm"),
+                            self.model.parameters())
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
         p.step += 1
@@ -262,8 +280,9 @@ class Worker:
         """Give every rank rank 0's buffers (the model ``run.state_dict()`` returns), which may
         differ elsewhere: a custom layer's buffer updated from each rank's own samples."""
         if world_size > 1:
-            for buffer in self.model.buffers():
-                dist.broadcast(buffer, src=0)
+            with collective("buffer broadcast"):
+                for buffer in self.model.buffers():
+                    dist.broadcast(buffer, src=0)
 
     def evaluate(self, rank: int, world_size: int) -> dict:
         """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one."""
@@ -272,7 +291,7 @@ class Worker:
         n = len(self.eval_dataset)
         share = torch.arange(n)[rank_share(n, rank, world_size)]
         sums, count = {}, 0
-        # --- modes and buffers: every layer's own training flag is restored afterwards (a
+        # every layer's own training flag is restored afterwards (a
         # layer the cell froze with eval() stays frozen); every rank evaluates rank 0's buffers
         modes = [(module, module.training) for module in self.model.modules()]
         self._share_buffers(world_size)
@@ -285,10 +304,10 @@ class Worker:
                 count += len(chunk)
         for module, training in modes:
             module.training = training
-        # --- end of modes and buffers
         gathered = [None] * world_size
         if world_size > 1:
-            dist.all_gather_object(gathered, (sums, count))
+            with collective("evaluation gather"):
+                dist.all_gather_object(gathered, (sums, count))
         else:
             gathered = [(sums, count)]
         total = sum(c for _, c in gathered)

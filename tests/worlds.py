@@ -1,0 +1,121 @@
+"""Training a cell with real Workers on a real gloo process group, without ipyparallel, and the
+same cell in a plain single-process PyTorch loop (the right answer).
+
+``train(cell, config, world_size, steps, tmp_path)`` runs ``Worker.train_step`` on every rank
+(world size 1 in this process; more in spawned processes joined by a FileStore) and returns one
+``Result`` per rank. ``reference(cell, config, steps)`` trains the cell the way a user would
+without this package: the whole global batch in one forward pass, ``loss.backward()``,
+``optimizer.step()``, with the same samples in the same order.
+"""
+from __future__ import annotations
+
+import datetime
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic_jupyter.engine.batching import BatchPlan
+from elastic_jupyter.engine.entrypoints import _run_setup
+from elastic_jupyter.engine.losses import MeanOver
+from elastic_jupyter.engine.worker import Worker
+
+
+@dataclass
+class Result:
+    """One rank's (or the reference's) end state."""
+
+    params: dict  # name -> tensor
+    grads: dict  # name -> dense tensor, or None where .grad is None
+    sparse_grads: dict = field(default_factory=dict)  # name -> whether .grad was sparse
+    history: list = field(default_factory=list)
+    losses: list = field(default_factory=list)  # the reference's loss per step
+    scaler: dict | None = None
+
+
+def config(**options) -> dict:
+    """A Worker config: B=16, seed 3, no checkpoints, plus `options`."""
+    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep": 1, "precision": None}
+    return {**base, **options}
+
+
+def cell_namespace(cell: str, seed: int) -> dict:
+    """The cell's objects, made as the engines make them: seeded, in a fresh namespace."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    return _run_setup(cell, None, {}, None)
+
+
+def _result(model, history=(), losses=(), scaler=None) -> Result:
+    grads = {n: None if p.grad is None else p.grad.detach().to_dense().clone()
+             for n, p in model.named_parameters()}
+    sparse = {n: p.grad is not None and p.grad.is_sparse for n, p in model.named_parameters()}
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return Result(params, grads, sparse, list(history), list(losses),
+                  scaler.state_dict() if scaler is not None else None)
+
+
+def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, store_path: str,
+                out: str | None) -> Result:
+    if world_size > 1:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    try:
+        worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
+        for _ in range(steps):
+            worker.history.append(worker.train_step(rank, world_size, 0.0)[0])
+        result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
+    if out:
+        torch.save(result, f"{out}/rank{rank}.pt")
+    return result
+
+
+def train(cell: str, cfg: dict, world_size: int, steps: int, tmp_path) -> list[Result]:
+    """Train `cell` for `steps` optimizer steps at `world_size`; one Result per rank."""
+    if world_size == 1:
+        return [_train_rank(0, 1, cell, cfg, steps, "", None)]
+    folder = tmp_path / f"world{world_size}-{random.getrandbits(32):08x}"
+    folder.mkdir()
+    mp.spawn(_train_rank, args=(world_size, cell, cfg, steps, str(folder / "store"), str(folder)),
+             nprocs=world_size)
+    return [torch.load(folder / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def reference(cell: str, cfg: dict, steps: int) -> Result:
+    """The same cell in a plain single-process loop: the result this package must give."""
+    ns = cell_namespace(cell, cfg["seed"])
+    model, optimizer, data, loss_fn = ns["model"], ns["optimizer"], ns["dataset"], ns["loss_fn"]
+    collate = ns.get("collate_fn") or torch.utils.data.default_collate
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.get("precision"))
+    scaler = torch.amp.GradScaler("cpu") if cfg.get("precision") == "fp16" else None
+    plan, epoch, position, losses = BatchPlan(len(data), cfg["global_batch"], cfg["seed"]), 0, 0, []
+    for _ in range(steps):
+        batch = collate([data[int(i)] for i in plan.batch(epoch, position)])
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model, batch)
+        loss = loss[0] if isinstance(loss, tuple) else loss
+        loss = loss.loss if isinstance(loss, MeanOver) else loss
+        losses.append(float(loss.detach()))
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        epoch, position = plan.advance(epoch, position)
+    return _result(model, losses=losses, scaler=scaler)
+
+
+def max_relative_deviation(got: dict, expected: dict) -> float:
+    """Largest |got - expected| of any tensor, relative to that tensor's largest |value|."""
+    return max(((got[k].double() - expected[k].double()).abs().max()
+                / expected[k].double().abs().max().clamp_min(1e-30)).item() for k in expected)
