@@ -147,7 +147,7 @@ def with_numpy_values(state: dict) -> dict:
 
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
-            copy_tensors: bool = True, grad_scaler=None) -> dict:
+            *, copy_tensors: bool = True, grad_scaler=None) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from

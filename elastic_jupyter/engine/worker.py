@@ -138,7 +138,7 @@ class Worker:
 
     def capture(self) -> dict:
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                 self.history, self.config, self.precision.scaler)
+                                 self.history, self.config, grad_scaler=self.precision.scaler)
 
     def restore(self, state: dict) -> None:
         self.progress, self.history = state_mod.restore(
@@ -150,7 +150,7 @@ class Worker:
         """Keep an in-memory copy of the state at this step (the last two are kept, since
         ranks may be one commit apart when a peer dies inside a collective)."""
         state = state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                  [], self.config, self.precision.scaler)
+                                  [], self.config, grad_scaler=self.precision.scaler)
         self._commits.append((self.progress.step, state, len(self.history)))
 
     def commit_steps(self) -> list[int]:
