@@ -20,16 +20,17 @@ class PeerFailure(RuntimeError):
 
 
 @contextlib.contextmanager
-def collective(what: str):
+def collective(what: str, only: type = RuntimeError):
     """Run one of our collectives; its failure becomes a :class:`PeerFailure` naming `what`.
 
     gloo and nccl report a dead, closed or late peer as a RuntimeError (torch's DistError
     subclasses it). Out of memory is a RuntimeError too, but it is this rank's own trouble,
-    not a peer's: it passes through unchanged.
+    not a peer's: it passes through unchanged. `only` narrows what counts (DistError where the
+    block also runs the user's code, whose own RuntimeErrors are the user's).
     """
     try:
         yield
     except torch.cuda.OutOfMemoryError:
         raise
-    except RuntimeError as e:
+    except only as e:
         raise PeerFailure(f"{what} failed: {e}") from e

@@ -160,7 +160,8 @@ def _check_worker(worker: Worker) -> None:
     scheduler options do not fit."""
     schedulers.check(worker)
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
-                              worker.progress, worker.history, worker.config, copy_tensors=False)
+                              worker.progress, worker.history, worker.config, copy_tensors=False,
+                              grad_scaler=worker.precision.scaler)
     problem = unloadable(state)
     if problem:
         raise SetupError(f"the training state could not be checkpointed: {problem}")
@@ -179,6 +180,10 @@ def _forget_run() -> None:
     if worker is not None:
         _close(worker)
     del worker
+    cell = sys.modules.pop("__elastic_cell__", None)  # its namespace holds model and data
+    if cell is not None:
+        cell.__dict__.clear()
+    del cell
     # a failed task's traceback keeps its frames, and with them the run's objects
     for name in ("last_type", "last_value", "last_traceback", "last_exc"):
         if hasattr(sys, name):

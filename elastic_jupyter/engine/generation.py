@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import sys
 import time
 
 import torch
@@ -60,11 +61,14 @@ def _out_of_memory_hint(config: dict):
         own = isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(e)
         if isinstance(e, PeerFailure) or not own:
             raise
-        now = config.get("micro_batch") or "none, a rank's whole share in one pass"
+        now = config.get("micro_batch") or "none: the default cut of engine.batching"
+        hint = ("--sync-batchnorm forwards a rank's whole share in one pass: use fewer samples "
+                "per rank (a smaller --global-batch or more ranks)"
+                if config.get("sync_batchnorm") else
+                f"lower --micro-batch (now: {now}) so each forward pass holds fewer samples; "
+                "the update stays the same")
         raise torch.cuda.OutOfMemoryError(
-            f"{e}\nThe step ran out of GPU memory: lower --micro-batch (now: {now}) so each "
-            "forward pass holds fewer samples; the share is then accumulated over several "
-            "passes and the update stays the same") from e
+            f"{e}\nThe step ran out of GPU memory: {hint}") from e
 
 
 class Generation:
@@ -94,8 +98,11 @@ class Generation:
                 return self._loop(spec.get("end_at"))
         finally:
             # closing this rank's sockets makes peers blocked in a collective fail now
-            # instead of at the group timeout
-            dist.destroy_process_group()
+            # instead of at the group timeout; its own failure must not hide the first error
+            try:
+                dist.destroy_process_group()
+            except Exception as e:  # noqa: BLE001 -- reported in the engine's log
+                print(f"destroying the process group failed: {e}", file=sys.stderr)
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker

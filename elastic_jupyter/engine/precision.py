@@ -69,6 +69,9 @@ class Precision:
         given), step. With fp16, a step whose gradients hold inf/NaN is skipped and the scale
         backs off: every rank holds the same reduced gradients, so every rank does the same."""
         if self.scaler is not None:
+            # the scaler creates its scale on first use: a rank that scaled no loss this step
+            # (no micro-batch, or MeanOver counts of 0) needs it as much as the others
+            self.scaler.scale(torch.zeros((), device=self.device))
             self.scaler.unscale_(optimizer)
         if clip_grad_norm:
             torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)

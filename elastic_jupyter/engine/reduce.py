@@ -89,14 +89,15 @@ class GradReducer:
                             else self.buckets[self._carrier][0].dtype)
         flats = [self._flatten(b, tail if i == self._carrier else None)
                  for i, b in enumerate(self.buckets)]
+        # the first host read is inside too: with nccl a peer's failure can surface there
         with collective("gradient all-reduce"):
             for flat in flats:
                 dist.all_reduce(flat)
             if self._carrier is None:
                 dist.all_reduce(tail)
-        if self._carrier is not None:
-            tail = flats[self._carrier][-len(tail):]
-        summed = tail.tolist()
+            if self._carrier is not None:
+                tail = flats[self._carrier][-len(tail):]
+            summed = tail.tolist()
         used = {id(p) for p, n in zip(self.params, summed[len(scalars):]) if n > 0}
         for bucket, flat in zip(self.buckets, flats):
             offset = 0
@@ -133,7 +134,7 @@ class GradReducer:
         every = [torch.empty_like(nnz) for _ in range(world_size)]
         with collective("sparse gradient gather"):
             dist.all_gather(every, nnz)
-        counts = torch.stack(every).tolist()  # [rank][parameter]
+            counts = torch.stack(every).tolist()  # [rank][parameter]
         for j, (p, grad) in enumerate(zip(self.sparse, local)):
             sizes = [row[j] for row in counts]
             if id(p) not in used:

@@ -18,10 +18,13 @@ This module imports nothing from IPython or the UI: it runs the same way from a 
 from __future__ import annotations
 
 import collections
+import contextlib
+import copy
 import time
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from . import state as state_mod
 from .batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
@@ -62,7 +65,9 @@ class Worker:
                 "model, optimizer, dataset and loss_fn(model, batch)")
         self.config = config
         self.slot = slot
-        self.device = torch.device("cuda" if device.startswith("cuda") else "cpu")
+        # with its index: torch.device("cuda") != torch.device("cuda:0") in comparisons
+        self.device = (torch.device("cuda", torch.cuda.current_device())
+                       if device.startswith("cuda") else torch.device("cpu"))
         self.model = objects["model"]
         self.optimizer = objects["optimizer"]
         self.dataset = objects["dataset"]
@@ -86,6 +91,7 @@ class Worker:
                               config.get("micro_batch"), config.get("pool_min_size", 1),
                               config.get("pool_max_size", 1))
         self.running_stats = RunningStats(self.model)
+        self._check_batchnorm_samples()
         if not config.get("total_steps"):
             epochs = config.get("epochs") or 1
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
@@ -116,6 +122,24 @@ class Worker:
         if self.eval_dataset is not None and self.metric_fn is None:
             raise SetupError("eval_dataset is defined but metric_fn(model, batch) -> dict is not")
 
+    def _check_batchnorm_samples(self) -> None:
+        """BatchNorm in training mode needs 2 samples per forward pass; with per-micro-batch
+        statistics, that is the smallest micro-batch of a full step and of an epoch's last."""
+        training_bn = any(isinstance(m, _BatchNorm) and m.training
+                          for m in self.model.modules())
+        if not training_bn or self.config.get("sync_batchnorm"):
+            return
+        n, B = len(self.dataset), self.config["global_batch"]
+        for b in {B, n % B} - {0}:
+            smallest = b // self.plan.micro_batch_count(b)
+            if smallest < 2:
+                raise SetupError(
+                    f"BatchNorm in training mode needs at least 2 samples per micro-batch, but "
+                    f"a step of {b} samples is cut into {self.plan.micro_batch_count(b)} "
+                    f"micro-batches (smallest: {smallest}); raise --global-batch"
+                    + (" or choose one that divides the dataset size" if b != B else "")
+                    + " or lower the pool's --max")
+
     def _convert_batchnorm(self) -> None:
         """BatchNorm statistics over the whole global batch instead of each micro-batch."""
         if self.device.type != "cuda":
@@ -125,6 +149,10 @@ class Worker:
                              "micro-batch, combined in micro-batch order")
         n, B = len(self.dataset), self.config["global_batch"]
         most = self.config.get("pool_max_size", 1)
+        if B < most:
+            raise SetupError(f"--sync-batchnorm needs a sample on every rank at every step "
+                             f"(SyncBatchNorm is a collective): raise --global-batch {B} to at "
+                             f"least the pool's --max {most}")
         if 0 < n % B < most:
             raise SetupError(
                 f"--sync-batchnorm needs a sample on every rank at every step (SyncBatchNorm is a "
@@ -141,6 +169,12 @@ class Worker:
                                  self.history, self.config, grad_scaler=self.precision.scaler)
 
     def restore(self, state: dict) -> None:
+        """Continue from `state` (a broadcast or a checkpoint): commits of the run before are
+        dropped, since their steps may lie ahead of it on another timeline."""
+        self._commits.clear()
+        self._load(state)
+
+    def _load(self, state: dict) -> None:
         self.progress, self.history = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
 
@@ -161,7 +195,9 @@ class Worker:
         for commit_step, state, n_records in self._commits:
             if commit_step == step:
                 history = self.history[:n_records]
-                self.restore(state)
+                # load_state_dict may keep the commit's own tensors (Adam's step, CPU state),
+                # which training would then change: a commit is restored from a copy
+                self._load(copy.deepcopy(state))
                 self.history = history
                 while self._commits[-1][0] != step:
                     self._commits.pop()
@@ -197,10 +233,11 @@ class Worker:
         for chunk in self._micro_batch_passes(parts, B):
             batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
             fault_point("forward", self)
-            with self.precision.autocast():
-                out = self.loss_fn(self.model, batch)
-            fault_point("backward", self)
-            loss, metrics, weight = self._backward(out, len(chunk), B)
+            with self._sync_batchnorm_collectives():
+                with self.precision.autocast():
+                    out = self.loss_fn(self.model, batch)
+                fault_point("backward", self)
+                loss, metrics, weight = self._backward(out, len(chunk), B)
             loss_sum += loss
             if metrics and not self.progress.metric_names:
                 self.progress.metric_names = sorted(metrics)
@@ -208,6 +245,13 @@ class Worker:
             for j, name in enumerate(self.progress.metric_names):
                 extras[j] += float(metrics[name]) * weight
         return loss_sum, extras
+
+    def _sync_batchnorm_collectives(self):
+        """SyncBatchNorm's collectives run inside the forward and backward passes: a peer
+        failing there (torch's DistError) is a fault, like in our own collectives."""
+        if not self.config.get("sync_batchnorm"):
+            return contextlib.nullcontext()
+        return collective("SyncBatchNorm statistics", only=dist.DistError)
 
     def _backward(self, out, samples: int, B: int) -> tuple[float, dict, float]:
         """Backward of one micro-batch's ``loss_fn`` output weighted by its count / `B`
@@ -276,13 +320,16 @@ class Worker:
 
     # evaluation ------------------------------------------------------------------------------
 
-    def _share_buffers(self, world_size: int) -> None:
+    def _share_buffers(self, world_size: int) -> list[torch.Tensor]:
         """Give every rank rank 0's buffers (the model ``run.state_dict()`` returns), which may
-        differ elsewhere: a custom layer's buffer updated from each rank's own samples."""
+        differ elsewhere: a custom layer's buffer updated from each rank's own samples.
+        Returns this rank's own buffers, to put back after the evaluation."""
+        own = [b.clone() for b in self.model.buffers()]
         if world_size > 1:
             with collective("buffer broadcast"):
                 for buffer in self.model.buffers():
                     dist.broadcast(buffer, src=0)
+        return own
 
     def evaluate(self, rank: int, world_size: int) -> dict:
         """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one."""
@@ -294,7 +341,7 @@ class Worker:
         # every layer's own training flag is restored afterwards (a
         # layer the cell froze with eval() stays frozen); every rank evaluates rank 0's buffers
         modes = [(module, module.training) for module in self.model.modules()]
-        self._share_buffers(world_size)
+        own_buffers = self._share_buffers(world_size)
         self.model.eval()
         with torch.no_grad():
             for chunk in micro_batches(share, self.config.get("micro_batch") or self.config["global_batch"]):
@@ -304,6 +351,9 @@ class Worker:
                 count += len(chunk)
         for module, training in modes:
             module.training = training
+        with torch.no_grad():
+            for buffer, own in zip(self.model.buffers(), own_buffers):
+                buffer.copy_(own)
         gathered = [None] * world_size
         if world_size > 1:
             with collective("evaluation gather"):
