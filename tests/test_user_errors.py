@@ -114,7 +114,8 @@ def _generation_rank(rank: int, world_size: int, cell: str, store_path: str, out
     store.set_timeout(datetime.timedelta(seconds=20))
     if rank == 0:  # the owner's part: no request to leave
         dist.PrefixStore("gen0/", store).set("end_at", "none")
-    worker = Worker(cell_namespace(cell, 3), config(steps=40), "cpu")
+    # a pool of up to 2: the plan cuts steps so that both ranks get micro-batches
+    worker = Worker(cell_namespace(cell, 3), config(steps=40, pool_max_size=2), "cpu")
     spec = {"rank": rank, "world_size": world_size, "generation": 0, "backend": "gloo",
             "timeout": 20, "receive_state": False, "broadcast": False, "end_at": None}
     try:

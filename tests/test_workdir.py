@@ -4,6 +4,7 @@ modules and frees the previous run's objects, and engines that build different d
 named (a replacement that does is refused, so a run's steps never change)."""
 import gc
 import os
+import re
 import sys
 import uuid
 import weakref
@@ -66,6 +67,8 @@ def test_the_cell_runs_in_the_notebooks_folder_and_imports_edited_modules_afresh
 
 
 def test_engines_that_build_different_datasets_are_named(idle_pool, tmp_path):
+    idle_pool.resize(2)  # the run's engines: the pool's first two (earlier tests vary the slots)
+    first, second = (e.slot for e in idle_pool.engines[:2])
     cell = '''
 import os
 import torch
@@ -78,7 +81,7 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 def loss_fn(model, batch):
     return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
 '''
-    for n, seed, differ in (("100 + slot", "0", "100 samples"),  # one more sample on slot 1
+    for n, seed, differ in ((f"100 + (slot == {second})", "0", "101 samples"),  # one more
                             ("100", "slot", "items hash")):  # the same length, other samples
         run = TrainingRun(idle_pool, RunConfig(name=f"differ-{uuid.uuid4().hex[:6]}", steps=5),
                           source=cell.format(n=n, seed=seed), engines=2,
@@ -86,17 +89,21 @@ def loss_fn(model, batch):
         with pytest.raises(RunSetupError) as refused:
             run.start()
         message = str(refused.value)
-        assert message.startswith("the engines built different datasets (engine slot 1 "
-                                  "differs from slot 0): slot 0: 100 samples"), message
+        assert message.startswith(f"the engines built different datasets (engine slot "
+                                  f"{second} differs from slot {first}): slot {first}: 100 "
+                                  "samples"), message
         assert differ in message and f"each runs it in {os.getcwd()}" in message
 
 
 def test_a_replacement_engine_with_another_dataset_is_refused(idle_pool, tmp_path):
-    # engines of slot 2 and up build a longer dataset: with it the run would have more steps
+    # engines on other slots than the run's first two build a longer dataset: with it the run
+    # would have more steps
+    idle_pool.resize(2)
+    first_two = sorted(e.slot for e in idle_pool.engines[:2])
     cell = '''
 import os, time
 import torch
-n = 320 if int(os.environ["ELASTIC_JUPYTER_SLOT"]) >= 2 else 256
+n = 256 if int(os.environ["ELASTIC_JUPYTER_SLOT"]) in FIRST_TWO else 320
 torch.manual_seed(0)
 dataset = torch.utils.data.TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
 model = torch.nn.Linear(4, 2)
@@ -107,7 +114,8 @@ def loss_fn(model, batch):
 '''
     run = TrainingRun(idle_pool, RunConfig(name="replaced", global_batch=32, epochs=1,
                                            checkpoint_every=0),
-                      source=cell, engines=2, workspace=str(tmp_path), schedule=[(3, 3)]).start()
+                      source=cell.replace("FIRST_TWO", repr(first_two)), engines=2,
+                      workspace=str(tmp_path), schedule=[(3, 3)]).start()
     try:
         assert run.wait(timeout=240) == "finished", run.logs()
     finally:
@@ -115,7 +123,7 @@ def loss_fn(model, batch):
     assert run.total_steps == 8 and [r["step"] for r in run.history] == list(range(1, 9))
     assert {r["world_size"] for r in run.history} == {2}
     warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
-    assert any("engine slot 2 built another dataset than the run's (320 samples" in w
+    assert any(re.search(r"engine slot \d+ built another dataset than the run's \(320 samples", w)
                and "the run's: 256 samples" in w and "refused" in w for w in warnings), warnings
 
 
