@@ -24,6 +24,7 @@ class RunSetupError(RuntimeError):
 
 
 LOCK_FILE = ".lock"
+PLAN_KEYS = ("micro_batch", "pool_min_size", "pool_max_size")  # what cuts steps into micro-batches
 
 
 class FolderLock:
@@ -191,6 +192,16 @@ class CellSetup:
             await self.calls.connect_store(engines, rdv.host, rdv.port,
                                            self.config["collective_timeout"])
 
+    def _warn_if_cut_otherwise(self, old: dict) -> None:
+        """Steps are cut into micro-batches by --micro-batch and the pool's bounds: a resume
+        with others is correct, but not the uninterrupted run where randomness is involved."""
+        if any(old.get(k) != self.config[k] for k in PLAN_KEYS):
+            self.log.event("warning", message=(
+                f"the checkpoint's steps were cut into micro-batches for {_plan(old)}, this run "
+                f"cuts them for {_plan(self.config)}: each update is still the mean gradient of "
+                "the same samples, but dropout draws and BatchNorm statistics (per micro-batch) "
+                "differ from the uninterrupted run"))
+
     async def resume(self, engine, folder: str) -> str:
         """Load the newest usable checkpoint on `engine` (rank 0); returns its path. Skipped
         files become warnings; a different global batch or seed is refused."""
@@ -207,8 +218,14 @@ class CellSetup:
             raise UsageError("cannot resume with a different config (" + "; ".join(diffs) +
                              "): use the checkpoint's values, or start a new run with another "
                              "--name")
+        self._warn_if_cut_otherwise(old)
         self.log.load(loaded["history"], loaded["progress"]["step"])
         return loaded["path"]
+
+
+def _plan(config: dict) -> str:
+    return (f"--micro-batch {config.get('micro_batch')}, a pool of "
+            f"{config.get('pool_min_size')}..{config.get('pool_max_size')}")
 
 
 def _describe(dataset: dict) -> str:

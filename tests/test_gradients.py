@@ -207,6 +207,11 @@ def test_a_mean_over_tokens_is_the_mean_over_the_global_batch(tmp_path, world_si
             assert torch.allclose(rank.params[k], expected.params[k], rtol=1e-10, atol=1e-12), k
     history = got[0].history
     assert [r["loss"] for r in history] == pytest.approx(expected.losses, rel=1e-12)
+    # each record says how many tokens its loss is a mean over
+    plan, epoch, position, model = BatchPlan(48, 16, 3), 0, 0, cell_namespace(TOKENS_CELL, 3)["model"]
+    for record in history[:3]:
+        assert record["items"] == _token_means(plan.batch(epoch, position), model)[2]
+        epoch, position = plan.advance(epoch, position)
     # extra metrics are weighted like the loss: the step-1 abs error over all its tokens
     model = cell_namespace(TOKENS_CELL, 3)["model"]
     first = BatchPlan(48, 16, 3).batch(0, 0)

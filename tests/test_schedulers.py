@@ -157,3 +157,14 @@ def test_other_schedulers_step_once_per_optimizer_step(idle_pool, tmp_path, sche
 def test_plateau_metric_options_are_validated(options, expected):
     with pytest.raises(UsageError, match=expected):
         RunConfig(name="x", **options).validate()
+
+
+def test_an_epochs_mean_loss_weighs_each_step_by_what_its_loss_is_a_mean_over():
+    from elastic_jupyter.engine.schedulers import epoch_mean_loss
+    # 40 samples, B 16: steps of 16, 16 and 8 samples
+    by_samples = [{"epoch": 0, "loss": 1.0}, {"epoch": 1, "loss": 2.0}, {"epoch": 1, "loss": 4.0},
+                  {"epoch": 1, "loss": 8.0}]
+    assert epoch_mean_loss(by_samples, 1, 40, 16) == pytest.approx((2 * 16 + 4 * 16 + 8 * 8) / 40)
+    # MeanOver: the steps' losses are means over 10, 30 and 60 tokens
+    by_tokens = [dict(r, items=n) for r, n in zip(by_samples[1:], (10, 30, 60))]
+    assert epoch_mean_loss(by_tokens, 1, 40, 16) == pytest.approx((2 * 10 + 4 * 30 + 8 * 60) / 100)

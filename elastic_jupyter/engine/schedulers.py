@@ -56,13 +56,16 @@ def step_lr_scheduler(worker, record: dict) -> None:
 
 
 def epoch_mean_loss(history: list[dict], epoch: int, samples: int, global_batch: int) -> float:
-    """Mean training loss over the `samples` of `epoch`, from its records at the end of
-    `history`: every step but the last consumed `global_batch` samples, the last the rest."""
-    losses = []
+    """Mean training loss over `epoch`, from its records at the end of `history`: each step's
+    loss weighted by what it is a mean over — its ``items`` when loss_fn returned MeanOver,
+    else its samples (every step but the last consumed `global_batch`, the last the rest of
+    the epoch's `samples`)."""
+    records = []
     for record in reversed(history):
         if record["epoch"] != epoch:
             break
-        losses.append(record["loss"])
-    losses.reverse()
-    sizes = [global_batch] * (len(losses) - 1) + [samples - global_batch * (len(losses) - 1)]
-    return sum(loss * size for loss, size in zip(losses, sizes)) / samples
+        records.append(record)
+    records.reverse()
+    sizes = [global_batch] * (len(records) - 1) + [samples - global_batch * (len(records) - 1)]
+    weights = [r.get("items", size) for r, size in zip(records, sizes)]
+    return sum(r["loss"] * w for r, w in zip(records, weights)) / sum(weights)

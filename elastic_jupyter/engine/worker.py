@@ -87,6 +87,7 @@ class Worker:
             raise SetupError(str(e)) from None
         self._mean_over: bool | None = None  # what loss_fn's losses are means over, once seen
         self._step_count = 0.0  # samples (or MeanOver items) this rank's share weighed this step
+        self._items = 0.0  # the same, summed over the global batch (after the reduction)
         self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"],
                               config.get("micro_batch"), config.get("pool_min_size", 1),
                               config.get("pool_max_size", 1))
@@ -279,6 +280,7 @@ class Worker:
         """
         flag, count, loss, *extras = self.reducer.reduce(
             [flag, self._step_count, loss, *extras], world_size)
+        self._items = count  # the global batch's MeanOver items (B for plain losses)
         if count != B:
             if not count:
                 raise ValueError(f"loss_fn's MeanOver counts sum to 0 over the global batch of "
@@ -316,6 +318,8 @@ class Worker:
                   "world_size": world_size, "samples_per_s": len(batch) / max(seconds, 1e-9),
                   "time": time.time()}
         record.update(zip(p.metric_names, extras))
+        if self._mean_over:  # what the step's loss is a mean over (an epoch's mean weighs it)
+            record["items"] = int(round(self._items))
         return record, leave
 
     # evaluation ------------------------------------------------------------------------------
