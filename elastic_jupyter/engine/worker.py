@@ -244,7 +244,8 @@ class Worker:
                 self.progress.metric_names = sorted(metrics)
                 extras = [0.0] * len(metrics)
             for j, name in enumerate(self.progress.metric_names):
-                extras[j] += float(metrics[name]) * weight
+                value = metrics[name]  # a tensor may still require grad: read it detached
+                extras[j] += float(value.detach() if torch.is_tensor(value) else value) * weight
         return loss_sum, extras
 
     def _sync_batchnorm_collectives(self):
