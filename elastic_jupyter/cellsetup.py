@@ -24,7 +24,7 @@ class RunSetupError(RuntimeError):
 
 
 LOCK_FILE = ".lock"
-PLAN_KEYS = ("micro_batch", "pool_min_size", "pool_max_size")  # what cuts steps into micro-batches
+PLAN_KEYS = ("micro_batch", "pass_cost", "pool_min_size", "pool_max_size")  # what cuts steps into micro-batches
 
 
 class FolderLock:
@@ -224,7 +224,8 @@ class CellSetup:
 
 
 def _plan(config: dict) -> str:
-    return (f"--micro-batch {config.get('micro_batch')}, a pool of "
+    return (f"--micro-batch {config.get('micro_batch')}, --pass-cost "
+            f"{config.get('pass_cost') if config.get('pass_cost') is not None else 'measured'}, a pool of "
             f"{config.get('pool_min_size')}..{config.get('pool_max_size')}")
 
 

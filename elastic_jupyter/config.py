@@ -10,6 +10,7 @@ pool ``--gpus``        all (``none`` forces CPU slots; ``0,2`` picks GPUs)
 engine start timeout   60 s
 ``--global-batch``     64
 ``--micro-batch``      no cap (the count of micro-batches follows from the pool's bounds)
+``--pass-cost``        measured at the run's start (a pass's fixed cost, in samples)
 ``--epochs``           1 (unless ``--steps``)
 ``--checkpoint-every`` 100 steps, and always at the end
 ``--checkpoint-dir``   ``elastic-checkpoints/<name>/`` beside the notebook
@@ -96,12 +97,15 @@ class RunConfig:
 
     Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given.
     ``micro_batch`` caps a micro-batch's size; ``pool_min_size`` and ``pool_max_size`` are the
-    pool's bounds, filled in by the run (engine.batching derives the micro-batches from them).
+    pool's bounds, filled in by the run; ``pass_cost`` is a forward/backward pass's fixed cost
+    in samples, measured when None (engine.calibration). engine.batching derives the
+    micro-batches from these.
     """
 
     name: str
     global_batch: int = 64
     micro_batch: int | None = None
+    pass_cost: float | None = None
     epochs: int | None = None
     steps: int | None = None
     eval_every: int | None = None
@@ -149,6 +153,10 @@ class RunConfig:
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision takes bf16 or fp16 (leave it out for fp32), got "
                              f"{self.precision!r}")
+        if self.pass_cost is not None and (isinstance(self.pass_cost, bool) or not isinstance(
+                self.pass_cost, (int, float)) or not 0 <= self.pass_cost < float("inf")):
+            raise UsageError(f"--pass-cost is a number of samples >= 0 (as the run's "
+                             f"micro_batches event reports it), got {self.pass_cost!r}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         if self.plateau_metric is not None:

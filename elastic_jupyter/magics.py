@@ -101,6 +101,10 @@ def _train_parser() -> _Parser:
     p.add_argument("--micro-batch", type=_positive_int,
                    help="cap on a micro-batch's size (default: none; the micro-batches follow "
                         "from the global batch and the pool's --min/--max)")
+    p.add_argument("--pass-cost", type=float,
+                   help="a forward/backward pass's fixed cost in samples, which sets how many "
+                        "micro-batches a step is cut into (default: measured at the start; the "
+                        "run's log gives the value, to cut another run's steps the same way)")
     p.add_argument("--epochs", type=_positive_int, help="epochs to train (default 1)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps to train (instead of --epochs)")
     p.add_argument("--eval-every", type=_positive_int,
@@ -229,6 +233,7 @@ class ElasticMagics(Magics):
         push = self._pushed(args.push)
         config = RunConfig(
             name=args.name, global_batch=args.global_batch, micro_batch=args.micro_batch,
+            pass_cost=args.pass_cost,
             epochs=args.epochs, steps=args.steps, eval_every=args.eval_every,
             clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,

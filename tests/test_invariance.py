@@ -1,12 +1,13 @@
 """Resize invariance: the parameters after S steps do not depend on the world-size schedule.
 
 Each run trains the same float64 model on the same data with a constant global batch of 64:
-at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch. On the test pool
-(sizes 1..4) a batch of 64 is cut into 12 micro-batches of 5-6 samples (the last step of an
-epoch, 40 samples, into 12 of 3-4); 12 over 3 ranks gives 4 each, over 2 ranks 6 each. All must
-end with the parameters (and buffers) of a single-process reference that runs the same
-micro-batches in order, each with its own random stream, and takes the mean gradient of each
-batch. The model is plain, or has dropout (a mask per micro-batch), or BatchNorm in training
+at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch. The 2 -> 3 -> 1 run
+measures the cost of a pass (engine.calibration), which with the test pool's bounds (1..4) and
+the cap of 16 samples fixes how each step is cut into micro-batches (4 of 16 for a small model
+on a CPU; 12 of 5-6 were a pass free); the runs at 1 and at 2 are given that cost
+(``--pass-cost``), as the run's log advises. All must end with the parameters (and buffers) of
+a single-process reference that runs the same micro-batches in order, each with its own random
+stream, and takes the mean gradient of each batch. The model is plain, or has dropout (a mask per micro-batch), or BatchNorm in training
 mode (statistics per micro-batch, running statistics updated in micro-batch order).
 """
 import pytest
@@ -42,19 +43,20 @@ def cell(optimizer: str, dtype: str, layer: str = "plain") -> str:
             .replace("OPTIMIZER", f"({OPTIMIZERS[optimizer]})"))
 
 
-def run_elastic(pool, tmp_path, source, engines, schedule=(), name="inv"):
+def run_elastic(pool, tmp_path, source, engines, schedule=(), name="inv", pass_cost=None):
     config = RunConfig(name=name, global_batch=BATCH, micro_batch=MICRO, steps=STEPS,
-                       checkpoint_every=0, seed=7)
+                       checkpoint_every=0, seed=7, pass_cost=pass_cost)
     run = TrainingRun(pool, config, source=source, engines=engines, schedule=list(schedule),
                       workspace=str(tmp_path / f"{name}-{engines}-{len(schedule)}")).start()
     assert run.wait(timeout=240) == "finished", run.logs()
     return run
 
 
-def reference(source: str, passes):
+def reference(source: str, passes, pass_cost: float):
     """Single-process training of the same cell: each step runs the forward passes
-    ``passes(plan, step, batch)`` gives as (sample indices, loss weight, torch seed), in order.
-    Returns the named parameters before training and the state dict after it."""
+    ``passes(plan, step, batch)`` gives as (sample indices, loss weight, torch seed), in order,
+    with the micro-batches of a run that measured `pass_cost`. Returns the named parameters
+    before training, the state dict after it and the number of micro-batches of all steps."""
     import random
     import numpy as np
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
@@ -63,8 +65,10 @@ def reference(source: str, passes):
     model, opt, data, loss_fn = ns["model"], ns["optimizer"], ns["dataset"], ns["loss_fn"]
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
     plan, epoch, position = BatchPlan(len(data), BATCH, 7, MICRO, *POOL), 0, 0
+    plan.pass_cost, micro_batches = pass_cost, 0
     for step in range(STEPS):
         idx = plan.batch(epoch, position)
+        micro_batches += plan.micro_batch_count(len(idx))
         opt.zero_grad()
         for samples, weight, seed in passes(plan, step, idx):
             torch.manual_seed(seed)
@@ -72,7 +76,7 @@ def reference(source: str, passes):
             (loss_fn(model, batch) * weight).backward()
         opt.step()
         epoch, position = plan.advance(epoch, position)
-    return start, {k: v.detach() for k, v in model.state_dict().items()}
+    return start, {k: v.detach() for k, v in model.state_dict().items()}, micro_batches
 
 
 def micro_batch_passes(plan, step, idx):
@@ -118,18 +122,19 @@ def test_parameters_do_not_depend_on_the_world_size_schedule(idle_pool, tmp_path
                                                              layer):
     assert (idle_pool.min_size, idle_pool.max_size) == POOL
     source = cell(optimizer, "float64", layer)
-    start, expected = reference(source, micro_batch_passes)
-    _, wrong = reference(source, WRONG[layer])
+    runs = {"2-3-1": run_elastic(idle_pool, tmp_path, source, 2, SCHEDULE)}
+    cut, = [e for e in runs["2-3-1"].events if e["kind"] == "micro_batches"]
+    runs.update({str(n): run_elastic(idle_pool, tmp_path, source, n, pass_cost=cut["pass_cost"])
+                 for n in (1, 2)})
+    start, expected, micro_batches = reference(source, micro_batch_passes, cut["pass_cost"])
+    _, wrong, _ = reference(source, WRONG[layer], cut["pass_cost"])
     close = dict(rtol=1e-7, atol=1e-9)
     assert not all(torch.allclose(wrong[k], expected[k], **close) for k in expected)
     moved = sum((expected[k] - s).norm() for k, s in start.items())
     assert moved / sum(s.norm() for s in start.values()) > 0.01
-    if layer == "batchnorm":  # one update of the running statistics per micro-batch, 12 a step
-        assert int(expected["1.num_batches_tracked"]) == 12 * STEPS
-
-    runs = {"1": run_elastic(idle_pool, tmp_path, source, 1),
-            "2": run_elastic(idle_pool, tmp_path, source, 2),
-            "2-3-1": run_elastic(idle_pool, tmp_path, source, 2, SCHEDULE)}
+    if layer == "batchnorm":  # one update of the running statistics per micro-batch
+        assert int(expected["1.num_batches_tracked"]) == micro_batches
+    assert not any(e["kind"] == "micro_batches" for n in ("1", "2") for e in runs[n].events)
     for label, run in runs.items():
         got = run.state_dict()
         for k in expected:

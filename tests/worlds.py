@@ -3,7 +3,7 @@ same cell in a plain single-process PyTorch loop (the right answer).
 
 ``train(cell, config, world_size, steps, tmp_path)`` runs ``Worker.train_step`` on every rank
 (world size 1 in this process; more in spawned processes joined by a FileStore) and returns one
-``Result`` per rank. ``reference(cell, config, steps)`` trains the cell the way a user would
+``Result`` per rank; the ranks measure the cost of a pass first, as a generation does. ``reference(cell, config, steps)`` trains the cell the way a user would
 without this package: the whole global batch in one forward pass, ``loss.backward()``,
 ``optimizer.step()``, with the same samples in the same order.
 """
@@ -34,6 +34,7 @@ class Result:
     history: list = field(default_factory=list)
     losses: list = field(default_factory=list)  # the reference's loss per step
     scaler: dict | None = None
+    pass_cost: float | None = None  # the rank's (engine.calibration), as its steps were cut
 
 
 def config(**options) -> dict:
@@ -66,9 +67,12 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
+        if worker.progress.pass_cost is None:  # as a generation does before the first step
+            worker.calibrate(rank, world_size)
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, 0.0)[0])
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
+        result.pass_cost = worker.progress.pass_cost
     finally:
         if world_size > 1:
             dist.destroy_process_group()

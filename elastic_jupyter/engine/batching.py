@@ -7,8 +7,8 @@ or drop samples when the world size changes (horovod #3399, #3143; pytorch #3665
 does not.
 
 Each step's batch of b samples is cut into K micro-batches at the offsets ``k * b // K`` (sizes
-differ by at most one); K depends on b, the cap and the pool's bounds (see
-:func:`micro_batch_count`), never on the world size W. Rank r of W processes the contiguous
+differ by at most one); K depends on b, the cap, the pool's bounds and the measured cost of a
+pass (see :func:`micro_batch_count`), never on the world size W. Rank r of W processes the contiguous
 micro-batches ``rank_share(K, r, W)``. A micro-batch is the unit of one forward pass, of one
 random stream (engine.randomness) and of BatchNorm statistics (engine.running_stats), so the
 computation does not depend on W: only which rank does which part of it.
@@ -21,7 +21,7 @@ import math
 import torch
 
 _GOLDEN = 0x9E3779B97F4A7C15  # spreads (seed, epoch) pairs over the generator's seed space
-SLOWDOWN = (11, 10)  # a step may take 11/10 of an even split's time at every pool size
+SLOWDOWN = 1.1  # a step may take 1.1 x an even split's time at every pool size
 
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
@@ -62,45 +62,64 @@ def micro_batch_bounds(batch_size: int, count: int) -> list[int]:
     return [k * batch_size // count for k in range(count + 1)]
 
 
-def busiest_rank(bounds: list[int], world_size: int) -> int:
-    """Samples of the rank with the most, when the micro-batches cut at `bounds` are dealt out
-    to `world_size` ranks by :func:`rank_share` (its step time, in samples)."""
+def busiest_rank(bounds: list[int], world_size: int, pass_cost: float = 0.0) -> float:
+    """The step time of the slowest rank, in samples, when the micro-batches cut at `bounds`
+    are dealt out to `world_size` ranks by :func:`rank_share`: its samples plus `pass_cost`
+    (engine.calibration) per micro-batch it runs."""
     count = len(bounds) - 1
     shares = (rank_share(count, r, world_size) for r in range(world_size))
-    return max(bounds[s.stop] - bounds[s.start] for s in shares)
+    return max(bounds[s.stop] - bounds[s.start] + (s.stop - s.start) * pass_cost
+               for s in shares)
 
 
 @functools.lru_cache(maxsize=256)
-def micro_batch_count(batch_size: int, cap: int | None, min_size: int, max_size: int) -> int:
+def micro_batch_count(batch_size: int, cap: int | None, min_size: int, max_size: int,
+                      pass_cost: float = 0.0) -> int:
     """K, the number of micro-batches a batch of `batch_size` samples is cut into.
 
+    A rank's step takes its samples plus `pass_cost` samples' worth per micro-batch it runs
+    (engine.calibration); an even split at world size W takes ``batch_size / W + pass_cost``.
     K is the smallest count such that
       - no micro-batch holds more than `cap` samples (``--micro-batch``; None: no cap),
       - every rank gets a micro-batch whenever the batch has at least as many samples as ranks
         (K >= min(batch_size, max_size)), and
-      - at every world size W in ``[min_size, max_size]``, the busiest rank processes at most
-        1.1 * batch_size / W samples (the step takes at most 1.1 x an even split's time).
-    Fewer micro-batches are larger and run faster per sample, hence the smallest. When no K
-    meets 1.1 (tiny batches: 8 samples on 1..8 ranks), K is the smallest count with the lowest
-    worst ratio. Examples: 64 samples on 1..4 ranks: 12 micro-batches of 5-6; 256 on 1..8: 39
-    of 6-7.
+      - at every world size W in ``[min_size, max_size]`` the slowest rank takes at most 1.1 x
+        an even split's time.
+    When no K meets 1.1 (tiny batches: 8 samples on 1..8 ranks; or a large pass cost, where
+    every extra pass costs more than the balance it buys), K is the smallest count with the
+    lowest worst ratio. Examples, pass cost 0: 64 samples on 1..4 ranks: 12 micro-batches of
+    5-6; 256 on 1..8: 39 of 6-7. Pass cost 16: 64 on 1..4: 4 of 16 (worst ratio 1.71, at W=3).
 
-    Raises ValueError for a batch, cap or bound below 1, or min_size > max_size.
+    Raises ValueError for a batch, cap or bound below 1, min_size > max_size, or a negative
+    pass cost.
     """
-    if batch_size < 1 or (cap is not None and cap < 1) or not 1 <= min_size <= max_size:
-        raise ValueError(f"bad micro-batch plan: batch {batch_size}, cap {cap}, "
-                         f"pool sizes {min_size}..{max_size}")
-    lowest = max(-(-batch_size // cap) if cap else 1, min(batch_size, max_size))
-    best, best_worst = lowest, None
-    for count in range(lowest, batch_size + 1):
-        bounds = micro_batch_bounds(batch_size, count)
-        # busiest * W / batch_size is the slowdown; batch_size is fixed, so compare busiest * W
-        worst = max(busiest_rank(bounds, w) * w for w in range(min_size, max_size + 1))
-        if worst * SLOWDOWN[1] <= batch_size * SLOWDOWN[0]:
+    if batch_size < 1 or (cap is not None and cap < 1) or not 1 <= min_size <= max_size \
+            or pass_cost < 0:
+        raise ValueError(f"bad micro-batch plan: batch {batch_size}, cap {cap}, pool sizes "
+                         f"{min_size}..{max_size}, pass cost {pass_cost}")
+    best, best_worst = None, math.inf
+    for count in range(micro_batch_floor(batch_size, cap, max_size), batch_size + 1):
+        worst = worst_slowdown(micro_batch_bounds(batch_size, count), min_size, max_size,
+                               pass_cost)
+        if worst <= SLOWDOWN + 1e-9:
             return count
-        if best_worst is None or worst < best_worst:
+        if worst < best_worst - 1e-9:
             best, best_worst = count, worst
     return best
+
+
+def micro_batch_floor(batch_size: int, cap: int | None, max_size: int) -> int:
+    """The fewest micro-batches a batch may have: none over `cap`, one per rank at `max_size`."""
+    return max(-(-batch_size // cap) if cap else 1, min(batch_size, max_size))
+
+
+def worst_slowdown(bounds: list[int], min_size: int, max_size: int,
+                   pass_cost: float = 0.0) -> float:
+    """The largest ratio, over world sizes ``min_size..max_size``, of the slowest rank's step
+    time (:func:`busiest_rank`) to an even split's (``batch_size / W + pass_cost``)."""
+    batch_size = bounds[-1]
+    return max(busiest_rank(bounds, w, pass_cost) * w / (batch_size + pass_cost * w)
+               for w in range(min_size, max_size + 1))
 
 
 class BatchPlan:
@@ -113,12 +132,16 @@ class BatchPlan:
         micro_batch: cap on a micro-batch's size in samples (None: no cap).
         min_size, max_size: the pool's bounds; the micro-batch count keeps a step within 1.1 x
             an even split's time at every world size between them (:func:`micro_batch_count`).
+
+    Attributes:
+        pass_cost: a pass's fixed cost in samples (engine.calibration); 0 until measured.
     """
 
     def __init__(self, n: int, global_batch: int, seed: int, micro_batch: int | None = None,
                  min_size: int = 1, max_size: int = 1):
         self.n, self.global_batch, self.seed = n, global_batch, seed
         self.micro_batch, self.min_size, self.max_size = micro_batch, min_size, max_size
+        self.pass_cost = 0.0
         self._epoch, self._perm = None, None
 
     def batch(self, epoch: int, position: int) -> torch.Tensor:
@@ -134,7 +157,8 @@ class BatchPlan:
 
     def micro_batch_count(self, batch_size: int) -> int:
         """K for a step of `batch_size` samples (the last step of an epoch has fewer than B)."""
-        return micro_batch_count(batch_size, self.micro_batch, self.min_size, self.max_size)
+        return micro_batch_count(batch_size, self.micro_batch, self.min_size, self.max_size,
+                                 self.pass_cost)
 
     def micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """The step's K micro-batches in order: consecutive slices of `batch` (sample indices)."""

@@ -81,6 +81,7 @@ class Generation:
         # the owner writes this generation's requests under its own prefix
         self.control = dist.PrefixStore(f"gen{spec['generation']}/", store)
         self._end_at_cache: dict = {}
+        self.events: list[dict] = []  # rank 0's, for the owner's run log
 
     def run(self) -> dict:
         spec, w = self.spec, self.worker
@@ -92,6 +93,10 @@ class Generation:
             fault_point("resize", w)
             if spec["broadcast"]:
                 self._broadcast_state(spec["receive_state"])
+            if w.progress.pass_cost is None:  # the run's first generation (the same on all ranks)
+                with _out_of_memory_hint(w.config):
+                    event = w.calibrate(self.rank, self.world_size)
+                self.events += [event] if event else []
             if w.commit_steps()[-1:] != [w.progress.step]:
                 w.commit()
             with _out_of_memory_hint(w.config):
@@ -126,7 +131,7 @@ class Generation:
     def _loop(self, end_at) -> dict:
         w, rank, world_size = self.worker, self.rank, self.world_size
         cfg, p = w.config, w.progress
-        events, last_publish = [], 0.0
+        events, last_publish = self.events, 0.0
         published = [p.step, p.step]  # steps of the last two updates: each resends both windows
         first_step = p.step
         reason = "left"

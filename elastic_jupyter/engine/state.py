@@ -25,17 +25,21 @@ FORMAT_VERSION = 1
 
 @dataclass
 class Progress:
-    """Where the run stands: ``step`` optimizer steps done; ``position`` samples used in ``epoch``."""
+    """Where the run stands: ``step`` optimizer steps done; ``position`` samples used in
+    ``epoch``; ``pass_cost``, the measured cost of a pass that cuts its steps into micro-batches
+    (engine.calibration; None until measured)."""
 
     step: int = 0
     epoch: int = 0
     position: int = 0
     samples: int = 0
     metric_names: list = field(default_factory=list)
+    pass_cost: float | None = None
 
     def as_dict(self) -> dict:
         return dict(step=self.step, epoch=self.epoch, position=self.position,
-                    samples=self.samples, metric_names=list(self.metric_names))
+                    samples=self.samples, metric_names=list(self.metric_names),
+                    pass_cost=self.pass_cost)
 
 
 def rng_state() -> dict:

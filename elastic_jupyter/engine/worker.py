@@ -26,8 +26,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from . import calibration
 from . import state as state_mod
-from .batching import BatchPlan, micro_batches, rank_share, steps_per_epoch
+from .batching import (BatchPlan, micro_batch_bounds, micro_batches, rank_share,
+                       steps_per_epoch, worst_slowdown)
 from .checkpoint import CheckpointWriter
 from .collective import collective
 from .faultpoints import fault_point
@@ -39,6 +41,7 @@ from .running_stats import RunningStats
 from .transfer import to_device as _to_device
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
+CALIBRATION_STREAM = 2**64 - 1  # the random stream of measuring passes: no micro-batch's
 
 
 class SetupError(RuntimeError):
@@ -96,7 +99,8 @@ class Worker:
         if not config.get("total_steps"):
             epochs = config.get("epochs") or 1
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
-        self.progress = state_mod.Progress()
+        self.progress = state_mod.Progress(pass_cost=self._given_pass_cost())
+        self.plan.pass_cost = self.progress.pass_cost or 0.0
         self.history: list[dict] = []
         self._commits: collections.deque = collections.deque(maxlen=2)  # (step, state, #records)
         self.writer = None
@@ -178,6 +182,81 @@ class Worker:
     def _load(self, state: dict) -> None:
         self.progress, self.history = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
+        given = self._given_pass_cost()
+        if given is not None:
+            self.progress.pass_cost = given
+        self.plan.pass_cost = self.progress.pass_cost or 0.0
+
+    # the cost of a pass, which sets how steps are cut into micro-batches ----------------------
+
+    def calibrate(self, rank: int, world_size: int) -> dict | None:
+        """Measure a pass's cost on rank 0 and give it to every rank (a collective: all ranks
+        call it, when ``progress.pass_cost`` is None, before the run's first step).
+
+        Returns, on rank 0, a ``micro_batches`` event saying how steps are cut; None elsewhere.
+        The measuring passes leave no trace: gradients, buffers and RNG states are as before.
+        """
+        start = time.perf_counter()
+        cost = torch.zeros(1, dtype=torch.float64, device=self.device)  # nccl: a device tensor
+        if rank == 0:
+            cost[0] = self._measure_pass_cost()
+        if world_size > 1:
+            with collective("sharing the pass cost"):
+                dist.broadcast(cost, src=0)
+        self.progress.pass_cost = self.plan.pass_cost = float(cost[0])
+        if rank != 0:
+            return None
+        return {"kind": "micro_batches", "step": self.progress.step, "time": time.time(),
+                "pass_cost": self.plan.pass_cost,
+                "message": self._describe_cut(time.perf_counter() - start)}
+
+    def _given_pass_cost(self) -> float | None:
+        """The config's ``pass_cost`` (--pass-cost); 0 with --sync-batchnorm, where a rank's
+        share is one pass whatever the cut; None: measure it (:meth:`calibrate`)."""
+        if self.config.get("pass_cost") is not None:
+            return float(self.config["pass_cost"])
+        return 0.0 if self.config.get("sync_batchnorm") else None
+
+    def _measure_pass_cost(self) -> float:
+        """engine.calibration's P from passes over the first step's samples: 2 of them, and a
+        micro-batch's most (the step's share of one rank at the pool's largest size, at least 8)."""
+        B, p = self.config["global_batch"], self.progress
+        large = min(B, max(-(-B // self.plan.max_size), 8))
+        if large < 4:  # micro-batches of 1-3 samples: too few to tell passes from samples
+            return 0.0
+        indices = self.plan.batch(p.epoch, p.position)[:large]
+        buffers = [b.detach().clone() for b in self.model.buffers()]
+
+        def run_pass(size: int) -> None:
+            with micro_batch_stream(self.config["seed"], p.step, CALIBRATION_STREAM, self.device):
+                batch = self.collate_fn([self.dataset[int(i)] for i in indices[:size]])
+                with self.precision.autocast():
+                    loss = read_loss(self.loss_fn(self.model, _to_device(batch, self.device)),
+                                     size)[0]
+                if loss.requires_grad:
+                    loss.backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+
+        try:
+            return calibration.measure_pass_cost(run_pass, 2, large)
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for buffer, saved in zip(self.model.buffers(), buffers):
+                    buffer.copy_(saved)
+
+    def _describe_cut(self, seconds: float) -> str:
+        B, plan = self.config["global_batch"], self.plan
+        count = plan.micro_batch_count(B)
+        worst = worst_slowdown(micro_batch_bounds(B, count), plan.min_size, plan.max_size,
+                               plan.pass_cost)
+        return (f"a forward/backward pass costs as much as {plan.pass_cost:g} samples "
+                f"(measured in {seconds:.2f} s): each step of {B} samples is cut into {count} "
+                f"micro-batches of {B // count}-{-(-B // count)}; the slowest rank's step takes "
+                f"at most {worst:.2f} x an even split's time at world sizes {plan.min_size}.."
+                f"{plan.max_size}. Another run cuts its steps the same way (and draws the same "
+                f"dropout masks) with --pass-cost {plan.pass_cost:g}")
 
     # commit / restore in memory: a fault rolls every survivor back to a commit all reached
 
