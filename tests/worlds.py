@@ -37,7 +37,8 @@ class Result:
 
 
 def config(**options) -> dict:
-    """A Worker config: B=16, seed 3, no checkpoints, plus `options`."""
+    """A Worker config: B=16, seed 3, no checkpoints, plus `options`; ``late={...}`` is set
+    on the config after the Worker's setup (sync_batchnorm, which its setup refuses on CPU)."""
     base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep": 1, "precision": None}
     return {**base, **options}
 
@@ -66,6 +67,7 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
+        worker.config.update(cfg.get("late", {}))  # options the setup refuses on CPU
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, 0.0)[0])
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
