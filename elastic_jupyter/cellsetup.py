@@ -202,9 +202,18 @@ class CellSetup:
                 "the same samples, but dropout draws and BatchNorm statistics (per micro-batch) "
                 "differ from the uninterrupted run"))
 
+    def _check_resumed_dataset(self, saved: dict | None) -> None:
+        """Raise UsageError when the checkpoint's dataset fingerprint is not this run's: its
+        steps would continue over other samples. Older checkpoints carry none: accepted."""
+        if saved is not None and saved != self.dataset:
+            raise UsageError(f"cannot resume with a different dataset ({_describe(saved)} in the "
+                             f"checkpoint, {_describe(self.dataset)} now): resume with the same "
+                             "dataset, or start a new run with another --name")
+
     async def resume(self, engine, folder: str) -> str:
         """Load the newest usable checkpoint on `engine` (rank 0); returns its path. Skipped
-        files become warnings; a different global batch or seed is refused."""
+        files become warnings; a different global batch, seed or dataset is refused (run_cell
+        ran first: `self.dataset` is this run's)."""
         try:
             loaded = await self.calls.load_state(engine, folder)
         except Exception as e:
@@ -218,6 +227,7 @@ class CellSetup:
             raise UsageError("cannot resume with a different config (" + "; ".join(diffs) +
                              "): use the checkpoint's values, or start a new run with another "
                              "--name")
+        self._check_resumed_dataset(old.get("dataset"))
         self._warn_if_cut_otherwise(old)
         self.log.load(loaded["history"], loaded["progress"]["step"])
         return loaded["path"]

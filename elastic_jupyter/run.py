@@ -30,6 +30,9 @@ __all__ = ["TrainingRun", "RunSetupError", "CHECKPOINT_FOLDER", "describe_event"
 # Not "checkpoints": at a Jupyter server's root, /api/contents/checkpoints/<x> is routed to the
 # contents checkpoints API (405), so the file browser could not open the folder.
 CHECKPOINT_FOLDER = "elastic-checkpoints"
+# a folder unchanged for this long keeps its mtime until its next change: far above the file
+# systems' timestamp granularity (a clock tick), short beside the time between checkpoints
+LISTING_SETTLED_NS = 1_000_000_000
 
 
 class TrainingRun:
@@ -92,6 +95,7 @@ class TrainingRun:
         self._registration = None
         self._resumed_from = None
         self._folder_lock = None  # held from setup to the run's end (cellsetup.FolderLock)
+        self._listing: tuple[int, list] | None = None  # the checkpoints, by the folder's mtime
 
     # ---------------------------------------------------------------- what views read
 
@@ -155,8 +159,24 @@ class TrainingRun:
 
     @property
     def checkpoints(self) -> list[dict]:
-        """Checkpoint files of this run, oldest first: file, path, step, bytes, time."""
-        return ckpt.list_checkpoints(self.checkpoint_dir)
+        """Checkpoint files of this run, oldest first: file, path, step, bytes, time.
+
+        Views ask several times a second: the listing is read again only when the folder's
+        mtime changed (adding, pruning or renaming a file changes it). A change within the
+        file system's timestamp granularity of the listing may leave the mtime as it was, so
+        a listing is kept only once its folder has been quiet for LISTING_SETTLED_NS.
+        """
+        try:
+            stamp = os.stat(self.checkpoint_dir).st_mtime_ns
+        except OSError:  # not created yet
+            return []
+        cached = self._listing  # (stamp, list), one attribute: read by views' threads too
+        if cached is not None and cached[0] == stamp:
+            return list(cached[1])
+        listing = ckpt.list_checkpoints(self.checkpoint_dir)
+        if time.time_ns() - stamp > LISTING_SETTLED_NS:
+            self._listing = (stamp, listing)
+        return list(listing)
 
     def summary(self) -> str:
         """One-line text summary of the run (for plain-text front ends)."""

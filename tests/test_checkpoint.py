@@ -1,10 +1,13 @@
-"""Checkpoint files: atomic writes, the latest pointer, pruning, safe loading."""
+"""Checkpoint files: atomic writes, the latest pointer, pruning, safe loading, a run's
+listing (read again only when its folder changed)."""
 import os
 import pickle
 
 import pytest
 import torch
+from conftest import DIGITS_CELL
 
+from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import checkpoint as ckpt
 from elastic_jupyter.engine import state as state_mod
 
@@ -69,3 +72,42 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
         ckpt.write_checkpoint(str(tmp_path), bad, keep=3)
     assert ckpt.latest_checkpoint(str(tmp_path)).endswith("step-00000010.pt")
     assert sorted(os.listdir(tmp_path)) == ["latest.json", "step-00000010.json", "step-00000010.pt"]
+
+
+def test_a_runs_listing_is_read_again_only_when_its_folder_changes(idle_pool, tmp_path,
+                                                                    monkeypatch):
+    run = TrainingRun(idle_pool, RunConfig(name="listing", steps=10), source=DIGITS_CELL,
+                      workspace=str(tmp_path))
+    folder = run.checkpoint_dir
+    assert run.checkpoints == []  # no folder yet
+    os.makedirs(folder)
+    listed, listdir = [], os.listdir
+    monkeypatch.setattr(ckpt.os, "listdir", lambda path: listed.append(path) or listdir(path))
+
+    def steps():
+        return [c["step"] for c in run.checkpoints]
+
+    def settle():  # the folder as if its last change were a minute ago
+        st = os.stat(folder)
+        os.utime(folder, ns=(st.st_atime_ns, st.st_mtime_ns - 60 * 10**9))
+
+    def add(step):
+        with open(os.path.join(folder, ckpt.checkpoint_name(step)), "wb") as f:
+            f.write(b"x" * step)
+
+    add(10)
+    settle()
+    assert steps() == [10] and steps() == [10] and listed.count(folder) == 1
+    run.checkpoints.clear()  # a copy: the cached listing stays whole
+    assert steps() == [10] and listed.count(folder) == 1
+    add(20)
+    assert steps() == [10, 20]
+    settle()
+    os.unlink(os.path.join(folder, ckpt.checkpoint_name(10)))
+    assert steps() == [20] and run.checkpoints[0]["bytes"] == 20
+    # a change within the mtime's granularity leaves it as it was: a listing of a folder that
+    # changed just now is not kept
+    before = os.stat(folder)
+    add(30)
+    os.utime(folder, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert steps() == [20, 30]

@@ -232,6 +232,88 @@ def test_mixing_mean_over_and_plain_losses_is_refused():
         worker.train_step(0, 1, 0.0)
 
 
+# ------------------------------------------------------------------------- SyncBatchNorm, no items
+
+# PeerStatistics stands in for SyncBatchNorm (which runs only on CUDA): its backward is a
+# collective that every rank must join. Samples whose ITEMS flag is 0 hold no item.
+SYNC_CELL = '''
+import torch
+import torch.distributed as dist
+from elastic_jupyter import MeanOver
+backward_calls = []
+class PeerStatistics(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+    @staticmethod
+    def backward(ctx, grad):
+        joined = torch.ones(())
+        if dist.is_initialized():
+            dist.all_reduce(joined)
+            if int(joined) != dist.get_world_size():
+                raise RuntimeError(f"{int(joined)} ranks joined the backward's collective")
+        backward_calls.append(int(joined))
+        return grad
+g = torch.Generator().manual_seed(0)
+N = 32
+dataset = torch.utils.data.TensorDataset(torch.randn(N, 3, generator=g, dtype=torch.float64),
+                                         torch.randn(N, generator=g, dtype=torch.float64), ITEMS)
+model = torch.nn.Linear(3, 1).double()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.3)
+def loss_fn(model, batch):
+    x, y, items = batch
+    error = PeerStatistics.apply(model(x)).squeeze(-1) - y
+    count = items.sum()
+    return MeanOver((error ** 2 * items).sum() / DENOMINATOR, count)
+'''
+
+
+def _sync_cell(items: str, denominator: str = "count.clamp(min=1)") -> str:
+    return SYNC_CELL.replace("ITEMS", items).replace("DENOMINATOR", denominator)
+
+
+def _sync_worker(cell: str) -> tuple[Worker, dict]:
+    """A Worker of `cell` with sync_batchnorm on (its setup would refuse it on CPU)."""
+    ns = cell_namespace(cell, 3)
+    worker = Worker(ns, config(steps=1), "cpu")
+    worker.config["sync_batchnorm"] = True
+    return worker, ns
+
+
+def test_sync_batchnorm_runs_the_backward_of_a_pass_without_items():
+    worker, ns = _sync_worker(_sync_cell("torch.zeros(N)"))
+    loss, extras = worker._local_pass([(0, torch.arange(8)), (1, torch.arange(8, 16))], 16)
+    assert ns["backward_calls"] == [1]  # one pass: the rank's share at once
+    assert (loss, extras) == (0.0, [])
+    assert [p.grad for p in worker.model.parameters()] == [None, None]
+
+
+def test_sync_batchnorm_refuses_a_nan_loss_without_items():
+    worker, ns = _sync_worker(_sync_cell("torch.zeros(N)", denominator="count"))  # 0 / 0
+    with pytest.raises(ValueError) as refused:
+        worker.train_step(0, 1, 0.0)
+    assert str(refused.value) == (
+        "loss_fn returned a loss of nan with a MeanOver count of 0 at step 1: with "
+        "--sync-batchnorm every rank's pass takes part in SyncBatchNorm's backward, so loss_fn "
+        "must return a finite loss for a batch with no items (e.g. divide by "
+        "count.clamp(min=1))")
+    assert ns["backward_calls"] == []
+
+
+def test_sync_batchnorm_with_a_rank_without_items_matches_its_peers(tmp_path):
+    # rank 0's share of every step of the first epoch holds no item, rank 1's only items
+    plan, rank1 = BatchPlan(32, 16, 3, None, 1, 2), []
+    for position in (0, 16):
+        rank1 += [int(i) for _, part in plan.rank_micro_batches(plan.batch(0, position), 1, 2)
+                  for i in part]
+    cell = _sync_cell(f"torch.zeros(N).index_fill_(0, torch.tensor({rank1}), 1.0)")
+    cfg = config(pool_max_size=2, pass_cost=0.0, late={"sync_batchnorm": True})  # as SyncBN sets
+    expected = reference(cell, cfg, 2)
+    for rank in train(cell, cfg, 2, 2, tmp_path):
+        for k in expected.params:
+            assert torch.allclose(rank.params[k], expected.params[k], rtol=1e-10, atol=1e-12), k
+
+
 # ------------------------------------------------------------------------- all of it, on the pool
 
 REAL_MODEL_CELL = '''

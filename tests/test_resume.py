@@ -1,10 +1,16 @@
 """Resume: a run stopped after a checkpoint continues in a fresh pool of another size and ends
-with the parameters of an uninterrupted run."""
+with the parameters of an uninterrupted run; a resume whose cell builds another dataset is
+refused."""
+import hashlib
+import os
+import re
 import time
 
+import pytest
 import torch
+from conftest import DIGITS_CELL
 
-from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun, UsageError
 
 CELL = '''
 import time
@@ -57,3 +63,43 @@ def test_resume_in_another_pool_equals_an_uninterrupted_run(idle_pool, tmp_path)
     expected, got = whole.state_dict(), second.state_dict()
     for k in expected:
         assert torch.allclose(got[k], expected[k], rtol=1e-7, atol=1e-9), k
+
+
+def test_resume_with_another_dataset_is_refused(idle_pool, tmp_path):
+    config = RunConfig(name="redata", global_batch=64, steps=10, checkpoint_every=5)
+    first = TrainingRun(idle_pool, config, source=DIGITS_CELL, workspace=str(tmp_path)).start()
+    assert first.wait(timeout=120) == "finished", first.logs()
+    folder = first.checkpoint_dir
+    files = _checkpoint_files(folder)  # the checkpoints, their records and the pointer
+    assert [c["step"] for c in first.checkpoints] == [5, 10]
+
+    # the same number of samples, other values: only the fingerprint's hash differs
+    other = DIGITS_CELL.replace("/ 16", "/ 8")
+    refused = TrainingRun(idle_pool, RunConfig(name="redata", global_batch=64, steps=20),
+                          source=other, workspace=str(tmp_path), resume=True)
+    with pytest.raises(UsageError) as excinfo:
+        refused.start()
+    message = str(excinfo.value)
+    assert re.search(r"cannot resume with a different dataset \(1797 samples, items hash "
+                     r"[0-9a-f]{16} in the checkpoint, 1797 samples, items hash [0-9a-f]{16} "
+                     r"now\): resume with the same dataset, or start a new run with another "
+                     r"--name", message), message
+    assert idle_pool.run is None
+    assert _checkpoint_files(folder) == files
+
+    resumed = TrainingRun(idle_pool, RunConfig(name="redata", global_batch=64, steps=20,
+                                               checkpoint_every=0),
+                          source=DIGITS_CELL, workspace=str(tmp_path), resume=True)
+    assert resumed.start().wait(timeout=120) == "finished", resumed.logs()
+    assert resumed.history[0]["step"] == 1 and resumed.step == 20
+
+
+def _checkpoint_files(folder) -> dict:
+    """{name: sha256} of the folder's files but its lock (which each run's setup rewrites)."""
+    out = {}
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if os.path.isfile(path) and name != ".lock":
+            with open(path, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out

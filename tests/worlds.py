@@ -38,7 +38,8 @@ class Result:
 
 
 def config(**options) -> dict:
-    """A Worker config: B=16, seed 3, no checkpoints, plus `options`."""
+    """A Worker config: B=16, seed 3, no checkpoints, plus `options`; ``late={...}`` is set
+    on the config after the Worker's setup (sync_batchnorm, which its setup refuses on CPU)."""
     base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep": 1, "precision": None}
     return {**base, **options}
 
@@ -67,6 +68,7 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
     try:
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
+        worker.config.update(cfg.get("late", {}))  # options the setup refuses on CPU
         if worker.progress.pass_cost is None:  # as a generation does before the first step
             worker.calibrate(rank, world_size)
         for _ in range(steps):

@@ -125,7 +125,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     the cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines.
 
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset"}: "dataset" is
-    the dataset's fingerprint (engine.fingerprint), which the owner compares across engines.
+    the dataset's fingerprint (engine.fingerprint), which the owner compares across engines;
+    it is also kept in the worker's config as "dataset", so checkpoints record it.
     Raises SetupError (also when the training state holds a value no checkpoint could load,
     naming its key path) or the cell's own exception (the owner shows its traceback); the
     engine then holds no Worker.
@@ -148,6 +149,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
         except BaseException:
             _close(worker)
             raise
+    config["dataset"] = dataset  # the worker's config: checkpoints carry it, resumes check it
     _state.worker = w = worker
     return {"samples": len(w.dataset), "total_steps": config["total_steps"],
             "parameters": sum(p.numel() for p in w.model.parameters()),

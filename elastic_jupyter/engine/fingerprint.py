@@ -9,8 +9,10 @@ This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
+from collections.abc import Mapping
 
 import numpy as np
 import torch
@@ -23,7 +25,8 @@ SEED = 0  # random augmentations in __getitem__ draw the same on every engine
 def dataset_fingerprint(dataset) -> dict:
     """``{"samples": len(dataset), "hash": 16 hex digits}``: the hash covers items 0, n // 2
     and n - 1 (the bytes, dtypes and shapes of their tensors and arrays, their numbers and
-    strings). The items are read with every RNG seeded, and the RNG states are restored after.
+    strings, inside sequences, mappings and dataclasses). The items are read with every RNG
+    seeded, and the RNG states are restored after.
     """
     n = len(dataset)
     digest = hashlib.sha256(str(n).encode())
@@ -48,10 +51,14 @@ def _feed(digest, obj) -> None:
             obj = obj.to_dense()
         digest.update(f"tensor{obj.dtype}{tuple(obj.shape)}".encode())
         digest.update(obj.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):  # also a UserDict (a tokenizer's BatchEncoding)
         for key in sorted(obj, key=str):
             digest.update(str(key).encode())
             _feed(digest, obj[key])
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for field in dataclasses.fields(obj):
+            digest.update(field.name.encode())
+            _feed(digest, getattr(obj, field.name))
     elif isinstance(obj, (list, tuple)):
         digest.update(f"seq{len(obj)}".encode())
         for item in obj:

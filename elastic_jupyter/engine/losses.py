@@ -19,7 +19,8 @@ class MeanOver:
     Args:
         loss: scalar tensor, the mean over this batch's `count` items.
         count: how many items the mean is over (int, float or scalar tensor), >= 0. A batch
-            with count 0 adds nothing (its loss, NaN for an empty mean, is not used).
+            with count 0 adds nothing (its loss, NaN for an empty mean, is not used; with
+            --sync-batchnorm it must be finite, e.g. a sum divided by count.clamp(min=1)).
     """
 
     loss: torch.Tensor

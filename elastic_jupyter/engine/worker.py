@@ -345,10 +345,33 @@ class Worker:
                             "loss for others: return the same kind for every batch")
         self._step_count += count
         if not count:  # nothing to average: its loss (NaN for an empty mean) must not count
+            if self.config.get("sync_batchnorm"):
+                self._backward_for_peers(loss)
             return 0.0, dict.fromkeys(metrics, 0.0), 0.0
         weight = count / B
         self.precision.backward(loss * weight)
         return float(loss.detach()) * weight, metrics, weight
+
+    def _backward_for_peers(self, loss: torch.Tensor) -> None:
+        """With --sync-batchnorm, the backward of a pass whose MeanOver count is 0, at weight 0:
+        SyncBatchNorm's backward is a collective, and a rank that skipped it would leave its
+        peers waiting. The pass is this rank's only one of the step (its whole share in one
+        pass), so the zero gradients are dropped again: ``.grad`` stays None, as for a
+        parameter no pass used (engine.reduce). Tested on CPU with a stand-in for
+        SyncBatchNorm's collective (tests/test_gradients.py), not with SyncBatchNorm on GPUs.
+
+        Raises ValueError when `loss` is not finite: 0 * NaN is NaN, which SyncBatchNorm would
+        all-reduce into every rank's gradients.
+        """
+        if not bool(torch.isfinite(loss.detach()).all()):
+            raise ValueError(
+                f"loss_fn returned a loss of {float(loss.detach())} with a MeanOver count of 0 "
+                f"at step {self.progress.step + 1}: with --sync-batchnorm every rank's pass "
+                "takes part in SyncBatchNorm's backward, so loss_fn must return a finite loss "
+                "for a batch with no items (e.g. divide by count.clamp(min=1))")
+        self.precision.backward(loss * 0.0)
+        for p in self.model.parameters():
+            p.grad = None
 
     def _all_reduce(self, loss: float, extras: list[float], flag: float, B: int,
                     world_size: int) -> tuple[float, list, bool]:
