@@ -57,7 +57,8 @@ def test_resume_in_another_pool_equals_an_uninterrupted_run(idle_pool, tmp_path)
     assert [r["step"] for r in second.history] == list(range(1, STEPS + 1))
     # a pool of 1..3 instead of 1..4 cuts steps into other micro-batches: said, and harmless here
     cut = [e["message"] for e in second.events if e["kind"] == "warning"]
-    assert any("a pool of 1..4, this run cuts them for --micro-batch None, a pool of 1..3" in m
+    assert any("a pool of 1..4, this run cuts them for --micro-batch None, --pass-cost "
+               "measured, a pool of 1..3" in m
                for m in cut), cut
     assert {r["world_size"] for r in second.history if r["step"] > stopped_at} == {3}
     expected, got = whole.state_dict(), second.state_dict()
