@@ -282,9 +282,11 @@ def _sync_worker(cell: str) -> tuple[Worker, dict]:
 
 def test_sync_batchnorm_runs_the_backward_of_a_pass_without_items():
     worker, ns = _sync_worker(_sync_cell("torch.zeros(N)"))
-    loss, extras = worker._local_pass([(0, torch.arange(8)), (1, torch.arange(8, 16))], 16)
+    worker.reducer.begin_step()
+    loss, extras = worker._local_pass([(0, torch.arange(8)), (1, torch.arange(8, 16))], 16, 1)
     assert ns["backward_calls"] == [1]  # one pass: the rank's share at once
     assert (loss, extras) == (0.0, [])
+    worker.reducer.reduce([], 1)  # its pass added nothing: no parameter has a gradient
     assert [p.grad for p in worker.model.parameters()] == [None, None]
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .schedulers import step_lr_scheduler
+from .state_transfer import broadcast_state
 from .worker import Worker
 
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
@@ -97,6 +98,8 @@ class Generation:
                 with _out_of_memory_hint(w.config):
                     event = w.calibrate(self.rank, self.world_size)
                 self.events += [event] if event else []
+            # a newcomer's gradient buckets must be the survivors': rank 0's layout for all
+            w.reducer.sync_order(self.world_size)
             if w.commit_steps()[-1:] != [w.progress.step]:
                 w.commit()
             with _out_of_memory_hint(w.config):
@@ -111,12 +114,11 @@ class Generation:
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker
-        box = [w.capture() if self.rank == 0 else None]
-        device = w.device if w.device.type == "cuda" else None
+        live = w.capture(copy_tensors=False) if self.rank == 0 else None  # read, never kept
         with collective("state broadcast"):
-            dist.broadcast_object_list(box, src=0, device=device)
+            state = broadcast_state(live, self.rank, w.device)
         if receive:
-            w.restore(box[0])
+            w.restore(state)
 
     def _read_end_at(self, end_at):
         """Rank 0's read of the owner's request: one store round trip when nothing changed."""
@@ -141,6 +143,8 @@ class Generation:
                 want = self._read_end_at(end_at)
                 flag = 1.0 if want is not None and p.step + 1 >= want else 0.0
             record, leave = w.train_step(rank, world_size, flag)
+            if p.step == first_step + 1:  # gradient buckets in the order backward fills them
+                w.reducer.sync_order(world_size)
             if cfg.get("eval_every") and p.step % cfg["eval_every"] == 0 and p.step < cfg["total_steps"]:
                 record.update(w.evaluate(rank, world_size))
             if p.step >= cfg["total_steps"]:

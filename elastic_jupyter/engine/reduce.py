@@ -1,18 +1,33 @@
 """Summing gradients across the ranks of a generation, the way torch's DDP sums them.
 
-- Dense gradients go in one bucket per (device, dtype): a bf16 body and an fp32 head are each
-  reduced in their own dtype, and every parameter gets its gradient back in its own dtype.
+- Dense gradients live in flat buckets of at most BUCKET_BYTES per (device, dtype), the
+  parameters in reverse order (roughly the order backward produces their gradients): each
+  parameter's ``.grad`` is a view of its bucket, so backward accumulates into the bucket and a
+  bucket is all-reduced in place, with no copy of the gradients (DDP's
+  ``gradient_as_bucket_view``). A bf16 body and an fp32 head are each reduced in their own dtype.
+- The reduction overlaps the rank's last backward pass of the step: when every parameter of a
+  bucket has its gradient (a post-accumulate-grad hook per parameter says so), the bucket's
+  all-reduce starts while backward goes on. Buckets start strictly in index order on every
+  rank, so ranks issue the same collectives in the same order even when they produce gradients
+  in different orders; buckets still waiting when backward ends (a parameter this rank did not
+  use) start then. Buckets first follow the reverse order of the parameters; after a
+  generation's first step they are rebuilt once in the order rank 0's gradients became ready
+  (:meth:`GradReducer.sync_order`), with parameters it did not use last, so a layer the
+  forward skips does not hold back every bucket behind it. DDP rebuilds its buckets the same
+  way after its first iteration. This is DDP's reducer design (Li et al., "PyTorch Distributed: Experiences
+  on Accelerating Data Parallel Training", VLDB 2020); it is written here rather than wrapping
+  the model in DDP because a rank may run several micro-batches or none in a step, and DDP's
+  reducer needs a forward and backward on every rank.
 - Parameters of ``Embedding``/``EmbeddingBag`` layers with ``sparse=True`` get sparse gradients:
   their indices and values are gathered from every rank and summed as a sparse tensor. As in DDP,
   which parameters are sparse is decided once at setup, so every rank runs the same collectives
   even when some rank has no gradient for a parameter.
 - A parameter no rank produced a gradient for keeps ``.grad = None``, as in plain PyTorch (so an
-  optimizer does not decay it): a per-parameter "has a gradient" count is summed with the rest.
+  optimizer does not decay it): a per-parameter "has a gradient" count (from the hooks) is summed
+  with a few scalars of the step (the leave flag, the sample or item count, loss, extra metrics)
+  in one small float64 all-reduce after the buckets.
 
-A few scalars of the step (the leave flag, the sample or item count, loss, extra metrics) and the
-has-gradient counts ride in the float64 bucket, else the float32 one, so a plain model still
-reduces in one collective per step; a model with neither sends them in a float64 collective of
-their own. With one rank nothing is sent and the gradients stay exactly as backward left them.
+With one rank nothing is sent; the gradients are what backward accumulated.
 """
 from __future__ import annotations
 
@@ -20,6 +35,8 @@ import torch
 import torch.distributed as dist
 
 from .collective import collective
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb: big enough to amortise a collective
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
                     torch.complex64, torch.complex128)
@@ -46,18 +63,77 @@ def _check_layout(name: str, p: torch.Tensor) -> None:
                           "in one of them")
 
 
+class _Bucket:
+    """Parameters of one device and dtype whose gradients are views of one flat buffer."""
+
+    def __init__(self, params: list):
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype,
+                                device=params[0].device)
+        self.views = []  # (start, stop) of each parameter's gradient in `flat`
+        offset = 0
+        for p in params:
+            self.views.append((offset, offset + p.numel()))
+            offset += p.numel()
+        self.ready = 0  # parameters whose gradient of the last pass is in
+
+    def attach(self) -> None:
+        """Zero the buffer and make each parameter's ``.grad`` its view of it."""
+        self.flat.zero_()
+        self.ready = 0
+        for p, (start, stop) in zip(self.params, self.views):
+            p.grad = self.flat[start:stop].view_as(p)
+
+    def gather(self) -> None:
+        """Put gradients backward did not accumulate in place into the buffer (a gradient set
+        by the user's code, or one autograd replaced): the all-reduce reads the buffer."""
+        for p, (start, stop) in zip(self.params, self.views):
+            view = self.flat[start:stop]
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.is_sparse:
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                view.copy_(grad.reshape(-1))
+            p.grad = view.view_as(p)
+
+
+def _buckets(params: list, limit: int) -> list[_Bucket]:
+    """Buckets of at most `limit` bytes per (device, dtype), in the order of `params`."""
+    groups: dict = {}
+    for p in params:
+        groups.setdefault((p.device, p.dtype), []).append(p)
+    buckets = []
+    for group in groups.values():
+        current, used = [], 0
+        for p in group:
+            nbytes = p.numel() * p.element_size()
+            if current and used + nbytes > limit:
+                buckets.append(_Bucket(current))
+                current, used = [], 0
+            current.append(p)
+            used += nbytes
+        buckets.append(_Bucket(current))
+    return buckets
+
+
 class GradReducer:
-    """The reduction layout of one model: dense buckets per (device, dtype), sparse parameters.
+    """The reduction of one model's gradients: dense buckets, sparse parameters, usage.
+
+    Per step, on every rank of the generation: :meth:`begin_step` (instead of
+    ``optimizer.zero_grad``), the backward passes of the rank's micro-batches with
+    :meth:`last_pass` called before the last one's backward, then :meth:`reduce`.
 
     Args:
         model: the module whose trainable parameters (``requires_grad``) are reduced; build the
             reducer after the model reached its device.
         device: the rank's device; the scalars travel there.
+        bucket_bytes: the most bytes of gradients in one bucket.
     Raises:
         LayoutError: a parameter that is not dense or has a dtype outside SUPPORTED_DTYPES.
     """
 
-    def __init__(self, model: torch.nn.Module, device: torch.device):
+    def __init__(self, model: torch.nn.Module, device: torch.device,
+                 bucket_bytes: int = BUCKET_BYTES):
         self.device = device
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for name, p in named:
@@ -65,64 +141,131 @@ class GradReducer:
         sparse_ids = _sparse_parameters(model)
         self.params = [p for _, p in named]
         self.sparse = [p for p in self.params if id(p) in sparse_ids]
-        buckets: dict = {}
+        self._bucket_bytes = bucket_bytes
+        self._build([i for i in reversed(range(len(self.params)))
+                     if id(self.params[i]) not in sparse_ids])
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._ready_order: list[int] = []  # parameter indices, as the last pass produced them
+        self._used: set = set()  # ids of parameters that got a gradient this step
+        self._overlap = False  # in the last pass of a step with peers: start ready buckets
+        self._next = 0  # the next bucket to start; buckets start in index order only
+        self._works: list = []
         for p in self.params:
-            if id(p) not in sparse_ids:
-                buckets.setdefault((p.device, p.dtype), []).append(p)
-        self.buckets = list(buckets.values())
-        carriers = [i for dtype in (torch.float64, torch.float32)
-                    for i, b in enumerate(self.buckets)
-                    if b[0].dtype == dtype and b[0].device == device]
-        self._carrier = carriers[0] if carriers else None
+            p.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def _build(self, order: list[int]) -> None:
+        """Buckets of the dense parameters, in `order` (indices into ``self.params``)."""
+        self._order = order
+        self.buckets = _buckets([self.params[i] for i in order], self._bucket_bytes)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    @property
+    def started(self) -> int:
+        """Buckets whose all-reduce has started in this step (they start in index order)."""
+        return self._next
+
+    def sync_order(self, world_size: int) -> None:
+        """Rebuild the buckets in the order rank 0's gradients became ready in its last pass
+        (parameters it did not use last; without a pass yet, the reverse order of the
+        parameters). All ranks call it between the same two steps: at a generation's start,
+        where newcomers' buckets must match the survivors', and after its first step. With
+        one rank it does nothing. Raises PeerFailure when a peer fails meanwhile."""
+        if world_size == 1:
+            return
+        dense = set(self._order)
+        box = [[i for i in self._ready_order if i in dense]]
+        with collective("gradient bucket order"):
+            dist.broadcast_object_list(box, src=0)
+        seen = set(box[0])
+        order = box[0] + [i for i in reversed(range(len(self.params)))
+                          if i in dense and i not in seen]
+        if order != self._order:  # new buckets cost memory while the old gradients live
+            self._build(order)
+
+    def begin_step(self) -> None:
+        """Start a step: every dense gradient a zeroed view of its bucket, sparse ones None."""
+        # all-reduces a failed step left behind belong to a destroyed process group, whose
+        # destruction waited for them: nothing writes into the buckets any more
+        self._works = []
+        for bucket in self.buckets:
+            bucket.attach()
+        for p in self.sparse:
+            p.grad = None
+        self._used.clear()
+        self._overlap, self._next = False, 0
+
+    def last_pass(self, world_size: int) -> None:
+        """The rank's last backward of the step comes next: buckets start as they fill."""
+        self._overlap = world_size > 1
+        self._ready_order = []
+
+    def forget_pass(self) -> None:
+        """The backward that just ran, the step's only one, added nothing (a zero-weight
+        backward run so that collectives inside it match): its parameters count as unused."""
+        self._used.clear()
+
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        self._used.add(id(p))
+        bucket = self._bucket_of.get(id(p))
+        if not self._overlap or bucket is None:
+            return
+        self._ready_order.append(self._index[id(p)])
+        bucket.ready += 1
+        while self._next < len(self.buckets) and \
+                self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._start(self._next)
+
+    def flush(self, world_size: int) -> None:
+        """Start every bucket not started yet. Call it after the rank's backward passes and
+        before any other collective of the step: ranks start buckets during backward as their
+        gradients come in, so only then do all ranks have the same collectives in flight."""
+        self._overlap = False
+        if world_size > 1:
+            while self._next < len(self.buckets):
+                self._start(self._next)
+
+    def _start(self, index: int) -> None:
+        bucket = self.buckets[index]
+        bucket.gather()
+        with collective("gradient all-reduce"):
+            self._works.append(dist.all_reduce(bucket.flat, async_op=True))
+        self._next = index + 1
+
 
     def reduce(self, scalars: list[float], world_size: int) -> list[float]:
         """Sum every rank's gradients into each parameter's ``.grad``, and `scalars`.
 
-        All ranks of the current process group call it with the same number of scalars.
-        Returns the summed scalars. Raises PeerFailure when a peer fails meanwhile.
+        All ranks of the current process group call it after their backward passes, with the
+        same number of scalars. Returns the summed scalars. Raises PeerFailure when a peer
+        fails meanwhile.
         """
+        self._overlap = False
         if world_size == 1:
+            for bucket in self.buckets:
+                bucket.gather()
+            self._drop_unused(self._used)
             return list(scalars)
-        has_grad = [float(p.grad is not None) for p in self.params]
-        tail = torch.tensor([*scalars, *has_grad], device=self.device,
-                            dtype=torch.float64 if self._carrier is None
-                            else self.buckets[self._carrier][0].dtype)
-        flats = [self._flatten(b, tail if i == self._carrier else None)
-                 for i, b in enumerate(self.buckets)]
+        self.flush(world_size)
+        tail = torch.tensor([*scalars, *(float(id(p) in self._used) for p in self.params)],
+                            dtype=torch.float64, device=self.device)
         # the first host read is inside too: with nccl a peer's failure can surface there
         with collective("gradient all-reduce"):
-            for flat in flats:
-                dist.all_reduce(flat)
-            if self._carrier is None:
-                dist.all_reduce(tail)
-            if self._carrier is not None:
-                tail = flats[self._carrier][-len(tail):]
+            dist.all_reduce(tail)
+            works, self._works = self._works, []
+            for work in works:
+                work.wait()
             summed = tail.tolist()
         used = {id(p) for p, n in zip(self.params, summed[len(scalars):]) if n > 0}
-        for bucket, flat in zip(self.buckets, flats):
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p) if id(p) in used else None
-                offset += n
+        self._drop_unused(used)
         self._reduce_sparse(world_size, used)
         return summed[:len(scalars)]
 
-    @staticmethod
-    def _flatten(bucket: list, tail: torch.Tensor | None) -> torch.Tensor:
-        """One buffer: each parameter's local gradient (zeros where it has none), then `tail`."""
-        sizes = [p.numel() for p in bucket]
-        flat = torch.zeros(sum(sizes) + (len(tail) if tail is not None else 0),
-                           dtype=bucket[0].dtype, device=bucket[0].device)
-        offset = 0
-        for p, n in zip(bucket, sizes):
-            if p.grad is not None:  # a sparse gradient on a dense parameter is summed densely
-                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                flat[offset:offset + n].copy_(grad.reshape(-1))
-            offset += n
-        if tail is not None:
-            flat[offset:].copy_(tail)
-        return flat
+    def _drop_unused(self, used: set) -> None:
+        """``.grad = None`` for the dense parameters no rank produced a gradient for."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                if id(p) not in used:
+                    p.grad = None
 
     def _reduce_sparse(self, world_size: int, used: set) -> None:
         """Gather the sparse gradients' indices and values from every rank and sum them."""

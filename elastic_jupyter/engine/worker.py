@@ -169,9 +169,12 @@ class Worker:
 
     # state -------------------------------------------------------------------------------------
 
-    def capture(self) -> dict:
+    def capture(self, copy_tensors: bool = True) -> dict:
+        """The training state as plain data (engine.state); ``copy_tensors=False`` gives the
+        live tensors, for a reader done before training goes on."""
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                 self.history, self.config, grad_scaler=self.precision.scaler)
+                                 self.history, self.config, copy_tensors=copy_tensors,
+                                 grad_scaler=self.precision.scaler)
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (a broadcast or a checkpoint): commits of the run before are
@@ -286,31 +289,38 @@ class Worker:
 
     # one optimizer step ----------------------------------------------------------------------
 
-    def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int):
+    def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int,
+                            world_size: int):
         """Yield the sample indices of each of this rank's micro-batches (index, indices) of a
-        batch of `B` samples; the caller's loop body runs inside that micro-batch's random
-        stream with its BatchNorm statistics recorded. After the last one, the running
-        statistics are combined across ranks (a collective: every rank's loop must end). An
-        exception in the loop body closes this generator as it leaves the caller (CPython frees
-        the loop's iterator), which restores the outer RNG state and the layers' momenta."""
+        batch of `B` samples; the caller's loop body (forward and backward) runs inside that
+        micro-batch's random stream with its BatchNorm statistics recorded, and the last one's
+        backward starts the gradients' all-reduce as buckets fill (engine.reduce). After the
+        last one, the remaining buckets start and the running statistics are combined across
+        ranks (collectives: every rank's loop must end). An exception in the loop body closes
+        this generator as it leaves the caller (CPython frees the loop's iterator), which
+        restores the outer RNG state and the layers' momenta."""
         if self.config.get("sync_batchnorm") and parts:
             # SyncBatchNorm's statistics span what every rank forwards at once: one pass over
             # the rank's whole share gives the global batch (and no rank waits on another)
             parts = [(parts[0][0], torch.cat([chunk for _, chunk in parts]))]
         self.running_stats.begin()
-        for index, chunk in parts:
+        for n, (index, chunk) in enumerate(parts):
+            if n == len(parts) - 1:
+                self.reducer.last_pass(world_size)
             with micro_batch_stream(self.config["seed"], self.progress.step, index, self.device), \
                     self.running_stats.micro_batch(index):
                 yield chunk
+        # ranks start buckets at different moments: all of them, before any other collective
+        self.reducer.flush(world_size)
         self.running_stats.combine(self.plan.micro_batch_count(B))
 
-    def _local_pass(self, parts: list[tuple[int, torch.Tensor]],
-                    B: int) -> tuple[float, list[float]]:
+    def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int,
+                    world_size: int) -> tuple[float, list[float]]:
         """Forward and backward over this rank's micro-batches (index, sample indices) of a
         batch of `B` samples; returns (loss, extra metrics), each already weighted by the
         micro-batches' fraction of the batch."""
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
-        for chunk in self._micro_batch_passes(parts, B):
+        for chunk in self._micro_batch_passes(parts, B, world_size):
             batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
             fault_point("forward", self)
             with self._sync_batchnorm_collectives():
@@ -356,8 +366,8 @@ class Worker:
         """With --sync-batchnorm, the backward of a pass whose MeanOver count is 0, at weight 0:
         SyncBatchNorm's backward is a collective, and a rank that skipped it would leave its
         peers waiting. The pass is this rank's only one of the step (its whole share in one
-        pass), so the zero gradients are dropped again: ``.grad`` stays None, as for a
-        parameter no pass used (engine.reduce). Tested on CPU with a stand-in for
+        pass), so its parameters count as unused: a parameter no other rank has a gradient for
+        ends with ``.grad`` None (engine.reduce). Tested on CPU with a stand-in for
         SyncBatchNorm's collective (tests/test_gradients.py), not with SyncBatchNorm on GPUs.
 
         Raises ValueError when `loss` is not finite: 0 * NaN is NaN, which SyncBatchNorm would
@@ -370,8 +380,7 @@ class Worker:
                 "takes part in SyncBatchNorm's backward, so loss_fn must return a finite loss "
                 "for a batch with no items (e.g. divide by count.clamp(min=1))")
         self.precision.backward(loss * 0.0)
-        for p in self.model.parameters():
-            p.grad = None
+        self.reducer.forget_pass()
 
     def _all_reduce(self, loss: float, extras: list[float], flag: float, B: int,
                     world_size: int) -> tuple[float, list, bool]:
@@ -401,10 +410,10 @@ class Worker:
         t0 = time.perf_counter()
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.reducer.begin_step()  # zeroed gradients: views of the reduction's buckets
         self._step_count = 0.0
         parts = self.plan.rank_micro_batches(batch, rank, world_size)
-        loss, extras = self._local_pass(parts, len(batch))
+        loss, extras = self._local_pass(parts, len(batch), world_size)
         fault_point("allreduce", self)
         loss, extras, leave = self._all_reduce(loss, extras, leave_flag, len(batch), world_size)
         lr = self.optimizer.param_groups[0]["lr"]

@@ -1,0 +1,98 @@
+"""The state broadcast of a generation's start (engine.state_transfer), on a real gloo group of
+3 processes: every receiver ends with rank 0's state, bit for bit, whatever the bucket size."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from elastic_jupyter.engine import state as state_mod
+from elastic_jupyter.engine import state_transfer
+from elastic_jupyter.engine.state_transfer import broadcast_state, plan_buckets
+
+
+def _objects(seed: int):
+    """A model of several dtypes (float32, bfloat16, BatchNorm's int64 counter, a bool buffer)
+    and an Adam with state (a numpy learning rate) after one step, all drawn from `seed`."""
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5),
+                                torch.nn.Linear(5, 3).to(torch.bfloat16))
+    model.register_buffer("mask", torch.rand(4) > 0.5)
+    optimizer = torch.optim.Adam(model.parameters(), lr=np.float64(1e-3) * (seed + 1))
+    out = model[2](model[1](model[0](torch.randn(8, 6))).to(torch.bfloat16))
+    out.float().pow(2).mean().backward()
+    optimizer.step()
+    # a Counter in the state (milestones, one of them twice): a dict whose update() adds
+    scheduler = torch.optim.lr_scheduler.MultiStepLR(optimizer, [3, 3, 5 + seed])
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def _capture(objects, step: int, copy_tensors: bool = False) -> dict:
+    return state_mod.capture(*objects, state_mod.Progress(step=step), [], {},
+                             copy_tensors=copy_tensors)
+
+
+def _rank(rank: int, store_path: str, bucket_bytes: int, out: str) -> None:
+    state_transfer.BUCKET_BYTES = bucket_bytes
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+    try:
+        random.seed(rank)
+        objects = _objects(seed=rank)  # receivers start from other values
+        model, optimizer, _ = objects
+        state = broadcast_state(_capture(objects, 7) if rank == 0 else None, rank,
+                                torch.device("cpu"))
+        if rank:
+            state_mod.restore(state, *objects)
+        del state
+        # the optimizer keeps its received tensors: their storages must hold nothing else
+        held = [t for s in optimizer.state.values() for t in s.values()]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+        extra = sum(storages.values()) - sum(t.numel() * t.element_size() for t in held)
+        torch.save((_capture(objects, 7, copy_tensors=True), extra), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_same(a, b, path="state"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.mark.parametrize("bucket_bytes", [256 * 2**20, 64])
+def test_receivers_get_rank0s_state(tmp_path, bucket_bytes):
+    mp.spawn(_rank, args=(str(tmp_path / "store"), bucket_bytes, str(tmp_path)), nprocs=3)
+    (sent, _), *received = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+                            for r in range(3)]
+    assert not torch.equal(_objects(1)[0][0].weight, _objects(0)[0][0].weight)  # differed
+    assert sent["optimizer"]["state"] and sent["numpy_types"]  # Adam moments, a numpy lr
+    assert sent["lr_scheduler"]["milestones"] == {3: 2, 5: 1}
+    for state, extra_bytes in received:  # RNG states included: restored from rank 0's
+        _assert_same(state, sent)
+        assert extra_bytes == 0  # no model bytes kept alive beside the optimizer's
+
+
+def test_buckets_keep_sections_and_dtypes_apart_and_stay_small():
+    f32, b16 = torch.float32, torch.bfloat16
+    meta = [("model", f32, "cpu", (10,)), ("model", b16, "cpu", (4,)),
+            ("optimizer", f32, "cpu", (10,)), ("model", f32, "cpu", (30,)),
+            ("model", f32, "cuda", (2,)), ("model", f32, "cpu", (3,))]
+    original = state_transfer.BUCKET_BYTES
+    state_transfer.BUCKET_BYTES = 100  # 25 float32 values
+    try:
+        assert plan_buckets(meta) == [[0], [3], [5], [1], [2], [4]]
+    finally:
+        state_transfer.BUCKET_BYTES = original
+    assert plan_buckets(meta) == [[0, 3, 5], [1], [2], [4]]
