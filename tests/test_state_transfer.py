@@ -36,7 +36,7 @@ def _capture(objects, step: int, copy_tensors: bool = False) -> dict:
 
 
 def _rank(rank: int, store_path: str, bucket_bytes: int, out: str) -> None:
-    state_transfer.BUCKET_BYTES = bucket_bytes
+    state_transfer.BUCKET_BYTES = state_transfer.DIRECT_BYTES = bucket_bytes
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
     try:
         random.seed(rank)
@@ -71,7 +71,7 @@ def _assert_same(a, b, path="state"):
         assert a == b, path
 
 
-@pytest.mark.parametrize("bucket_bytes", [256 * 2**20, 64])
+@pytest.mark.parametrize("bucket_bytes", [16 * 2**20, 64])  # 64: most tensors sent alone
 def test_receivers_get_rank0s_state(tmp_path, bucket_bytes):
     mp.spawn(_rank, args=(str(tmp_path / "store"), bucket_bytes, str(tmp_path)), nprocs=3)
     (sent, _), *received = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
@@ -89,10 +89,12 @@ def test_buckets_keep_sections_and_dtypes_apart_and_stay_small():
     meta = [("model", f32, "cpu", (10,)), ("model", b16, "cpu", (4,)),
             ("optimizer", f32, "cpu", (10,)), ("model", f32, "cpu", (30,)),
             ("model", f32, "cuda", (2,)), ("model", f32, "cpu", (3,))]
-    original = state_transfer.BUCKET_BYTES
+    original = state_transfer.BUCKET_BYTES, state_transfer.DIRECT_BYTES
     state_transfer.BUCKET_BYTES = 100  # 25 float32 values
     try:
         assert plan_buckets(meta) == [[0], [3], [5], [1], [2], [4]]
+        state_transfer.DIRECT_BYTES = 100  # tensor 3 (120 bytes) travels alone, first
+        assert plan_buckets(meta) == [[3], [0, 5], [1], [2], [4]]
     finally:
-        state_transfer.BUCKET_BYTES = original
+        state_transfer.BUCKET_BYTES, state_transfer.DIRECT_BYTES = original
     assert plan_buckets(meta) == [[0, 3, 5], [1], [2], [4]]

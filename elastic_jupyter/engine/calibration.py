@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 MAX_PASS_COST = 4096.0  # a pass that costs no more with more samples: as good as infinite
-REPEATS = 3  # timed passes per size; the fastest counts (noise only ever adds time)
+REPEATS = 2  # timed passes per size; the fastest counts (noise only ever adds time)
 
 
 def measure_pass_cost(run_pass: Callable[[int], None], small: int, large: int,

@@ -3,9 +3,9 @@
 A generation is a fixed membership with ranks 0..W-1 and its own torch.distributed process
 group. The loop runs until the run ends or every rank agrees to leave after the same step:
 rank 0 reads the owner's request from the rendezvous store and the flag rides along in the
-gradient all-reduce (one extra element, see Worker.train_step), so agreement costs no extra
-round trip. The model and optimizer stay in the engine's Worker between generations; newcomers
-get them by broadcast from rank 0, the oldest survivor.
+step's all-reduce of its scalars (one extra element, see Worker.train_step), so agreement costs
+no extra round trip. The model and optimizer stay in the engine's Worker between generations;
+newcomers get them from rank 0, the oldest survivor (engine.state_transfer).
 
 This module imports nothing from IPython or the UI: it runs the same way from a script.
 """

@@ -4,15 +4,17 @@
 every byte, the bytes travel, every receiver unpickles them, and the pickle of a large model is a
 second copy of it in memory on both sides. Here rank 0 (the generation's oldest survivor) sends
 the state's structure once, pickled, with each tensor replaced by its index (a few kB whatever
-the model's size), and then the tensors themselves: grouped by section, dtype and device,
-concatenated into flat buckets of at most :data:`BUCKET_BYTES` and sent with one
-``dist.broadcast`` each, which moves the bytes at the backend's full speed. torch's DDP
-broadcasts parameters in flat buckets in the same way when it wraps a model (its
+the model's size), and then the tensors themselves, each with ``dist.broadcast`` (which moves
+the bytes at the backend's full speed): a tensor of 1 MiB or more as it is, without a copy;
+smaller ones (biases, norms, step counters) concatenated into flat buckets of one section, dtype
+and device, so a model's hundreds of small tensors cost a few broadcasts. The broadcasts are
+issued asynchronously, so a bucket's copy on the sender overlaps the previous one's transfer.
+torch's DDP broadcasts parameters in flat buckets in the same way when it wraps a model (its
 ``_sync_module_states``).
 
 Sections keep memory as DDP's: the model's tensors are copied into the parameters when the state
-is loaded and their buckets freed, while the optimizer's tensors (Adam's moments, twice the
-model) are kept by the optimizer as loaded, as views of buckets that hold nothing else.
+is loaded and their buffers freed, while the optimizer's tensors (Adam's moments, twice the
+model) are kept by the optimizer as loaded, in buffers that hold nothing else.
 
 This module imports nothing from IPython or the UI.
 """
@@ -23,7 +25,8 @@ import copy
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 256 * 2**20  # a bucket is one broadcast, and one extra copy on the sender
+DIRECT_BYTES = 2**20  # a tensor this large travels alone, as it is: no copy on the sender
+BUCKET_BYTES = 16 * 2**20  # smaller tensors, copied together: one broadcast per bucket
 SECTIONS = ("model", "optimizer")  # the state's parts with their own buckets; the rest share
 
 
@@ -72,17 +75,20 @@ def _fill(obj, tensors: list):
 
 def plan_buckets(meta: list) -> list[list[int]]:
     """Tensor indices per bucket, from ``meta`` ((section, dtype, device type, shape) per
-    tensor): tensors of one section, dtype and device type in order, at most BUCKET_BYTES a
-    bucket (a larger tensor gets a bucket of its own). Every rank computes the same plan."""
+    tensor): a tensor of DIRECT_BYTES or more alone (it is sent as it is, without a copy);
+    smaller ones of one section, dtype and device type together in order, at most BUCKET_BYTES
+    a bucket. Every rank computes the same plan."""
     groups: dict = {}
-    for index, (section, dtype, device_type, _) in enumerate(meta):
-        groups.setdefault((section, dtype, device_type), []).append(index)
     buckets = []
+    for index, (section, dtype, device_type, shape) in enumerate(meta):
+        if _numel(shape) * _element_size(dtype) >= DIRECT_BYTES:
+            buckets.append([index])
+        else:
+            groups.setdefault((section, dtype, device_type), []).append(index)
     for (_, dtype, _), indices in groups.items():
-        size = torch.empty((), dtype=dtype).element_size()
         current, used = [], 0
         for index in indices:
-            nbytes = _numel(meta[index][3]) * size
+            nbytes = _numel(meta[index][3]) * _element_size(dtype)
             if current and used + nbytes > BUCKET_BYTES:
                 buckets.append(current)
                 current, used = [], 0
@@ -90,6 +96,10 @@ def plan_buckets(meta: list) -> list[list[int]]:
             used += nbytes
         buckets.append(current)
     return buckets
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def _numel(shape) -> int:
@@ -119,17 +129,19 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict
     dist.broadcast_object_list(box, src=0, device=via if nccl else None)
     skeleton, meta = box[0]
     received: list = [None] * len(meta)
+    in_flight = []  # (work, bucket, buffer): broadcasts overlap the next bucket's copy
     for bucket in plan_buckets(meta):
-        dtype = meta[bucket[0]][1]
         if rank == 0:
-            flat = torch.cat([tensors[i][1].detach().reshape(-1).to(via) for i in bucket])
+            parts = [tensors[i][1].detach().reshape(-1).to(via) for i in bucket]
+            flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # one tensor: no copy
         else:
-            flat = torch.empty(sum(_numel(meta[i][3]) for i in bucket), dtype=dtype, device=via)
-        dist.broadcast(flat, src=0)
+            flat = torch.empty(sum(_numel(meta[i][3]) for i in bucket), dtype=meta[bucket[0]][1],
+                               device=via)
+        in_flight.append((dist.broadcast(flat, src=0, async_op=True), bucket, flat))
+    for work, bucket, flat in in_flight:
+        work.wait()
         if rank != 0:
-            parts = flat.split([_numel(meta[i][3]) for i in bucket])
-            for index, part in zip(bucket, parts):
+            for index, part in zip(bucket, flat.split([_numel(meta[i][3]) for i in bucket])):
                 target = device if meta[index][2] == "cuda" else torch.device("cpu")
                 received[index] = part.view(meta[index][3]).to(target)
-        del flat
     return state if rank == 0 else _fill(skeleton, received)

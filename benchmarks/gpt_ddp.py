@@ -1,0 +1,66 @@
+"""torchrun worker for the DDP side of benchmarks/gpt_throughput.py.
+
+Launched as ``python -m torch.distributed.run --standalone --nproc_per_node 2 gpt_ddp.py
+--size 50M --seq-len 64 --global-batch 8 --warmup 3 --steps 20``. It executes the same cell
+the elastic run executes (benchmarks/gpt.py ``cell``), wraps the model in
+DistributedDataParallel (gloo) and reads its share of each step through a DistributedSampler
+and a DataLoader (num_workers 0). Rank 0 prints one JSON line: samples/s over the timed steps,
+and every rank's peak resident memory (VmHWM, bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+import gpt
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--size", choices=list(gpt.SIZES), required=True)
+    parser.add_argument("--seq-len", type=int, required=True)
+    parser.add_argument("--global-batch", type=int, required=True)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # as the engines do
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(args.seed)
+    objects = {"__name__": "__ddp_cell__"}
+    exec(compile(gpt.cell(args.size, args.seq_len), "<gpt cell>", "exec"), objects)
+    model = DistributedDataParallel(objects["model"])
+    sampler = DistributedSampler(objects["dataset"], num_replicas=world, rank=rank,
+                                 seed=args.seed)
+    loader = iter(DataLoader(objects["dataset"], batch_size=args.global_batch // world,
+                             sampler=sampler, num_workers=0))
+    optimizer, loss_fn = objects["optimizer"], objects["loss_fn"]
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            dist.barrier()
+            start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model, next(loader)).backward()
+        optimizer.step()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    peaks = [None] * world
+    dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    if rank == 0:
+        print(json.dumps({"samples_per_s": args.steps * args.global_batch / seconds,
+                          "peak_rss": peaks, "parameters": gpt.parameters(args.size)}),
+              flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
