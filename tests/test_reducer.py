@@ -90,3 +90,20 @@ def test_buckets_start_during_backward_and_sum_every_rank(tmp_path):
                 tolerance = 1e-2 if name.startswith("low") else 1e-12
                 assert torch.allclose(got[name], grad, rtol=tolerance, atol=tolerance), name
         assert got["rank1_head.weight"].abs().sum() > 0  # rank 1's alone, summed in
+
+
+def test_a_closed_reducer_lets_go_of_the_model():
+    """A model that outlives its run (a pushed notebook variable) holds no reducer after it."""
+    import gc
+    import weakref
+    model = torch.nn.Linear(3, 1)
+    reducer = GradReducer(model, torch.device("cpu"))
+    reducer.begin_step()
+    model(torch.ones(2, 3)).sum().backward()
+    assert reducer.reduce([], 1) == [] and model.weight.grad is not None
+    gone = weakref.ref(reducer)
+    reducer.close()
+    del reducer
+    gc.collect()
+    assert gone() is None
+    model(torch.ones(2, 3)).sum().backward()  # plain PyTorch again: no hook left to call

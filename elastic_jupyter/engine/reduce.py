@@ -150,8 +150,15 @@ class GradReducer:
         self._overlap = False  # in the last pass of a step with peers: start ready buckets
         self._next = 0  # the next bucket to start; buckets start in index order only
         self._works: list = []
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._on_gradient)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient)
+                       for p in self.params]
+
+    def close(self) -> None:
+        """Remove the hooks from the parameters: a model that outlives its run (a notebook
+        variable pushed to the engines) must not keep this reducer's buckets alive."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def _build(self, order: list[int]) -> None:
         """Buckets of the dense parameters, in `order` (indices into ``self.params``)."""
