@@ -8,7 +8,7 @@ import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import calibration
-from elastic_jupyter.engine.worker import Worker
+from elastic_jupyter.engine.worker import SetupError, Worker
 
 from worlds import cell_namespace, config, train
 
@@ -101,3 +101,38 @@ def test_a_run_measures_once_and_a_resume_keeps_the_cut(idle_pool, tmp_path):
     assert not [e for e in resumed.events if e["kind"] == "micro_batches"]
     saved = torch.load(resumed.checkpoints[-1]["path"], weights_only=True)
     assert saved["progress"]["step"] == 8 and saved["progress"]["pass_cost"] == cut["pass_cost"]
+
+
+def test_a_long_pass_means_samples_dominate():
+    sizes = []
+
+    def run_pass(size):
+        sizes.append(size)
+        time.sleep(calibration.LONG_PASS_S if size == 16 else 0.0)
+
+    assert calibration.measure_pass_cost(run_pass, 2, 16) == 0.0
+    assert sizes == [2, 16]  # no timed passes after a long one
+
+
+BATCHNORM_CELL = '''
+import torch
+dataset = torch.utils.data.TensorDataset(torch.randn(44, 4), torch.randn(44, 1))
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
+'''
+
+
+def test_a_pass_cost_that_cuts_batchnorm_too_fine_is_refused():
+    """22 samples capped at 2 a micro-batch on 1..2 ranks: 11 micro-batches of 2 with a free
+    pass, but 12 (some of 1 sample) with a pass costing 1: BatchNorm cannot train on those."""
+    worker = Worker(cell_namespace(BATCHNORM_CELL, 3),
+                    config(global_batch=22, micro_batch=2, steps=1, pool_min_size=1,
+                           pool_max_size=2, pass_cost=0.0), "cpu")
+    state = worker.capture()
+    state["progress"]["pass_cost"] = 1.0
+    worker.config["pass_cost"] = None  # as a resumed run that measured its cost
+    with pytest.raises(SetupError, match="at least 2 samples per micro-batch"):
+        worker.restore(state)

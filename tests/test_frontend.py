@@ -36,7 +36,9 @@ def test_widget_bundle_is_self_contained():
 def test_pip_install_enabled_both_extensions():
     labext = subprocess.run([BIN / "jupyter", "labextension", "list"], capture_output=True,
                             text=True, timeout=120)
-    line = next(l for l in (labext.stdout + labext.stderr).splitlines() if "elastic-jupyter" in l)
+    # the extension's own line, not a folder's: the checkout may itself be named elastic-jupyter
+    line = next(l for l in (labext.stdout + labext.stderr).splitlines()
+                if re.match(r"\s+elastic-jupyter\s+v", l))
     assert "enabled" in line and "OK" in line, line
     server = subprocess.run([BIN / "jupyter", "server", "extension", "list"], capture_output=True,
                             text=True, timeout=120)

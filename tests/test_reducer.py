@@ -44,7 +44,7 @@ def _rank(rank: int, store: str, out: str) -> None:
         for step in range(2):  # the second step runs in buckets rebuilt in rank 0's order
             reducer.begin_step()
             _backward(model, rank, 0)
-            reducer.last_pass(3)
+            reducer.last_pass(True)
             _backward(model, rank, 1)
             started.append(reducer.started)
             summed = reducer.reduce([float(rank)], 3)
@@ -107,3 +107,27 @@ def test_a_closed_reducer_lets_go_of_the_model():
     gc.collect()
     assert gone() is None
     model(torch.ones(2, 3)).sum().backward()  # plain PyTorch again: no hook left to call
+
+
+def _checkpointed_step(reentrant: bool) -> GradReducer:
+    """One step of a model whose shared layer runs in two checkpointed segments."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    shared, head = torch.nn.Linear(3, 3), torch.nn.Linear(3, 1)
+    model = torch.nn.ModuleList([shared, head])
+    reducer = GradReducer(model, torch.device("cpu"))
+    reducer.begin_step()
+    reducer.last_pass(True)
+    x = torch.ones(2, 3, requires_grad=True)
+    h = checkpoint(shared, x, use_reentrant=reentrant)
+    h = checkpoint(shared, h, use_reentrant=reentrant)
+    head(h).sum().backward()
+    reducer.reduce([], 1)
+    return reducer
+
+
+def test_a_gradient_that_comes_twice_in_one_backward_turns_overlap_off():
+    """Reentrant checkpointing runs the shared layer's backward twice: a bucket started after
+    the first would carry half its gradient, so buckets then start only after backward."""
+    assert _checkpointed_step(reentrant=True).overlaps is False
+    assert _checkpointed_step(reentrant=False).overlaps is True

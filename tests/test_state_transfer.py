@@ -20,6 +20,12 @@ def _objects(seed: int):
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5),
                                 torch.nn.Linear(5, 3).to(torch.bfloat16))
     model.register_buffer("mask", torch.rand(4) > 0.5)
+    # dtypes gloo cannot send, a strided view, an empty and a 0-dim tensor
+    model.register_buffer("counts", torch.arange(5, dtype=torch.int16) * (seed + 1))
+    model.register_buffer("ids", torch.tensor([1 + seed, 2, 3], dtype=torch.uint32))
+    model.register_buffer("every_other", torch.arange(8.0)[::2] * (seed + 1))
+    model.register_buffer("nothing", torch.empty(0, 3))
+    model.register_buffer("scale", torch.tensor(2.0 + seed))
     optimizer = torch.optim.Adam(model.parameters(), lr=np.float64(1e-3) * (seed + 1))
     out = model[2](model[1](model[0](torch.randn(8, 6))).to(torch.bfloat16))
     out.float().pow(2).mean().backward()
@@ -84,17 +90,18 @@ def test_receivers_get_rank0s_state(tmp_path, bucket_bytes):
         assert extra_bytes == 0  # no model bytes kept alive beside the optimizer's
 
 
-def test_buckets_keep_sections_and_dtypes_apart_and_stay_small():
+def test_buckets_keep_sections_and_devices_apart_and_stay_small():
     f32, b16 = torch.float32, torch.bfloat16
     meta = [("model", f32, "cpu", (10,)), ("model", b16, "cpu", (4,)),
             ("optimizer", f32, "cpu", (10,)), ("model", f32, "cpu", (30,)),
             ("model", f32, "cuda", (2,)), ("model", f32, "cpu", (3,))]
+    # (tensor, byte offset): offsets aligned to 16 bytes, dtypes mixed in a bucket
+    assert plan_buckets(meta) == [[(0, 0), (1, 48), (3, 64), (5, 192)], [(2, 0)], [(4, 0)]]
     original = state_transfer.BUCKET_BYTES, state_transfer.DIRECT_BYTES
-    state_transfer.BUCKET_BYTES = 100  # 25 float32 values
+    state_transfer.BUCKET_BYTES = 100
     try:
-        assert plan_buckets(meta) == [[0], [3], [5], [1], [2], [4]]
+        assert plan_buckets(meta) == [[(0, 0), (1, 48)], [(3, 0)], [(5, 0)], [(2, 0)], [(4, 0)]]
         state_transfer.DIRECT_BYTES = 100  # tensor 3 (120 bytes) travels alone, first
-        assert plan_buckets(meta) == [[3], [0, 5], [1], [2], [4]]
+        assert plan_buckets(meta) == [[(3, 0)], [(0, 0), (1, 48), (5, 64)], [(2, 0)], [(4, 0)]]
     finally:
         state_transfer.BUCKET_BYTES, state_transfer.DIRECT_BYTES = original
-    assert plan_buckets(meta) == [[0, 3, 5], [1], [2], [4]]

@@ -75,12 +75,12 @@ class _Bucket:
         for p in params:
             self.views.append((offset, offset + p.numel()))
             offset += p.numel()
-        self.ready = 0  # parameters whose gradient of the last pass is in
+        self.ready: set = set()  # ids of the parameters whose gradient of the last pass is in
 
     def attach(self) -> None:
         """Zero the buffer and make each parameter's ``.grad`` its view of it."""
         self.flat.zero_()
-        self.ready = 0
+        self.ready = set()
         for p, (start, stop) in zip(self.params, self.views):
             p.grad = self.flat[start:stop].view_as(p)
 
@@ -145,9 +145,17 @@ class GradReducer:
         self._build([i for i in reversed(range(len(self.params)))
                      if id(self.params[i]) not in sparse_ids])
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._names = {id(p): n for n, p in named}
         self._ready_order: list[int] = []  # parameter indices, as the last pass produced them
         self._used: set = set()  # ids of parameters that got a gradient this step
-        self._overlap = False  # in the last pass of a step with peers: start ready buckets
+        self._in_last = False  # the rank's last backward of the step is running
+        self._fired: set = set()  # ids of the parameters whose gradient came in that pass
+        self._overlap = False  # ... and ready buckets start during it
+        # whether each gradient comes once per backward (None: not seen yet); reentrant
+        # activation checkpointing runs a layer's backward twice, and a bucket started after
+        # the first would send half a gradient
+        self._once: bool | None = None
+        self._late: str | None = None  # a parameter whose bucket started before its gradient
         self._next = 0  # the next bucket to start; buckets start in index order only
         self._works: list = []
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_gradient)
@@ -165,6 +173,12 @@ class GradReducer:
         self._order = order
         self.buckets = _buckets([self.params[i] for i in order], self._bucket_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether buckets start during backward: once a step showed each gradient comes once
+        per backward pass (not with reentrant activation checkpointing)."""
+        return self._once is True
 
     @property
     def started(self) -> int:
@@ -194,6 +208,7 @@ class GradReducer:
         # all-reduces a failed step left behind belong to a destroyed process group, whose
         # destruction waited for them: nothing writes into the buckets any more
         self._works = []
+        self._in_last, self._late = False, None
         for bucket in self.buckets:
             bucket.attach()
         for p in self.sparse:
@@ -201,32 +216,58 @@ class GradReducer:
         self._used.clear()
         self._overlap, self._next = False, 0
 
-    def last_pass(self, world_size: int) -> None:
-        """The rank's last backward of the step comes next: buckets start as they fill."""
-        self._overlap = world_size > 1
+    def last_pass(self, overlap: bool) -> None:
+        """The rank's last backward of the step comes next; with `overlap` (peers to sum with,
+        and no other collective inside backward, as SyncBatchNorm's) buckets start as they
+        fill, once a step has shown that each gradient comes once per backward."""
+        self._in_last, self._fired = True, set()
+        self._overlap = overlap and self._once is True
         self._ready_order = []
 
     def forget_pass(self) -> None:
-        """The backward that just ran, the step's only one, added nothing (a zero-weight
-        backward run so that collectives inside it match): its parameters count as unused."""
+        """The backward that just ran, the step's only one and run without overlap, added
+        nothing (a zero-weight backward run so that collectives inside it match): its
+        gradients are zeroed (0 * inf is NaN) and its parameters count as unused."""
+        for bucket in self.buckets[self._next:]:
+            bucket.flat.zero_()
         self._used.clear()
 
     def _on_gradient(self, p: torch.Tensor) -> None:
         self._used.add(id(p))
-        bucket = self._bucket_of.get(id(p))
-        if not self._overlap or bucket is None:
+        if not self._in_last:
             return
+        bucket = self._bucket_of.get(id(p))
+        if id(p) in self._fired:  # a second gradient in one backward
+            self._once = False
+            if bucket is not None and self.buckets.index(bucket) < self._next:
+                self._late = self._names[id(p)]
+            return
+        self._fired.add(id(p))
         self._ready_order.append(self._index[id(p)])
-        bucket.ready += 1
-        while self._next < len(self.buckets) and \
-                self.buckets[self._next].ready == len(self.buckets[self._next].params):
+        if bucket is None:
+            return
+        bucket.ready.add(id(p))
+        while self._overlap and self._next < len(self.buckets) and \
+                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
             self._start(self._next)
 
     def flush(self, world_size: int) -> None:
         """Start every bucket not started yet. Call it after the rank's backward passes and
         before any other collective of the step: ranks start buckets during backward as their
-        gradients come in, so only then do all ranks have the same collectives in flight."""
-        self._overlap = False
+        gradients come in, so only then do all ranks have the same collectives in flight.
+
+        Raises RuntimeError when a parameter got a second gradient in one backward after its
+        bucket had started (a graph that changed to run a layer's backward twice)."""
+        if self._in_last and self._once is None:
+            self._once = True  # this pass had each gradient once (a repeat set it False)
+        self._in_last = self._overlap = False
+        late, self._late = self._late, None
+        if late is not None:
+            raise RuntimeError(
+                f"parameter {late} got a second gradient in one backward pass after its "
+                "gradients were being summed across ranks (a layer's backward run twice, as "
+                "reentrant activation checkpointing does, in a step after others that did "
+                "not): use torch.utils.checkpoint with use_reentrant=False")
         if world_size > 1:
             while self._next < len(self.buckets):
                 self._start(self._next)
@@ -246,8 +287,8 @@ class GradReducer:
         same number of scalars. Returns the summed scalars. Raises PeerFailure when a peer
         fails meanwhile.
         """
-        self._overlap = False
         if world_size == 1:
+            self.flush(1)
             for bucket in self.buckets:
                 bucket.gather()
             self._drop_unused(self._used)

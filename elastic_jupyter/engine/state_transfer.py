@@ -6,15 +6,17 @@ second copy of it in memory on both sides. Here rank 0 (the generation's oldest 
 the state's structure once, pickled, with each tensor replaced by its index (a few kB whatever
 the model's size), and then the tensors themselves, each with ``dist.broadcast`` (which moves
 the bytes at the backend's full speed): a tensor of 1 MiB or more as it is, without a copy;
-smaller ones (biases, norms, step counters) concatenated into flat buckets of one section, dtype
-and device, so a model's hundreds of small tensors cost a few broadcasts. The broadcasts are
+smaller ones (biases, norms, step counters) copied into flat buckets of one section and device,
+so a model's hundreds of small tensors cost a few broadcasts. Tensors travel as bytes, so any
+dtype does (gloo cannot reduce or send int16 or uint32; nccl has no 16-bit integers). The broadcasts are
 issued asynchronously, so a bucket's copy on the sender overlaps the previous one's transfer.
 torch's DDP broadcasts parameters in flat buckets in the same way when it wraps a model (its
 ``_sync_module_states``).
 
-Sections keep memory as DDP's: the model's tensors are copied into the parameters when the state
-is loaded and their buffers freed, while the optimizer's tensors (Adam's moments, twice the
-model) are kept by the optimizer as loaded, in buffers that hold nothing else.
+Memory stays as DDP's: the model's tensors are copied into the parameters when the state is
+loaded and their buffers freed, while the optimizer's large tensors (Adam's moments, twice the
+model) are kept by the optimizer as received, each in a buffer of its own; a bucket's small
+tensors are copied out of it.
 
 This module imports nothing from IPython or the UI.
 """
@@ -28,6 +30,7 @@ import torch.distributed as dist
 DIRECT_BYTES = 2**20  # a tensor this large travels alone, as it is: no copy on the sender
 BUCKET_BYTES = 16 * 2**20  # smaller tensors, copied together: one broadcast per bucket
 SECTIONS = ("model", "optimizer")  # the state's parts with their own buckets; the rest share
+ALIGN = 16  # byte offset of a tensor in a bucket: a multiple of any dtype's size
 
 
 class _Ref:
@@ -42,7 +45,7 @@ class _Ref:
 def _strip(obj, section: str, found: list):
     """`obj` with every dense tensor replaced by a :class:`_Ref`; the tensors are appended to
     `found` as (section, tensor). Containers are rebuilt, never changed in place."""
-    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
+    if isinstance(obj, torch.Tensor) and obj.layout == torch.strided and not obj.is_quantized:
         found.append((section, obj))
         return _Ref(len(found) - 1)
     if isinstance(obj, dict):
@@ -52,9 +55,14 @@ def _strip(obj, section: str, found: list):
         return out
     if isinstance(obj, list):
         return [_strip(v, section, found) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_strip(v, section, found) for v in obj)
-    return obj  # numbers, strings, a sparse tensor (pickled with the structure)
+    if isinstance(obj, tuple):
+        return _same_tuple(obj, [_strip(v, section, found) for v in obj])
+    return obj  # numbers, strings, a sparse or quantized tensor (pickled with the structure)
+
+
+def _same_tuple(obj: tuple, items: list) -> tuple:
+    """`items` as a tuple of `obj`'s own type (a namedtuple, torch.Size)."""
+    return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
 
 
 def _fill(obj, tensors: list):
@@ -69,51 +77,53 @@ def _fill(obj, tensors: list):
     if isinstance(obj, list):
         return [_fill(v, tensors) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_fill(v, tensors) for v in obj)
+        return _same_tuple(obj, [_fill(v, tensors) for v in obj])
     return obj
 
 
-def plan_buckets(meta: list) -> list[list[int]]:
-    """Tensor indices per bucket, from ``meta`` ((section, dtype, device type, shape) per
-    tensor): a tensor of DIRECT_BYTES or more alone (it is sent as it is, without a copy);
-    smaller ones of one section, dtype and device type together in order, at most BUCKET_BYTES
-    a bucket. Every rank computes the same plan."""
+def plan_buckets(meta: list) -> list[list[tuple[int, int]]]:
+    """Buckets of (tensor index, byte offset), from ``meta`` ((section, dtype, device type,
+    shape) per tensor): a tensor of DIRECT_BYTES or more alone (sent as it is, without a
+    copy); smaller ones of one section and device type together in order, each at an offset
+    aligned to ALIGN bytes, at most BUCKET_BYTES a bucket. Every rank computes the same plan."""
     groups: dict = {}
     buckets = []
     for index, (section, dtype, device_type, shape) in enumerate(meta):
-        if _numel(shape) * _element_size(dtype) >= DIRECT_BYTES:
-            buckets.append([index])
+        if _nbytes(meta[index]) >= DIRECT_BYTES:
+            buckets.append([(index, 0)])
         else:
-            groups.setdefault((section, dtype, device_type), []).append(index)
-    for (_, dtype, _), indices in groups.items():
+            groups.setdefault((section, device_type), []).append(index)
+    for indices in groups.values():
         current, used = [], 0
         for index in indices:
-            nbytes = _numel(meta[index][3]) * _element_size(dtype)
-            if current and used + nbytes > BUCKET_BYTES:
+            if current and used + _nbytes(meta[index]) > BUCKET_BYTES:
                 buckets.append(current)
                 current, used = [], 0
-            current.append(index)
-            used += nbytes
+            current.append((index, used))
+            used += -(-_nbytes(meta[index]) // ALIGN) * ALIGN
         buckets.append(current)
     return buckets
 
 
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape) -> int:
-    n = 1
+def _nbytes(entry) -> int:
+    _, dtype, _, shape = entry
+    n = torch.empty((), dtype=dtype).element_size()
     for d in shape:
         n *= d
     return n
+
+
+def _as_bytes(t: torch.Tensor, via: torch.device) -> torch.Tensor:
+    """`t`'s values as a flat uint8 tensor on `via` (a view when it is already contiguous
+    there): bytes travel on every backend, whatever the dtype (gloo has no int16 or uint32)."""
+    return t.detach().to(via).contiguous().view(-1).view(torch.uint8)
 
 
 def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict:
     """Send rank 0's `state` (a dict of plain data and tensors, engine.state's capture) to every
     rank of the current process group; all ranks call it. Returns the state on every rank (rank
     0's own object there). `device` is this rank's training device: tensors captured on a GPU
-    arrive on it, CPU tensors on the CPU. With nccl the buckets travel through `device`.
+    arrive on it, CPU tensors on the CPU. With nccl the bytes travel through `device`.
 
     Raises what the collectives raise (the caller turns a peer's failure into PeerFailure).
     """
@@ -131,17 +141,25 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict
     received: list = [None] * len(meta)
     in_flight = []  # (work, bucket, buffer): broadcasts overlap the next bucket's copy
     for bucket in plan_buckets(meta):
-        if rank == 0:
-            parts = [tensors[i][1].detach().reshape(-1).to(via) for i in bucket]
-            flat = parts[0] if len(parts) == 1 else torch.cat(parts)  # one tensor: no copy
+        last, offset = bucket[-1]
+        size = offset + _nbytes(meta[last])
+        if rank == 0 and len(bucket) == 1:
+            flat = _as_bytes(tensors[last][1], via)  # no copy
+        elif rank == 0:
+            flat = torch.zeros(size, dtype=torch.uint8, device=via)
+            for index, start in bucket:
+                flat[start:start + _nbytes(meta[index])].copy_(_as_bytes(tensors[index][1], via))
         else:
-            flat = torch.empty(sum(_numel(meta[i][3]) for i in bucket), dtype=meta[bucket[0]][1],
-                               device=via)
+            flat = torch.empty(size, dtype=torch.uint8, device=via)
         in_flight.append((dist.broadcast(flat, src=0, async_op=True), bucket, flat))
     for work, bucket, flat in in_flight:
         work.wait()
         if rank != 0:
-            for index, part in zip(bucket, flat.split([_numel(meta[i][3]) for i in bucket])):
-                target = device if meta[index][2] == "cuda" else torch.device("cpu")
-                received[index] = part.view(meta[index][3]).to(target)
+            for index, start in bucket:
+                section, dtype, device_type, shape = meta[index]
+                target = device if device_type == "cuda" else torch.device("cpu")
+                value = flat[start:start + _nbytes(meta[index])].view(dtype).view(shape)
+                # a small tensor gets storage of its own: the bucket is freed, and code that
+                # reads a tensor's storage from its start (torch.set_rng_state) reads it right
+                received[index] = (value.clone() if len(bucket) > 1 else value).to(target)
     return state if rank == 0 else _fill(skeleton, received)

@@ -95,12 +95,16 @@ class Worker:
                               config.get("micro_batch"), config.get("pool_min_size", 1),
                               config.get("pool_max_size", 1))
         self.running_stats = RunningStats(self.model)
-        self._check_batchnorm_samples()
+        self.progress = state_mod.Progress(pass_cost=self._given_pass_cost())
+        self.plan.pass_cost = self.progress.pass_cost or 0.0
+        try:
+            self._check_batchnorm_samples()
+        except SetupError:
+            self.reducer.close()  # its hooks would keep it on a model that outlives the run
+            raise
         if not config.get("total_steps"):
             epochs = config.get("epochs") or 1
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
-        self.progress = state_mod.Progress(pass_cost=self._given_pass_cost())
-        self.plan.pass_cost = self.progress.pass_cost or 0.0
         self.history: list[dict] = []
         self._commits: collections.deque = collections.deque(maxlen=2)  # (step, state, #records)
         self.writer = None
@@ -189,6 +193,7 @@ class Worker:
         if given is not None:
             self.progress.pass_cost = given
         self.plan.pass_cost = self.progress.pass_cost or 0.0
+        self._check_batchnorm_samples()  # another pass cost may cut steps into more
 
     # the cost of a pass, which sets how steps are cut into micro-batches ----------------------
 
@@ -207,6 +212,7 @@ class Worker:
             with collective("sharing the pass cost"):
                 dist.broadcast(cost, src=0)
         self.progress.pass_cost = self.plan.pass_cost = float(cost[0])
+        self._check_batchnorm_samples()  # the same answer on every rank
         if rank != 0:
             return None
         return {"kind": "micro_batches", "step": self.progress.step, "time": time.time(),
@@ -224,11 +230,12 @@ class Worker:
         """engine.calibration's P from passes over the first step's samples: 2 of them, and a
         micro-batch's most (the step's share of one rank at the pool's largest size, at least 8)."""
         B, p = self.config["global_batch"], self.progress
-        large = min(B, max(-(-B // self.plan.max_size), 8))
+        indices = self.plan.batch(p.epoch, p.position)  # an epoch's last step may be short
+        large = min(len(indices), max(-(-B // self.plan.max_size), 8))
         if large < 4:  # micro-batches of 1-3 samples: too few to tell passes from samples
             return 0.0
-        indices = self.plan.batch(p.epoch, p.position)[:large]
         buffers = [b.detach().clone() for b in self.model.buffers()]
+        rng = state_mod.rng_state()  # the dataset's draws from Python's and numpy's too
 
         def run_pass(size: int) -> None:
             with micro_batch_stream(self.config["seed"], p.step, CALIBRATION_STREAM, self.device):
@@ -244,7 +251,9 @@ class Worker:
         try:
             return calibration.measure_pass_cost(run_pass, 2, large)
         finally:
-            self.optimizer.zero_grad(set_to_none=True)
+            for param in self.model.parameters():
+                param.grad = None
+            state_mod.set_rng_state(rng)
             with torch.no_grad():
                 for buffer, saved in zip(self.model.buffers(), buffers):
                     buffer.copy_(saved)
@@ -305,8 +314,8 @@ class Worker:
             parts = [(parts[0][0], torch.cat([chunk for _, chunk in parts]))]
         self.running_stats.begin()
         for n, (index, chunk) in enumerate(parts):
-            if n == len(parts) - 1:
-                self.reducer.last_pass(world_size)
+            if n == len(parts) - 1:  # SyncBatchNorm's collectives run inside backward
+                self.reducer.last_pass(world_size > 1 and not self.config.get("sync_batchnorm"))
             with micro_batch_stream(self.config["seed"], self.progress.step, index, self.device), \
                     self.running_stats.micro_batch(index):
                 yield chunk
