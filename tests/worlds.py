@@ -69,13 +69,9 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
     try:
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
         worker.config.update(cfg.get("late", {}))  # options the setup refuses on CPU
-        if worker.progress.pass_cost is None:  # as a generation does before the first step
-            worker.calibrate(rank, world_size)
-        worker.reducer.sync_order(world_size)
-        for step in range(steps):
+        worker.start_generation(rank, world_size)  # as a generation does
+        for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, 0.0)[0])
-            if step == 0:  # as a generation does after its first step
-                worker.reducer.sync_order(world_size)
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
         result.pass_cost = worker.progress.pass_cost
     finally:

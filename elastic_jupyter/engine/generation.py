@@ -94,12 +94,9 @@ class Generation:
             fault_point("resize", w)
             if spec["broadcast"]:
                 self._broadcast_state(spec["receive_state"])
-            if w.progress.pass_cost is None:  # the run's first generation (the same on all ranks)
-                with _out_of_memory_hint(w.config):
-                    event = w.calibrate(self.rank, self.world_size)
-                self.events += [event] if event else []
-            # a newcomer's gradient buckets must be the survivors': rank 0's layout for all
-            w.reducer.sync_order(self.world_size)
+            with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
+                event = w.start_generation(self.rank, self.world_size)
+            self.events += [event] if event else []
             if w.commit_steps()[-1:] != [w.progress.step]:
                 w.commit()
             with _out_of_memory_hint(w.config):
@@ -143,8 +140,6 @@ class Generation:
                 want = self._read_end_at(end_at)
                 flag = 1.0 if want is not None and p.step + 1 >= want else 0.0
             record, leave = w.train_step(rank, world_size, flag)
-            if p.step == first_step + 1:  # gradient buckets in the order backward fills them
-                w.reducer.sync_order(world_size)
             if cfg.get("eval_every") and p.step % cfg["eval_every"] == 0 and p.step < cfg["total_steps"]:
                 record.update(w.evaluate(rank, world_size))
             if p.step >= cfg["total_steps"]:

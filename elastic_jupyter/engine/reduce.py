@@ -12,12 +12,12 @@
   in different orders; buckets still waiting when backward ends (a parameter this rank did not
   use) start then. Buckets first follow the reverse order of the parameters; after a
   generation's first step they are rebuilt once in the order rank 0's gradients became ready
-  (:meth:`GradReducer.sync_order`), with parameters it did not use last, so a layer the
+  (:meth:`GradReducer.sync_order`, called by ``Worker.start_generation`` and ``train_step``), with parameters it did not use last, so a layer the
   forward skips does not hold back every bucket behind it. DDP rebuilds its buckets the same
-  way after its first iteration. This is DDP's reducer design (Li et al., "PyTorch Distributed: Experiences
-  on Accelerating Data Parallel Training", VLDB 2020); it is written here rather than wrapping
-  the model in DDP because a rank may run several micro-batches or none in a step, and DDP's
-  reducer needs a forward and backward on every rank.
+  way after its first iteration. This is DDP's reducer design (Li et al., "PyTorch
+  Distributed: Experiences on Accelerating Data Parallel Training", VLDB 2020); it is written
+  here rather than wrapping the model in DDP because a rank may run several micro-batches or
+  none in a step, and DDP's reducer needs a forward and backward on every rank.
 - Parameters of ``Embedding``/``EmbeddingBag`` layers with ``sparse=True`` get sparse gradients:
   their indices and values are gathered from every rank and summed as a sparse tensor. As in DDP,
   which parameters are sparse is decided once at setup, so every rank runs the same collectives

@@ -23,6 +23,7 @@ This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.distributed as dist
@@ -107,10 +108,7 @@ def plan_buckets(meta: list) -> list[list[tuple[int, int]]]:
 
 def _nbytes(entry) -> int:
     _, dtype, _, shape = entry
-    n = torch.empty((), dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n
+    return dtype.itemsize * math.prod(shape)
 
 
 def _as_bytes(t: torch.Tensor, via: torch.device) -> torch.Tensor:

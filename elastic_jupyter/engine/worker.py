@@ -91,6 +91,7 @@ class Worker:
         self._mean_over: bool | None = None  # what loss_fn's losses are means over, once seen
         self._step_count = 0.0  # samples (or MeanOver items) this rank's share weighed this step
         self._items = 0.0  # the same, summed over the global batch (after the reduction)
+        self._first_step_of_generation = False
         self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"],
                               config.get("micro_batch"), config.get("pool_min_size", 1),
                               config.get("pool_max_size", 1))
@@ -194,6 +195,21 @@ class Worker:
             self.progress.pass_cost = given
         self.plan.pass_cost = self.progress.pass_cost or 0.0
         self._check_batchnorm_samples()  # another pass cost may cut steps into more
+
+    # a generation's start -------------------------------------------------------------------
+
+    def start_generation(self, rank: int, world_size: int) -> dict | None:
+        """Ready this rank for a new generation's steps (a collective: all ranks call it, after
+        the state broadcast, before the first step): the pass cost measured if the run has
+        none yet, and the gradient buckets laid out as rank 0's, then rebuilt once more after
+        the generation's first step in the order its gradients come (engine.reduce).
+
+        Returns, on rank 0 of the run's first generation, the ``micro_batches`` event.
+        """
+        event = self.calibrate(rank, world_size) if self.progress.pass_cost is None else None
+        self.reducer.sync_order(world_size)
+        self._first_step_of_generation = True
+        return event
 
     # the cost of a pass, which sets how steps are cut into micro-batches ----------------------
 
@@ -430,6 +446,9 @@ class Worker:
         # the scheduler steps in the loop, after evaluation (schedulers.py)
         self.precision.step(self.optimizer, self.config.get("clip_grad_norm"),
                             self.model.parameters())
+        if self._first_step_of_generation:  # the buckets, in the order backward filled them
+            self.reducer.sync_order(world_size)
+            self._first_step_of_generation = False
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
         p.step += 1
