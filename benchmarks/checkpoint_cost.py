@@ -60,12 +60,12 @@ def main() -> None:
         worker = Worker(_run_setup(gpt.cell(args.size, args.seq_len), None, {}, None), config,
                         "cpu")
         for _ in range(2):  # warm-up: the optimizer's moments exist from the first step
-            worker.train_step(0, 1, 0.0)
+            worker.train_step(0, 1)
         plain, checkpointed = [], []
         for i in range(2 * args.intervals + 1):
             start = time.perf_counter()
             for _ in range(args.interval):
-                worker.train_step(0, 1, 0.0)
+                worker.train_step(0, 1)
             if i % 2:
                 worker.writer.submit(worker.capture())
             (checkpointed if i % 2 else plain).append(time.perf_counter() - start)

@@ -48,7 +48,7 @@ def config(name: str, workspace: str, steps: int) -> RunConfig:
     os.makedirs(fault_dir, exist_ok=True)
     # one standby engine: the lost rank is replaced at once, the standby in the background
     return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=25,
-                     commit_every=5, collective_timeout=5, seed=3, fault_dir=fault_dir,
+                     collective_timeout=5, seed=3, fault_dir=fault_dir,
                      standby=1)
 
 

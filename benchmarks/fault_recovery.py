@@ -12,7 +12,7 @@ at a chosen step: fault i of n lands at a random step within the i-th n-th of a 
 interval (stratified sampling), so that a handful of faults covers the interval evenly and the
 steps a checkpoint restart loses (on average K/2) are not left to the luck of 3 draws. Ours is
 watched through the owner's view of the run, which lags rank 0 by ~0.2 s, so its faults land
-10-30 steps after the chosen step, at a random point between two commits:
+10-30 steps after the chosen step, at a random point within a step:
 
 * crash: SIGKILL of rank 1's process (ours: ``run.members[1].pid``, an ipyparallel engine;
   torchrun: the rank-1 worker);
@@ -28,8 +28,9 @@ reached at the fault (the first step >= that step trained by the re-formed group
 was lost, the group's first step): detection, re-forming the group and recomputing the lost
 steps. Steps lost = furthest step reached minus
 the step training resumed from. Ours: both from the run's ``fault`` event (``step``,
-``lost_steps``; survivors roll back to their newest common in-memory commit, every
-COMMIT_EVERY steps, and go on at world size 1) and the per-step time stamps in ``run.history``,
+``lost_steps``; the survivor keeps its state, since a step is applied only after every rank
+voted, loses at most the step in flight, and goes on at world size 1) and the per-step time
+stamps in ``run.history``,
 read after the run ended, when the history is complete; the lost engine is replaced in the
 background and joins later (reported as "replacement joined"). torchrun
 (``--nproc_per_node 2 --max-restarts 3``, benchmarks/torchrun_restart_worker.py): the whole
@@ -62,7 +63,6 @@ from resize_and_throughput import GLOBAL_BATCH, QUICKSTART_CELL, SEED, print_tab
     wait_until
 
 CHECKPOINT_EVERY = 100  # K: disk checkpoints, both sides
-COMMIT_EVERY = 10  # ours: in-memory commits a fault rolls back to
 COLLECTIVE_TIMEOUT = 5.0  # T, both sides (seconds)
 SLEEP_S = 0.005  # per loss_fn call: ~10 ms steps at world size 2
 CRASHES, HANGS = 5, 3  # ours
@@ -132,7 +132,7 @@ def elastic_phase(sig: int, repeats: int, rng: random.Random) -> list[dict]:
     try:
         with tempfile.TemporaryDirectory() as workspace:
             config = RunConfig(name="faults", global_batch=GLOBAL_BATCH, steps=10**6, seed=SEED,
-                               checkpoint_every=CHECKPOINT_EVERY, commit_every=COMMIT_EVERY,
+                               checkpoint_every=CHECKPOINT_EVERY,
                                collective_timeout=COLLECTIVE_TIMEOUT)
             run = TrainingRun(pool, config, source=CELL, workspace=workspace).start()
             injected = []

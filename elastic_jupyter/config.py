@@ -17,7 +17,8 @@ engine start timeout   60 s
 ``--keep``             3 checkpoints
 ``--seed``             0
 collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
-``--commit-every``     10 steps (in-memory commits a fault rolls back to)
+``--commit-every``     ignored: steps are transactional (engine.vote); the option is accepted,
+                       with a notice, for one more release
 ``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
@@ -115,7 +116,7 @@ class RunConfig:
     keep: int = 3
     seed: int = 0
     collective_timeout: float = 30.0
-    commit_every: int = 10
+    commit_every: int | None = None  # ignored (see COMMIT_EVERY_NOTICE); goes next release
     standby: int = 0
     sync_batchnorm: bool = False
     pool_min_size: int = 1
@@ -145,7 +146,7 @@ class RunConfig:
         positive("--keep", self.keep)
         if isinstance(self.standby, bool) or not isinstance(self.standby, int) or self.standby < 0:
             raise UsageError(f"--standby must be an integer >= 0, got {self.standby!r}")
-        positive("--commit-every", self.commit_every)
+        positive("--commit-every", self.commit_every, allow_none=True)
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
             raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")
         if self.epochs is not None and self.steps is not None:
@@ -171,6 +172,11 @@ class RunConfig:
     def as_dict(self) -> dict:
         return asdict(self)
 
+
+COMMIT_EVERY_NOTICE = (
+    "--commit-every is ignored and will be removed in the next release: each step is now "
+    "committed by a vote of every rank, so a fault loses at most the step in flight and no "
+    "in-memory copies of the state are kept")
 
 # options that fix the data order and the update: a resume must keep them
 RESUME_KEYS = ("global_batch", "seed")

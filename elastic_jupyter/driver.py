@@ -167,6 +167,7 @@ class Driver:
                     died = True
             if failed and first_failure is None:
                 first_failure = time.monotonic()
+                rendezvous.abort(generation)  # ranks waiting for a vote stop waiting
             # a rank forming a group with a dead peer waits on the store until the collective
             # timeout: give it that long before calling it hung
             grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)

@@ -110,11 +110,8 @@ class EngineCalls:
     async def training_state(self, engine) -> dict:
         return await asyncio.wrap_future(self._submit(engine, entrypoints.training_state))
 
-    async def commit_steps(self, engines) -> list[dict]:
-        return await self._each(engines, entrypoints.commit_steps)
-
-    async def rollback(self, engines, step: int) -> None:
-        await self._each(engines, entrypoints.rollback, step)
+    async def progress(self, engines) -> list[dict]:
+        return await self._each(engines, entrypoints.progress)
 
     async def history_since(self, engine, step: int) -> list[dict]:
         return await asyncio.wrap_future(self._submit(engine, entrypoints.history_since, step))

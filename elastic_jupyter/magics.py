@@ -120,8 +120,9 @@ def _train_parser() -> _Parser:
     p.add_argument("--collective-timeout", type=float, default=30.0,
                    help="seconds a rank may block in a collective before it counts as hung "
                         "(default 30)")
-    p.add_argument("--commit-every", type=_positive_int, default=10,
-                   help="in-memory commit every N steps; a fault loses at most N (default 10)")
+    p.add_argument("--commit-every", type=_positive_int, default=None,
+                   help="ignored: every step is committed by a vote, so a fault loses at most "
+                        "one step (accepted for one more release)")
     p.add_argument("--standby", type=int, default=0,
                    help="engines kept set up outside the group so a grow is instant (default 0)")
     p.add_argument("--plateau-metric",

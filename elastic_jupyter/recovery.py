@@ -1,10 +1,11 @@
 """Recovery: from a faulted generation back to one consistent state on every member.
 
 When a generation ends with a fault (faults.classify), :meth:`Recovery.recover` drops the lost
-engines, waits for replacements if fewer than ``--min`` survive, rolls the survivors back to the
-newest in-memory commit they all hold (or the newest checkpoint, when they hold none in common),
-and names the engines that must receive that state by broadcast in the next generation.
-A survivor that dies during the rollback is dropped and the rollback retried. When no
+engines, waits for replacements if fewer than ``--min`` survive, and names the engines that
+must receive the survivors' state by broadcast in the next generation. The survivors need no
+rollback: a step is applied only once every rank voted (engine.vote), so they all hold the same
+committed step and the fault loses at most the step in flight. With no survivor the newest
+checkpoint is loaded. A survivor that dies meanwhile is dropped and the look retried. When no
 recovery is possible it raises :class:`BelowMinimum` or ``RuntimeError``; the driver ends
 the run.
 """
@@ -87,25 +88,29 @@ class Recovery:
                 await self.wait_for_minimum()
 
     async def roll_back(self) -> tuple[int, int, set]:
-        """Bring every member to one consistent state; returns (step reached before, step
-        restored, engine ids to receive it by broadcast). Prefers the newest in-memory commit
-        all survivors hold; else the newest checkpoint, loaded on rank 0."""
+        """Bring every member to one consistent state; returns (step the fault hit, step
+        restored, engine ids to receive it by broadcast). The survivors hold the same
+        committed step (engine.vote), which stays as it is; without survivors, the newest
+        checkpoint is loaded on rank 0."""
         survivors = list(self.membership.members)
         joining = self.membership.admit_joining()
         if survivors:
-            held = await self.calls.commit_steps(survivors)
-            reached = max(h["step"] for h in held)
-            common = set.intersection(*(set(h["commits"]) for h in held))
-            if common:
-                target = max(common)
-                await self.calls.rollback(survivors, target)
-                return reached, target, {e.engine_id for e in joining}
+            held = await self.calls.progress(survivors)
+            steps = {h["step"] for h in held}
+            if len(steps) == 1:
+                step = steps.pop()
+                return step + any(h["in_flight"] for h in held), step, {
+                    e.engine_id for e in joining}
+            # the vote rules this out; should it happen, a checkpoint is still consistent
+            self.log.event("warning", message=f"survivors disagree on the step ({sorted(steps)})")
+            reached = max(steps)
         else:
             reached = self.log.step
         if ckpt.latest_checkpoint(self.checkpoint_dir) is None:
-            raise RuntimeError("engines were lost before any commit or checkpoint; start the "
+            raise RuntimeError("every engine was lost before the first checkpoint; start the "
                                "run again")
         members = self.membership.members
         loaded = await self.calls.load_state(members[0], self.checkpoint_dir)
-        self.log.event("warning", message=f"no common in-memory commit: restored {loaded['path']}")
+        self.log.event("warning", message=f"no survivor holds the run's state: restored "
+                       f"{loaded['path']}")
         return reached, loaded["progress"]["step"], {e.engine_id for e in members[1:]}

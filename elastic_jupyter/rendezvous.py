@@ -44,5 +44,11 @@ class Rendezvous:
         control.set("end_at", "none" if end_at is None else str(end_at))
         control.add("version", 1)
 
+    def abort(self, generation: int) -> None:
+        """Tell the ranks of `generation` that one of them failed: a rank waiting for a vote
+        that will not come aborts the step now instead of at the collective timeout
+        (engine.vote)."""
+        self.control(generation).set("abort", "1")
+
     def close(self) -> None:
         self.store = None

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 from . import registry
 from .cellsetup import CellSetup, RunSetupError, pickle_by_value, prepare_checkpoint_dir
-from .config import RunConfig, UsageError
+from .config import COMMIT_EVERY_NOTICE, RunConfig, UsageError
 from .driver import Driver
 from .engine import checkpoint as ckpt
 from .membership import Membership
@@ -79,6 +80,9 @@ class TrainingRun:
             config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
         self.log = RunLog(self.log_dir)
+        if config.commit_every is not None:
+            warnings.warn(COMMIT_EVERY_NOTICE, FutureWarning, stacklevel=2)
+            self.log.event("warning", message=COMMIT_EVERY_NOTICE)
         self._requests = UserRequests()
         self._sizer = Sizer()
         calls = pool.calls

@@ -144,7 +144,7 @@ def test_each_structure_trains_and_evaluates(kind):
     reference = Worker(cell_namespace(plain, 3), dict(cfg, steps=3), "cpu")
     for w in (worker, reference):
         for _ in range(3):
-            w.history.append(w.train_step(0, 1, 0.0)[0])
+            w.history.append(w.train_step(0, 1)[0])
     # 3 steps x 4 micro-batches (5, 5, 5, 1), then evaluation of 48 samples in chunks of 5
     assert worker.evaluate(0, 1)["val_mse"] == reference.evaluate(0, 1)["val_mse"]
     assert worker.loss_fn.__globals__["seen"] == [expected] * (12 + 10)

@@ -229,7 +229,7 @@ def test_mixing_mean_over_and_plain_losses_is_refused():
                                "return (lambda l, c: l if n.sum() % 2 else MeanOver(l, c))(")
     worker = Worker(cell_namespace(cell, 3), config(micro_batch=1, steps=1), "cpu")
     with pytest.raises(TypeError, match="MeanOver.* for some batches and a plain loss for others"):
-        worker.train_step(0, 1, 0.0)
+        worker.train_step(0, 1)
 
 
 # ------------------------------------------------------------------------- SyncBatchNorm, no items
@@ -286,14 +286,15 @@ def test_sync_batchnorm_runs_the_backward_of_a_pass_without_items():
     loss, extras = worker._local_pass([(0, torch.arange(8)), (1, torch.arange(8, 16))], 16, 1)
     assert ns["backward_calls"] == [1]  # one pass: the rank's share at once
     assert (loss, extras) == (0.0, [])
-    worker.reducer.reduce([], 1)  # its pass added nothing: no parameter has a gradient
+    worker.reducer.drop_unused(worker.reducer.finish(1))  # its pass added nothing: no
+    # parameter has a gradient
     assert [p.grad for p in worker.model.parameters()] == [None, None]
 
 
 def test_sync_batchnorm_refuses_a_nan_loss_without_items():
     worker, ns = _sync_worker(_sync_cell("torch.zeros(N)", denominator="count"))  # 0 / 0
     with pytest.raises(ValueError) as refused:
-        worker.train_step(0, 1, 0.0)
+        worker.train_step(0, 1)
     assert str(refused.value) == (
         "loss_fn returned a loss of nan with a MeanOver count of 0 at step 1: with "
         "--sync-batchnorm every rank's pass takes part in SyncBatchNorm's backward, so loss_fn "

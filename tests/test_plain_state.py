@@ -81,7 +81,7 @@ def test_a_numpy_state_checkpoints_as_plain_data_and_restores_numpy_values(tmp_p
 
 
 def test_an_in_memory_state_restores_more_than_once(tmp_path):
-    """A commit is restored at each rollback to it: restoring must not change it."""
+    """Restoring reads the state and never changes it (the caller may restore it again)."""
     model, optimizer, scheduler = _objects(seed=0)
     state = _capture(model, optimizer, scheduler, 0)
     for _ in range(2):

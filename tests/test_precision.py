@@ -80,7 +80,7 @@ def test_fp16_skips_a_step_on_every_rank_when_one_rank_overflows(tmp_path):
 def test_the_gradient_scaler_is_part_of_the_training_state(tmp_path):
     cfg = config(precision="fp16", steps=2)
     worker = Worker(cell_namespace(cell(0), 3), cfg, "cpu")
-    worker.train_step(0, 1, 0.0)  # skipped: the scale backs off
+    worker.train_step(0, 1)  # skipped: the scale backs off
     state = worker.capture()
     torch.save(state, tmp_path / "state.pt")
     state = torch.load(tmp_path / "state.pt", weights_only=True)  # plain data

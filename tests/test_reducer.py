@@ -6,6 +6,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from elastic_jupyter.engine.reduce import GradReducer
+from elastic_jupyter.engine.vote import Vote
+
+
+def _reduce(reducer: GradReducer, scalars: list[float], world_size: int, vote=None) -> list:
+    """A step's reduction as Worker.train_step runs it: finish, the vote's sums, unused ones
+    dropped; returns the summed scalars."""
+    flags = reducer.finish(world_size)
+    summed = vote.sum([*scalars, *flags]) if vote else [*scalars, *flags]
+    reducer.drop_unused(summed[len(scalars):])
+    return summed[:len(scalars)]
 
 
 class Model(torch.nn.Module):
@@ -33,7 +43,10 @@ def _backward(model, rank, micro_batch):
 
 
 def _rank(rank: int, store: str, out: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(store, 3), rank=rank, world_size=3)
+    files = dist.FileStore(store, 3)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", files), rank=rank,
+                            world_size=3)
+    vote = Vote(dist.PrefixStore("control/", files), rank, 3, 60.0)
     try:
         torch.manual_seed(0)
         model = Model()
@@ -47,7 +60,7 @@ def _rank(rank: int, store: str, out: str) -> None:
             reducer.last_pass(True)
             _backward(model, rank, 1)
             started.append(reducer.started)
-            summed = reducer.reduce([float(rank)], 3)
+            summed = _reduce(reducer, [float(rank)], 3, vote)
             if step == 0:
                 reducer.sync_order(3)
         for p in plain.parameters():
@@ -100,7 +113,7 @@ def test_a_closed_reducer_lets_go_of_the_model():
     reducer = GradReducer(model, torch.device("cpu"))
     reducer.begin_step()
     model(torch.ones(2, 3)).sum().backward()
-    assert reducer.reduce([], 1) == [] and model.weight.grad is not None
+    assert _reduce(reducer, [], 1) == [] and model.weight.grad is not None
     gone = weakref.ref(reducer)
     reducer.close()
     del reducer
@@ -122,7 +135,7 @@ def _checkpointed_step(reentrant: bool) -> GradReducer:
     h = checkpoint(shared, x, use_reentrant=reentrant)
     h = checkpoint(shared, h, use_reentrant=reentrant)
     head(h).sum().backward()
-    reducer.reduce([], 1)
+    _reduce(reducer, [], 1)
     return reducer
 
 

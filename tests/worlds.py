@@ -2,7 +2,8 @@
 same cell in a plain single-process PyTorch loop (the right answer).
 
 ``train(cell, config, world_size, steps, tmp_path)`` runs ``Worker.train_step`` on every rank
-(world size 1 in this process; more in spawned processes joined by a FileStore) and returns one
+(world size 1 in this process; more in spawned processes whose process group and commit vote
+go through a FileStore) and returns one
 ``Result`` per rank; the ranks measure the cost of a pass first, as a generation does. ``reference(cell, config, steps)`` trains the cell the way a user would
 without this package: the whole global batch in one forward pass, ``loss.backward()``,
 ``optimizer.step()``, with the same samples in the same order.
@@ -21,6 +22,7 @@ import torch.multiprocessing as mp
 from elastic_jupyter.engine.batching import BatchPlan
 from elastic_jupyter.engine.entrypoints import _run_setup
 from elastic_jupyter.engine.losses import MeanOver
+from elastic_jupyter.engine.vote import Vote
 from elastic_jupyter.engine.worker import Worker
 
 
@@ -63,15 +65,18 @@ def _result(model, history=(), losses=(), scaler=None) -> Result:
 
 def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, store_path: str,
                 out: str | None) -> Result:
+    vote = None
     if world_size > 1:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank,
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=dist.PrefixStore("pg/", store), rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        vote = Vote(dist.PrefixStore("control/", store), rank, world_size, 60.0)
     try:
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
         worker.config.update(cfg.get("late", {}))  # options the setup refuses on CPU
         worker.start_generation(rank, world_size)  # as a generation does
         for _ in range(steps):
-            worker.history.append(worker.train_step(rank, world_size, 0.0)[0])
+            worker.history.append(worker.train_step(rank, world_size, vote)[0])
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
         result.pass_cost = worker.progress.pass_cost
     finally:

@@ -198,7 +198,7 @@ def _forget_run() -> None:
 
 
 def load_state(folder: str) -> dict:
-    """Called on rank 0 for ``--resume`` and after a fault no commit covers: restore this
+    """Called on rank 0 for ``--resume``, and after a fault that left no survivor: restore this
     engine's Worker from the newest usable checkpoint in `folder`.
 
     Returns {"path", "warnings", "progress", "config", "history"}; warnings name newer files
@@ -253,20 +253,15 @@ def drop_run() -> None:
     _forget_run()
 
 
-def commit_steps() -> dict:
-    """Called on the survivors after a fault, to find a commit they all hold.
+def progress() -> dict:
+    """Called on the survivors after a fault: where this engine's Worker stands.
 
-    Returns {"commits": steps of the in-memory commits this engine holds, "step": its progress}.
+    Returns {"step": committed steps, "in_flight": whether a step had begun and was not
+    committed (the work the fault lost), "pending": whether the last step's evaluation is
+    still to do}. The commit vote gives every survivor the same step (engine.vote).
     """
     w = _state.worker
-    return {"commits": w.commit_steps(), "step": w.progress.step}
-
-
-def rollback(step: int) -> dict:
-    """Called on the survivors after a fault: roll this engine's Worker back to its commit of
-    `step` (KeyError if it has none); returns the progress."""
-    _state.worker.rollback(step)
-    return _state.worker.progress.as_dict()
+    return {"step": w.progress.step, "in_flight": w.in_flight, "pending": w.pending is not None}
 
 
 def history_since(step: int) -> list[dict]:

@@ -21,7 +21,8 @@ def fault_point(phase: str, worker) -> None:
     until it is killed (or for the config's ``fault_hold``, default ``FAULT_HOLD`` seconds).
 
     Args:
-        phase: "resize", "forward", "backward", "allreduce", "optimizer" or "checkpoint".
+        phase: "resize", "forward", "backward", "allreduce", "vote", "optimizer",
+            "evaluate" or "checkpoint".
         worker: the engine's Worker (its config, slot and progress), or None.
     """
     folder = worker.config.get("fault_dir") if worker is not None else None

@@ -2,10 +2,11 @@
 
 A generation is a fixed membership with ranks 0..W-1 and its own torch.distributed process
 group. The loop runs until the run ends or every rank agrees to leave after the same step:
-rank 0 reads the owner's request from the rendezvous store and the flag rides along in the
-step's all-reduce of its scalars (one extra element, see Worker.train_step), so agreement costs
-no extra round trip. The model and optimizer stay in the engine's Worker between generations;
-newcomers get them from rank 0, the oldest survivor (engine.state_transfer).
+rank 0 reads the owner's request from the rendezvous store in the same trip as the step's
+commit vote (engine.vote), and its leave flag rides in its next vote, so agreement costs no
+extra round trip. The model and optimizer stay in the engine's Worker between generations;
+newcomers get them from rank 0, the oldest survivor (engine.state_transfer). After a fault the
+survivors hold the same committed step, so a new generation starts from their state as it is.
 
 This module imports nothing from IPython or the UI: it runs the same way from a script.
 """
@@ -23,6 +24,7 @@ from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .schedulers import step_lr_scheduler
 from .state_transfer import broadcast_state
+from .vote import Vote
 from .worker import Worker
 
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
@@ -81,7 +83,11 @@ class Generation:
         self.rank, self.world_size = spec["rank"], spec["world_size"]
         # the owner writes this generation's requests under its own prefix
         self.control = dist.PrefixStore(f"gen{spec['generation']}/", store)
-        self._end_at_cache: dict = {}
+        # rank 0 reads the owner's request counter in every vote's trip
+        self.vote = Vote(self.control, self.rank, self.world_size, spec["timeout"],
+                         read=("version",) if self.rank == 0 else ())
+        self._version: int | None = None
+        self.end_at = spec.get("end_at")
         self.events: list[dict] = []  # rank 0's, for the owner's run log
 
     def run(self) -> dict:
@@ -97,10 +103,8 @@ class Generation:
             with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
                 event = w.start_generation(self.rank, self.world_size)
             self.events += [event] if event else []
-            if w.commit_steps()[-1:] != [w.progress.step]:
-                w.commit()
             with _out_of_memory_hint(w.config):
-                return self._loop(spec.get("end_at"))
+                return self._loop()
         finally:
             # closing this rank's sockets makes peers blocked in a collective fail now
             # instead of at the group timeout; its own failure must not hide the first error
@@ -112,54 +116,53 @@ class Generation:
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker
         live = w.capture(copy_tensors=False) if self.rank == 0 else None  # read, never kept
+        if live is not None:
+            live["pending"] = w.pending  # a step whose evaluation a fault interrupted
         with collective("state broadcast"):
             state = broadcast_state(live, self.rank, w.device)
         if receive:
             w.restore(state)
+            w.pending = state["pending"]
 
-    def _read_end_at(self, end_at):
-        """Rank 0's read of the owner's request: one store round trip when nothing changed."""
-        cache = self._end_at_cache
-        version = self.control.add("version", 0)
-        if version != cache.get("version"):
-            cache["version"] = version
-            raw = self.control.get("end_at").decode()
-            cache["end_at"] = None if raw == "none" else int(raw)
-        return cache.get("end_at", end_at)
+    def _leave_flag(self) -> float:
+        """Rank 0's vote to leave after the coming step: the owner's request as read in the
+        last vote's trip (the request's text only when its counter moved)."""
+        if self.rank != 0:
+            return 0.0
+        if self.vote.read_values:
+            version = int(self.vote.read_values[0])
+            if version != self._version:
+                self._version = version
+                raw = self.control.get("end_at").decode()
+                self.end_at = None if raw == "none" else int(raw)
+        want = self.end_at
+        return 1.0 if want is not None and self.worker.progress.step + 1 >= want else 0.0
 
-    def _loop(self, end_at) -> dict:
+    def _loop(self) -> dict:
         w, rank, world_size = self.worker, self.rank, self.world_size
         cfg, p = w.config, w.progress
         events, last_publish = self.events, 0.0
-        published = [p.step, p.step]  # steps of the last two updates: each resends both windows
-        first_step = p.step
+        first = len(w.history)
+        published = [first, first]  # history lengths at the last two updates
         reason = "left"
+        if rank == 0:  # the key each vote reads: made here if the owner never wrote a request
+            self.control.add("version", 0)
+        if w.pending is not None:  # a fault hit the evaluation of the last committed step
+            self._finish_step(w.pending)
         while p.step < cfg["total_steps"]:
-            flag = 0.0
+            record, leave = w.train_step(rank, world_size, self.vote, self._leave_flag())
+            self._finish_step(record)
             if rank == 0:
-                want = self._read_end_at(end_at)
-                flag = 1.0 if want is not None and p.step + 1 >= want else 0.0
-            record, leave = w.train_step(rank, world_size, flag)
-            if cfg.get("eval_every") and p.step % cfg["eval_every"] == 0 and p.step < cfg["total_steps"]:
-                record.update(w.evaluate(rank, world_size))
-            if p.step >= cfg["total_steps"]:
-                record.update(w.evaluate(rank, world_size))
-            w.history.append(record)
-            step_lr_scheduler(w, record)
-            if cfg.get("commit_every") and p.step % cfg["commit_every"] == 0:
-                w.commit()
-            if rank == 0:
-                self._maybe_checkpoint(p.step, cfg)
                 if w.writer:
                     events += w.writer.take_events()
                 now = time.time()
                 if now - last_publish >= PUBLISH_INTERVAL:
                     # the owner sees only the newest update: overlapping windows survive one
                     # missed poll, and the generation's result carries every record anyway
-                    window = min(p.step - published[0], PUBLISH_WINDOW)
+                    window = min(len(w.history) - published[0], PUBLISH_WINDOW)
                     _publish({"records": w.history[len(w.history) - window:],
                               "events": events})
-                    published = [published[1], p.step]
+                    published = [published[1], len(w.history)]
                     last_publish = now
             if leave:
                 break
@@ -167,9 +170,23 @@ class Generation:
             reason = "finished"
         if rank == 0 and w.writer:
             events += w.writer.drain()
-        records = w.history[len(w.history) - (p.step - first_step):]
         return {"reason": reason, "progress": p.as_dict(),
-                "records": records if rank == 0 else [], "events": events}
+                "records": w.history[first:] if rank == 0 else [], "events": events}
+
+    def _finish_step(self, record: dict) -> None:
+        """After a committed step, on every rank: its evaluation when one is due, its history
+        record, the scheduler's step, and on rank 0 its checkpoint. A fault in the evaluation
+        (a collective) leaves the record as ``Worker.pending`` on every survivor (the vote
+        ends an evaluation alike everywhere), and the next generation finishes it first."""
+        w, cfg, step = self.worker, self.worker.config, self.worker.progress.step
+        every = cfg.get("eval_every")
+        if (every and step % every == 0) or step >= cfg["total_steps"]:
+            record.update(w.evaluate(self.rank, self.world_size, self.vote))
+        w.history.append(record)
+        step_lr_scheduler(w, record)
+        w.pending = None
+        if self.rank == 0:
+            self._maybe_checkpoint(step, cfg)
 
     def _maybe_checkpoint(self, step: int, cfg: dict) -> None:
         every = cfg.get("checkpoint_every") or 0

@@ -23,9 +23,8 @@
   which parameters are sparse is decided once at setup, so every rank runs the same collectives
   even when some rank has no gradient for a parameter.
 - A parameter no rank produced a gradient for keeps ``.grad = None``, as in plain PyTorch (so an
-  optimizer does not decay it): a per-parameter "has a gradient" count (from the hooks) is summed
-  with a few scalars of the step (the leave flag, the sample or item count, loss, extra metrics)
-  in one small float64 all-reduce after the buckets.
+  optimizer does not decay it): each rank's per-parameter "has a gradient" flags (from the
+  hooks) are summed by the step's commit vote (engine.vote), with the step's other scalars.
 
 With one rank nothing is sent; the gradients are what backward accumulated.
 """
@@ -121,12 +120,13 @@ class GradReducer:
 
     Per step, on every rank of the generation: :meth:`begin_step` (instead of
     ``optimizer.zero_grad``), the backward passes of the rank's micro-batches with
-    :meth:`last_pass` called before the last one's backward, then :meth:`reduce`.
+    :meth:`last_pass` called before the last one's backward, then :meth:`finish`, the commit
+    vote, and :meth:`drop_unused` with the vote's sums.
 
     Args:
         model: the module whose trainable parameters (``requires_grad``) are reduced; build the
             reducer after the model reached its device.
-        device: the rank's device; the scalars travel there.
+        device: the rank's device; the sparse gradients' sizes travel there.
         bucket_bytes: the most bytes of gradients in one bucket.
     Raises:
         LayoutError: a parameter that is not dense or has a dtype outside SUPPORTED_DTYPES.
@@ -280,55 +280,52 @@ class GradReducer:
         self._next = index + 1
 
 
-    def reduce(self, scalars: list[float], world_size: int) -> list[float]:
-        """Sum every rank's gradients into each parameter's ``.grad``, and `scalars`.
+    def finish(self, world_size: int) -> list[float]:
+        """Complete the sum of every rank's gradients: start the buckets not started yet, wait
+        for all of them, gather the sparse gradients. All ranks of the group call it after
+        their backward passes.
 
-        All ranks of the current process group call it after their backward passes, with the
-        same number of scalars. Returns the summed scalars. Raises PeerFailure when a peer
-        fails meanwhile.
+        Returns this rank's "has a gradient" flag (1.0 or 0.0) per trainable parameter, in
+        ``self.params`` order: the step's vote sums them across ranks (engine.vote), and
+        :meth:`drop_unused` takes the sums. Raises PeerFailure when a peer fails meanwhile.
         """
+        self.flush(world_size)
         if world_size == 1:
-            self.flush(1)
             for bucket in self.buckets:
                 bucket.gather()
-            self._drop_unused(self._used)
-            return list(scalars)
-        self.flush(world_size)
-        tail = torch.tensor([*scalars, *(float(id(p) in self._used) for p in self.params)],
-                            dtype=torch.float64, device=self.device)
-        # the first host read is inside too: with nccl a peer's failure can surface there
-        with collective("gradient all-reduce"):
-            dist.all_reduce(tail)
-            works, self._works = self._works, []
-            for work in works:
-                work.wait()
-            summed = tail.tolist()
-        used = {id(p) for p, n in zip(self.params, summed[len(scalars):]) if n > 0}
-        self._drop_unused(used)
-        self._reduce_sparse(world_size, used)
-        return summed[:len(scalars)]
+        else:
+            # the first host read is inside too: with nccl a peer's failure can surface there
+            with collective("gradient all-reduce"):
+                works, self._works = self._works, []
+                for work in works:
+                    work.wait()
+            self._reduce_sparse(world_size)
+        return [float(id(p) in self._used) for p in self.params]
 
-    def _drop_unused(self, used: set) -> None:
-        """``.grad = None`` for the dense parameters no rank produced a gradient for."""
-        for bucket in self.buckets:
-            for p in bucket.params:
-                if id(p) not in used:
-                    p.grad = None
+    def drop_unused(self, counts: list[float]) -> None:
+        """``.grad = None`` for each dense parameter that no rank produced a gradient for;
+        `counts` are the ranks' flags from :meth:`finish`, summed."""
+        for p, n in zip(self.params, counts):
+            if not n and id(p) in self._bucket_of:
+                p.grad = None
 
-    def _reduce_sparse(self, world_size: int, used: set) -> None:
-        """Gather the sparse gradients' indices and values from every rank and sum them."""
+    def _reduce_sparse(self, world_size: int) -> None:
+        """Gather the sparse gradients' indices and values from every rank and sum them; a
+        parameter no rank produced a gradient for gets ``.grad = None``."""
         if not self.sparse:
             return
         local = [_local_sparse(p) for p in self.sparse]
-        nnz = torch.tensor([len(g.values()) for g in local], dtype=torch.int64,
-                           device=self.device)
-        every = [torch.empty_like(nnz) for _ in range(world_size)]
+        k = len(local)  # per parameter: its nonzero count, then whether it had a gradient
+        meta = torch.tensor([len(g.values()) for g in local] +
+                            [int(id(p) in self._used) for p in self.sparse],
+                            dtype=torch.int64, device=self.device)
+        every = [torch.empty_like(meta) for _ in range(world_size)]
         with collective("sparse gradient gather"):
-            dist.all_gather(every, nnz)
-            counts = torch.stack(every).tolist()  # [rank][parameter]
+            dist.all_gather(every, meta)
+            rows = torch.stack(every).tolist()  # [rank][nonzero counts..., flags...]
         for j, (p, grad) in enumerate(zip(self.sparse, local)):
-            sizes = [row[j] for row in counts]
-            if id(p) not in used:
+            sizes = [row[j] for row in rows]
+            if not any(row[k + j] for row in rows):
                 p.grad = None
                 continue
             if not max(sizes):  # every rank's gradient is empty: so is the sum

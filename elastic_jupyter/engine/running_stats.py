@@ -32,7 +32,8 @@ class RunningStats:
 
     Per step, on every rank: :meth:`begin`, then :meth:`micro_batch` around each of the rank's
     micro-batches, then :meth:`combine` (a collective every rank calls, also one without
-    micro-batches; no collective when no layer is in training mode).
+    micro-batches; no collective when no layer is in training mode); :meth:`undo` when the
+    step is not committed.
 
     Args:
         model: the module whose BatchNorm layers (not SyncBatchNorm) tracking running
@@ -99,6 +100,15 @@ class RunningStats:
             m.running_var.copy_(var)
             m.num_batches_tracked.fill_(tracked)
             offset += 1 + 2 * width
+
+    def undo(self) -> None:
+        """Put back the buffers the step started with: a step that was not committed (a peer
+        failed, or the vote aborted) leaves the model as it found it (engine.vote)."""
+        with torch.no_grad():
+            for _, m, mean, var, tracked in self._start:
+                m.running_mean.copy_(mean)
+                m.running_var.copy_(var)
+                m.num_batches_tracked.fill_(tracked)
 
     def _table(self, count: int) -> torch.Tensor:
         """Rows 0..count-1: [calls, mean, var] of every training layer, zero for micro-batches

@@ -131,7 +131,7 @@ def _as_numpy(value, kind: str, dtype: str):
 
 def _replaced(obj, path: list, fn):
     """A copy of `obj` whose value at `path` is ``fn(value)``; only the containers along the
-    path are copied (a commit is restored more than once, so it must stay as captured)."""
+    path are copied (restoring must leave the caller's state as captured)."""
     if not path:
         return fn(obj)
     key, rest = path[0], path[1:]

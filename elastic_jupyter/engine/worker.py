@@ -1,10 +1,12 @@
 """One engine's share of a run: the user's objects, their state, one optimizer step.
 
 The Worker holds the model, optimizer and dataset the cell defined, captures and restores their
-state (for broadcasts, commits and checkpoints), keeps in-memory commits to roll back to after a
-fault, and runs one optimizer step or an evaluation with every rank of the current process
-group. Forming that group and looping over steps is engine.generation's job; the calls the
-owner makes are in engine.entrypoints.
+state (for broadcasts and checkpoints), and runs one optimizer step or an evaluation with every
+rank of the current process group. A step is a transaction: its update is applied only after
+every rank voted that its reduction succeeded (engine.vote); a step that fails before leaves
+the model, optimizer and BatchNorm statistics as it found them, so after a fault the survivors
+simply go on, and no copy of the state is kept. Forming the group and looping over steps is
+engine.generation's job; the calls the owner makes are in engine.entrypoints.
 
 The update is the mean gradient of the global batch B whatever the world size: each rank scales
 the mean loss of a micro-batch of m samples by m / B, and gradients are summed across ranks. (The
@@ -17,9 +19,7 @@ This module imports nothing from IPython or the UI: it runs the same way from a 
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import copy
 import time
 
 import torch
@@ -39,6 +39,7 @@ from .randomness import micro_batch_stream
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
 from .transfer import to_device as _to_device
+from .vote import Vote
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 CALIBRATION_STREAM = 2**64 - 1  # the random stream of measuring passes: no micro-batch's
@@ -107,7 +108,11 @@ class Worker:
             epochs = config.get("epochs") or 1
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
         self.history: list[dict] = []
-        self._commits: collections.deque = collections.deque(maxlen=2)  # (step, state, #records)
+        # a step begun and not yet committed (what a fault now would lose)
+        self.in_flight = False
+        # the record of a committed step whose evaluation, history entry and scheduler step
+        # are still to do (a fault hit its evaluation): the next generation does them first
+        self.pending: dict | None = None
         self.writer = None
         if config.get("checkpoint_dir"):
             self.writer = CheckpointWriter(config["checkpoint_dir"], config["keep"],
@@ -182,12 +187,8 @@ class Worker:
                                  grad_scaler=self.precision.scaler)
 
     def restore(self, state: dict) -> None:
-        """Continue from `state` (a broadcast or a checkpoint): commits of the run before are
-        dropped, since their steps may lie ahead of it on another timeline."""
-        self._commits.clear()
-        self._load(state)
-
-    def _load(self, state: dict) -> None:
+        """Continue from `state` (a broadcast or a checkpoint)."""
+        self.pending, self.in_flight = None, False
         self.progress, self.history = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
         given = self._given_pass_cost()
@@ -286,32 +287,6 @@ class Worker:
                 f"{plan.max_size}. Another run cuts its steps the same way (and draws the same "
                 f"dropout masks) with --pass-cost {plan.pass_cost:g}")
 
-    # commit / restore in memory: a fault rolls every survivor back to a commit all reached
-
-    def commit(self) -> None:
-        """Keep an in-memory copy of the state at this step (the last two are kept, since
-        ranks may be one commit apart when a peer dies inside a collective)."""
-        state = state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                  [], self.config, grad_scaler=self.precision.scaler)
-        self._commits.append((self.progress.step, state, len(self.history)))
-
-    def commit_steps(self) -> list[int]:
-        return [step for step, _, _ in self._commits]
-
-    def rollback(self, step: int) -> None:
-        """Restore the commit of `step`; raises KeyError if this rank has none."""
-        for commit_step, state, n_records in self._commits:
-            if commit_step == step:
-                history = self.history[:n_records]
-                # load_state_dict may keep the commit's own tensors (Adam's step, CPU state),
-                # which training would then change: a commit is restored from a copy
-                self._load(copy.deepcopy(state))
-                self.history = history
-                while self._commits[-1][0] != step:
-                    self._commits.pop()
-                return
-        raise KeyError(f"no commit at step {step} (have {self.commit_steps()})")
-
     # one optimizer step ----------------------------------------------------------------------
 
     def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int,
@@ -407,16 +382,23 @@ class Worker:
         self.precision.backward(loss * 0.0)
         self.reducer.forget_pass()
 
-    def _all_reduce(self, loss: float, extras: list[float], flag: float, B: int,
-                    world_size: int) -> tuple[float, list, bool]:
-        """Sum gradients, the count, loss, extra metrics and the leave flag across ranks.
+    def _reduce_and_vote(self, loss: float, extras: list[float], flag: float, B: int,
+                         world_size: int, vote: Vote) -> tuple[float, list, bool]:
+        """Sum gradients across ranks, then vote: the count, loss, extra metrics, leave flag
+        and which parameters had gradients are summed by the vote itself. Returns the summed
+        (loss, extras, leave) once every rank voted; raises StepAborted (a PeerFailure) when
+        the step is not committed.
 
         The local pass weighted each micro-batch by count / B; with MeanOver counts the total
         is not B, and multiplying by B / total makes the update the mean over every item.
         Raises ValueError when the MeanOver counts of the whole global batch sum to 0.
         """
-        flag, count, loss, *extras = self.reducer.reduce(
-            [flag, self._step_count, loss, *extras], world_size)
+        fault_point("allreduce", self)
+        has_grad = self.reducer.finish(world_size)
+        fault_point("vote", self)
+        flag, count, loss, *rest = vote.sum([flag, self._step_count, loss, *extras, *has_grad])
+        extras, has_grad = rest[:len(extras)], rest[len(extras):]
+        self.reducer.drop_unused(has_grad)
         self._items = count  # the global batch's MeanOver items (B for plain losses)
         if count != B:
             if not count:
@@ -427,20 +409,33 @@ class Worker:
             loss, extras = loss * factor, [e * factor for e in extras]
         return loss, extras, flag > 0
 
-    def train_step(self, rank: int, world_size: int, leave_flag: float) -> tuple[dict, bool]:
+    def train_step(self, rank: int, world_size: int, vote: Vote | None = None,
+                   leave_flag: float = 0.0) -> tuple[dict, bool]:
         """One optimizer step on this rank's share of the global batch; all ranks call it.
 
-        Returns (history record, whether any rank asked to leave after this step).
+        Args:
+            vote: the generation's commit vote (engine.vote); None with one rank and no store.
+            leave_flag: 1.0 on rank 0 when the owner asked the ranks to leave after this step.
+        Returns (history record, whether any rank asked to leave after this step); the record
+        is also :attr:`pending` until :meth:`finish_step` is done with it.
+        Raises PeerFailure (StepAborted among them) when the step was not committed: the
+        model, optimizer and BatchNorm statistics are then as the step found them.
         """
         t0 = time.perf_counter()
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
+        self.in_flight = True
         self.reducer.begin_step()  # zeroed gradients: views of the reduction's buckets
         self._step_count = 0.0
         parts = self.plan.rank_micro_batches(batch, rank, world_size)
-        loss, extras = self._local_pass(parts, len(batch), world_size)
-        fault_point("allreduce", self)
-        loss, extras, leave = self._all_reduce(loss, extras, leave_flag, len(batch), world_size)
+        try:
+            loss, extras = self._local_pass(parts, len(batch), world_size)
+            loss, extras, leave = self._reduce_and_vote(
+                loss, extras, leave_flag, len(batch), world_size, vote or Vote(None, 0, 1, 0.0))
+        except BaseException:
+            self.running_stats.undo()
+            raise
+        # committed: every rank applies this update (a rank dying from here on changes nothing)
         lr = self.optimizer.param_groups[0]["lr"]
         fault_point("optimizer", self)
         # the scheduler steps in the loop, after evaluation (schedulers.py)
@@ -460,50 +455,51 @@ class Worker:
         record.update(zip(p.metric_names, extras))
         if self._mean_over:  # what the step's loss is a mean over (an epoch's mean weighs it)
             record["items"] = int(round(self._items))
+        self.in_flight, self.pending = False, record
         return record, leave
 
     # evaluation ------------------------------------------------------------------------------
 
-    def _share_buffers(self, world_size: int) -> list[torch.Tensor]:
+    def _share_buffers(self, world_size: int) -> None:
         """Give every rank rank 0's buffers (the model ``run.state_dict()`` returns), which may
-        differ elsewhere: a custom layer's buffer updated from each rank's own samples.
-        Returns this rank's own buffers, to put back after the evaluation."""
-        own = [b.clone() for b in self.model.buffers()]
+        differ elsewhere: a custom layer's buffer updated from each rank's own samples."""
         if world_size > 1:
             with collective("buffer broadcast"):
                 for buffer in self.model.buffers():
                     dist.broadcast(buffer, src=0)
-        return own
 
-    def evaluate(self, rank: int, world_size: int) -> dict:
-        """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one."""
+    def evaluate(self, rank: int, world_size: int, vote: Vote | None = None) -> dict:
+        """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one.
+
+        Every rank evaluates rank 0's buffers; afterwards each layer's buffers and training
+        flag are its own again (a layer the cell froze with eval() stays frozen), also when a
+        peer fails. The ranks' sums meet in a round of the commit vote (`vote`; None with one
+        rank), so every rank returns the same metrics or raises PeerFailure.
+        """
         if self.eval_dataset is None:
             return {}
         n = len(self.eval_dataset)
         share = torch.arange(n)[rank_share(n, rank, world_size)]
         sums, count = {}, 0
-        # every layer's own training flag is restored afterwards (a
-        # layer the cell froze with eval() stays frozen); every rank evaluates rank 0's buffers
         modes = [(module, module.training) for module in self.model.modules()]
-        own_buffers = self._share_buffers(world_size)
-        self.model.eval()
-        with torch.no_grad():
-            for chunk in micro_batches(share, self.config.get("micro_batch") or self.config["global_batch"]):
-                batch = _to_device(self.collate_fn([self.eval_dataset[int(i)] for i in chunk]), self.device)
-                for name, value in self.metric_fn(self.model, batch).items():
-                    sums[name] = sums.get(name, 0.0) + float(value) * len(chunk)
-                count += len(chunk)
-        for module, training in modes:
-            module.training = training
-        with torch.no_grad():
-            for buffer, own in zip(self.model.buffers(), own_buffers):
-                buffer.copy_(own)
-        gathered = [None] * world_size
-        if world_size > 1:
-            with collective("evaluation gather"):
-                dist.all_gather_object(gathered, (sums, count))
-        else:
-            gathered = [(sums, count)]
+        own_buffers = [b.clone() for b in self.model.buffers()]
+        try:
+            self._share_buffers(world_size)
+            self.model.eval()
+            with torch.no_grad():
+                for chunk in micro_batches(share, self.config.get("micro_batch") or self.config["global_batch"]):
+                    batch = _to_device(self.collate_fn([self.eval_dataset[int(i)] for i in chunk]), self.device)
+                    for name, value in self.metric_fn(self.model, batch).items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * len(chunk)
+                    count += len(chunk)
+        finally:
+            for module, training in modes:
+                module.training = training
+            with torch.no_grad():
+                for buffer, own in zip(self.model.buffers(), own_buffers):
+                    buffer.copy_(own)
+        fault_point("evaluate", self)
+        gathered = (vote or Vote(None, 0, 1, 0.0)).gather((sums, count))
         total = sum(c for _, c in gathered)
         names = sorted({k for s, _ in gathered for k in s})
         return {f"val_{k}": sum(s.get(k, 0.0) for s, _ in gathered) / total for k in names}
