@@ -12,6 +12,8 @@ engine start timeout   60 s
 ``--micro-batch``      no cap (the count of micro-batches follows from the pool's bounds)
 ``--pass-cost``        measured at the run's start (a pass's fixed cost, in samples)
 ``--epochs``           1 (unless ``--steps``)
+``--workers``          0 loader processes per engine: samples are fetched in the training
+                       process when a pass needs them (N: fetched ahead in N processes)
 ``--checkpoint-every`` 100 steps, and always at the end
 ``--checkpoint-dir``   ``elastic-checkpoints/<name>/`` beside the notebook
 ``--keep``             3 checkpoints
@@ -108,6 +110,7 @@ class RunConfig:
     micro_batch: int | None = None
     pass_cost: float | None = None
     epochs: int | None = None
+    workers: int = 0  # DataLoader processes per engine (engine.loader)
     steps: int | None = None
     eval_every: int | None = None
     clip_grad_norm: float | None = None
@@ -144,8 +147,9 @@ class RunConfig:
         positive("--steps", self.steps, allow_none=True)
         positive("--eval-every", self.eval_every, allow_none=True)
         positive("--keep", self.keep)
-        if isinstance(self.standby, bool) or not isinstance(self.standby, int) or self.standby < 0:
-            raise UsageError(f"--standby must be an integer >= 0, got {self.standby!r}")
+        for label, v in (("--standby", self.standby), ("--workers", self.workers)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UsageError(f"{label} must be an integer >= 0, got {v!r}")
         positive("--commit-every", self.commit_every, allow_none=True)
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
             raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")

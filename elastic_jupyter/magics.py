@@ -123,6 +123,9 @@ def _train_parser() -> _Parser:
     p.add_argument("--commit-every", type=_positive_int, default=None,
                    help="ignored: every step is committed by a vote, so a fault loses at most "
                         "one step (accepted for one more release)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="DataLoader processes per engine that fetch and collate the coming "
+                        "passes' samples ahead (default 0: in the training process)")
     p.add_argument("--standby", type=int, default=0,
                    help="engines kept set up outside the group so a grow is instant (default 0)")
     p.add_argument("--plateau-metric",
@@ -239,7 +242,7 @@ class ElasticMagics(Magics):
             clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
             collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm,
-            commit_every=args.commit_every, standby=args.standby,
+            commit_every=args.commit_every, standby=args.standby, workers=args.workers,
             plateau_metric=args.plateau_metric, precision=args.precision)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool().start()

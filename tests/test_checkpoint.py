@@ -50,6 +50,41 @@ def test_state_round_trip_restores_rng_and_optimizer(tmp_path):
     assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
 
 
+def _tensors(state: dict) -> list[torch.Tensor]:
+    found = []
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            for v in obj.values():
+                walk(v)
+        elif isinstance(obj, (list, tuple)):
+            for v in obj:
+                walk(v)
+    walk({k: state[k] for k in ("model", "optimizer")})
+    return found
+
+
+def test_checkpoint_copies_reuse_their_buffers_and_equal_a_fresh_copy(tmp_path):
+    """A checkpoint's copy goes into buffers kept from the last one: no allocation of the
+    state's size per checkpoint, and the same values a fresh copy has."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    staging, pointers = state_mod.Staging(), []
+    for step in (1, 2):
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        staged = state_mod.capture(model, opt, None, state_mod.Progress(step=step), [], {},
+                                   staging=staging)
+        fresh = state_mod.capture(model, opt, None, state_mod.Progress(step=step), [], {})
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(staged), _tensors(fresh)))
+        pointers.append([t.data_ptr() for t in _tensors(staged)])
+        ckpt.write_checkpoint(str(tmp_path), staged, keep=2)
+    assert pointers[0] == pointers[1]
+    loaded = ckpt.load_checkpoint(ckpt.latest_checkpoint(str(tmp_path)))
+    assert torch.equal(loaded["model"]["weight"], model.weight)
+
+
 class _RunsCode:
     def __reduce__(self):
         return (os.system, ("touch /tmp/elastic-jupyter-pwned",))

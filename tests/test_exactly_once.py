@@ -2,45 +2,46 @@
 import collections
 import glob
 
+import pytest
+
 from elastic_jupyter import RunConfig, TrainingRun
 
 CELL = '''
 import os
 import torch
-import torch.distributed as dist
 
-class RecordingDataset(torch.utils.data.Dataset):
-    """100 samples; every __getitem__ for training (inside a process group: not the setup's
-    reads of a few items, for the dataset's fingerprint) is appended to a per-engine file."""
+class Samples(torch.utils.data.Dataset):
+    """100 samples, each with its index."""
     def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.x, self.y = torch.randn(100, 4, generator=g), torch.randint(0, 2, (100,), generator=g)
-        self.log = open(f"{LOG_PREFIX}-{os.getpid()}.txt", "a", buffering=1)
     def __len__(self):
         return 100
     def __getitem__(self, i):
-        if dist.is_initialized():
-            self.log.write(f"{i}\\n")
-        return self.x[i], self.y[i]
+        return self.x[i], self.y[i], i
 
-dataset = RecordingDataset()
+dataset = Samples()
 model = torch.nn.Linear(4, 2)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-def loss_fn(model, batch):
-    x, y = batch
+log = open(f"{LOG_PREFIX}-{os.getpid()}.txt", "a", buffering=1)
+def loss_fn(model, batch):  # every sample a step trains on, appended to a per-engine file
+    x, y, i = batch
+    log.write("".join(f"{int(k)}\\n" for k in i))
     return torch.nn.functional.cross_entropy(model(x), y)
 '''
 
 
-def test_every_sample_once_per_epoch_across_resizes(idle_pool, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_sample_once_per_epoch_across_resizes(idle_pool, tmp_path, workers):
     prefix = str(tmp_path / "indices")
     # 100 samples, batch 24: 5 steps per epoch, the last of 4 samples; 3 epochs = 15 steps.
     # Resizes after step 7 (mid-epoch 1) and step 12 (mid-epoch 2); 24 over 3 ranks and the
     # remainder 4 over 3 ranks give uneven shares.
-    # a given pass cost: no measuring passes, whose reads of the first step's samples the
-    # dataset would log too
+    # a given pass cost: no measuring passes, whose passes over the first step's samples
+    # loss_fn would log too. With loader processes, batches fetched ahead for a generation that
+    # ends are fetched again by the next: what counts is what the steps trained on
     config = RunConfig(name="once", global_batch=24, epochs=3, checkpoint_every=0,
-                       pass_cost=0.0)
+                       pass_cost=0.0, workers=workers)
     run = TrainingRun(idle_pool, config, source=CELL, push={"LOG_PREFIX": prefix}, engines=2,
                       schedule=[(7, 3), (12, 2)], workspace=str(tmp_path)).start()
     assert run.wait(timeout=240) == "finished", run.logs()

@@ -275,7 +275,7 @@ def _sync_cell(items: str, denominator: str = "count.clamp(min=1)") -> str:
 def _sync_worker(cell: str) -> tuple[Worker, dict]:
     """A Worker of `cell` with sync_batchnorm on (its setup would refuse it on CPU)."""
     ns = cell_namespace(cell, 3)
-    worker = Worker(ns, config(steps=1), "cpu")
+    worker = Worker(ns, config(steps=1, micro_batch=8), "cpu")  # 2 micro-batches a step
     worker.config["sync_batchnorm"] = True
     return worker, ns
 
@@ -283,7 +283,10 @@ def _sync_worker(cell: str) -> tuple[Worker, dict]:
 def test_sync_batchnorm_runs_the_backward_of_a_pass_without_items():
     worker, ns = _sync_worker(_sync_cell("torch.zeros(N)"))
     worker.reducer.begin_step()
-    loss, extras = worker._local_pass([(0, torch.arange(8)), (1, torch.arange(8, 16))], 16, 1)
+    batch = worker.plan.batch(0, 0)
+    assert len(worker.plan.rank_micro_batches(batch, 0, 1)) == 2
+    parts = worker._passes(batch, 0, 1)
+    loss, extras = worker._local_pass(parts, len(batch), 0, 1)
     assert ns["backward_calls"] == [1]  # one pass: the rank's share at once
     assert (loss, extras) == (0.0, [])
     worker.reducer.drop_unused(worker.reducer.finish(1))  # its pass added nothing: no

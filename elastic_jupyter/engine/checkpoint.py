@@ -363,6 +363,10 @@ class CheckpointWriter:
             done, self._done = self._done, []
         return done
 
+    def wait(self) -> None:
+        """Wait for every submitted write (their outcomes stay for :meth:`take_events`)."""
+        self._queue.join()
+
     def drain(self) -> list[dict]:
         """Wait for every submitted write, then return the outcomes not yet taken."""
         self._queue.join()

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import state as state_mod
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .schedulers import step_lr_scheduler
@@ -33,11 +34,18 @@ PUBLISH_WINDOW = 512  # records per update: more than the owner can miss between
 
 def _publish(data: dict) -> None:
     """Stream `data` to the owner when running as an ipyparallel task; no-op elsewhere."""
+    try:  # imported here: engine/ never needs ipyparallel
+        from ipykernel.zmqshell import ZMQInteractiveShell
+        from ipyparallel.datapub import publish_data
+    except ImportError:
+        return
+    # outside an engine, publish_data would create a shell (replacing __main__) to publish to
+    if not ZMQInteractiveShell.initialized():
+        return
     try:
-        from ipyparallel.datapub import publish_data  # here: engine/ never needs ipyparallel
         publish_data(data)
-    except Exception:  # not inside an engine task (a script or a test calling the loop directly)
-        pass
+    except Exception as e:  # noqa: BLE001 -- live updates are best effort; the result has all
+        print(f"publishing live records failed: {e}", file=sys.stderr)
 
 
 def run_generation(worker: Worker, spec: dict, store) -> dict:
@@ -89,6 +97,7 @@ class Generation:
         self._version: int | None = None
         self.end_at = spec.get("end_at")
         self.events: list[dict] = []  # rank 0's, for the owner's run log
+        self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
 
     def run(self) -> dict:
         spec, w = self.spec, self.worker
@@ -106,6 +115,7 @@ class Generation:
             with _out_of_memory_hint(w.config):
                 return self._loop()
         finally:
+            w.end_generation()
             # closing this rank's sockets makes peers blocked in a collective fail now
             # instead of at the group timeout; its own failure must not hide the first error
             try:
@@ -191,5 +201,10 @@ class Generation:
     def _maybe_checkpoint(self, step: int, cfg: dict) -> None:
         every = cfg.get("checkpoint_every") or 0
         w = self.worker
-        if w.writer and ((every and step % every == 0) or step >= cfg["total_steps"]):
-            w.writer.submit(w.capture())
+        last = step >= cfg["total_steps"]
+        if w.writer and ((every and step % every == 0) or last):
+            # the step waits for the copy only; the write goes on in the background, and the
+            # next checkpoint's copy waits for it (it reuses the buffers). The last step's
+            # state changes no more (the generation waits for the write): no copy
+            w.writer.wait()
+            w.writer.submit(w.capture(copy_tensors=not last, staging=self.staging))

@@ -10,9 +10,12 @@ k of step s draws from a stream seeded by (seed, s, k) alone, whichever rank pro
 whatever world size. A model with dropout therefore ends with the same parameters at any world
 size and across resizes.
 
-Covered: torch's CPU generator and, on a GPU rank, its CUDA device's generator, for everything
-a micro-batch runs (loading its samples, forward, backward). Python's ``random`` and numpy's
-global generator are not reseeded: draws from them stay per rank.
+Covered: torch's CPU generator and, on a GPU rank, its CUDA device's generator, for a
+micro-batch's forward and backward. Its samples are fetched ahead, maybe in other processes
+(engine.loader), each under torch's CPU generator seeded by (seed, epoch, sample index)
+(:func:`sample_seed`), so a random transform gives the same sample at any world size and any
+number of loader processes. Python's ``random`` and numpy's global generator are not
+reseeded: draws from them stay per rank.
 """
 from __future__ import annotations
 
@@ -33,6 +36,15 @@ def stream_seed(seed: int, step: int, index: int) -> int:
     """
     data = struct.pack("<QQQ", seed % 2**64, step, index)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"ej-micro").digest(),
+                          "little")
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The 64-bit seed under which sample `index` of the dataset is fetched in epoch `epoch`
+    (engine.loader): a hash like :func:`stream_seed`'s, of other numbers, so a sample's random
+    transform is the same whichever rank, pass or loader process fetches it."""
+    data = struct.pack("<QQQ", seed % 2**64, epoch, index)
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8, person=b"ej-sample").digest(),
                           "little")
 
 

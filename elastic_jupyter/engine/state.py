@@ -150,15 +150,62 @@ def with_numpy_values(state: dict) -> dict:
     return state
 
 
+class Staging:
+    """CPU buffers that captures for checkpoints copy tensors into, kept from one capture to
+    the next: memory is allocated once, not at every checkpoint, and pinned for GPU tensors,
+    so their copies run asynchronously and the capture waits for the device once.
+
+    A capture's result holds these buffers: the next capture overwrites them, so its writer
+    must be done with the previous one first (engine.generation waits for it).
+    """
+
+    def __init__(self):
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+        self._device: torch.device | None = None  # a GPU the copies came from
+
+    def begin(self) -> None:
+        self._next, self._device = 0, None
+
+    def copy(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` copied into the capture's next buffer (tensors come in the same order each
+        capture; a buffer of another shape or dtype is replaced)."""
+        if t.layout != torch.strided or t.is_quantized:
+            return _cpu_copy(t)
+        t = t.detach()
+        i, self._next = self._next, self._next + 1
+        if i == len(self._buffers):
+            self._buffers.append(None)
+        buffer = self._buffers[i]
+        if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
+            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._buffers[i] = buffer
+        buffer.copy_(t, non_blocking=t.is_cuda)
+        if t.is_cuda:
+            self._device = t.device
+        return buffer
+
+    def end(self) -> None:
+        """Wait for the copies; buffers past this capture's last are freed."""
+        del self._buffers[self._next:]
+        if self._device is not None:
+            torch.cuda.synchronize(self._device)
+
+
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
-            *, copy_tensors: bool = True, grad_scaler=None) -> dict:
+            *, copy_tensors: bool = True, grad_scaler=None, staging: Staging | None = None
+            ) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
     another thread while training goes on. With ``copy_tensors=False`` the tensors are the
-    live ones (to inspect the state without copying the model).
+    live ones (to inspect the state without copying the model). With `staging`, tensors are
+    copied into its reused buffers (see :class:`Staging`).
     """
-    tensor = _cpu_copy if copy_tensors else (lambda t: t)
+    if staging is not None:
+        staging.begin()
+    tensor = (staging.copy if staging is not None else _cpu_copy) if copy_tensors \
+        else (lambda t: t)
     numpy_types: list = []
     objects = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
@@ -175,6 +222,8 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
         "grad_scaler": (_plain(grad_scaler.state_dict(), None, None, tensor)
                         if grad_scaler is not None else None),
     })
+    if staging is not None:
+        staging.end()
     return state
 
 

@@ -33,6 +33,7 @@ from .batching import (BatchPlan, micro_batch_bounds, micro_batches, rank_share,
 from .checkpoint import CheckpointWriter
 from .collective import collective
 from .faultpoints import fault_point
+from .loader import PassSampler, pass_batches
 from .losses import read_loss
 from .precision import Precision, PrecisionError
 from .randomness import micro_batch_stream
@@ -43,6 +44,26 @@ from .vote import Vote
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 CALIBRATION_STREAM = 2**64 - 1  # the random stream of measuring passes: no micro-batch's
+
+
+def _weighted(value, weight: float):
+    """`value` (a metric or loss: a one-element tensor, or a number) times `weight`: a float64
+    tensor on the value's device, or a float."""
+    if torch.is_tensor(value):  # it may still require grad
+        return value.detach().double().reshape(()) * weight
+    return float(value) * weight
+
+
+def _floats(values: list) -> list[float]:
+    """`values` (floats, or tensors from :func:`_weighted`) as floats; the tensors are read in
+    one transfer, so the step waits for its device once."""
+    at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+    out = [float(v) if not torch.is_tensor(v) else 0.0 for v in values]
+    if at:
+        device = values[at[0]].device  # a metric may sit elsewhere than the loss
+        for i, v in zip(at, torch.stack([values[i].to(device) for i in at]).tolist()):
+            out[i] = v
+    return out
 
 
 class SetupError(RuntimeError):
@@ -78,6 +99,7 @@ class Worker:
         self.loss_fn = objects["loss_fn"]
         self.lr_scheduler = objects.get("lr_scheduler")
         self.collate_fn = objects.get("collate_fn") or torch.utils.data.default_collate
+        self.worker_init_fn = objects.get("worker_init_fn")
         self.eval_dataset = objects.get("eval_dataset")
         self.metric_fn = objects.get("metric_fn")
         self._check_objects()
@@ -93,6 +115,9 @@ class Worker:
         self._step_count = 0.0  # samples (or MeanOver items) this rank's share weighed this step
         self._items = 0.0  # the same, summed over the global batch (after the reduction)
         self._first_step_of_generation = False
+        # the input pipeline (engine.loader), and the (rank, world size, epoch, position) of the
+        # step whose batches it yields next
+        self._batches, self._batches_at = None, None
         self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"],
                               config.get("micro_batch"), config.get("pool_min_size", 1),
                               config.get("pool_max_size", 1))
@@ -179,12 +204,14 @@ class Worker:
 
     # state -------------------------------------------------------------------------------------
 
-    def capture(self, copy_tensors: bool = True) -> dict:
+    def capture(self, copy_tensors: bool = True, staging: state_mod.Staging | None = None
+                ) -> dict:
         """The training state as plain data (engine.state); ``copy_tensors=False`` gives the
-        live tensors, for a reader done before training goes on."""
+        live tensors, for a reader done before training goes on; `staging` reused buffers to
+        copy into (a checkpoint's)."""
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
                                  self.history, self.config, copy_tensors=copy_tensors,
-                                 grad_scaler=self.precision.scaler)
+                                 grad_scaler=self.precision.scaler, staging=staging)
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (a broadcast or a checkpoint)."""
@@ -211,6 +238,24 @@ class Worker:
         self.reducer.sync_order(world_size)
         self._first_step_of_generation = True
         return event
+
+    def end_generation(self) -> None:
+        """The generation ended (or failed): stop its input pipeline's loader processes."""
+        self._batches = self._batches_at = None
+
+    def _next_batch(self, rank: int, world_size: int):
+        """The next pass's collated batch from the input pipeline, started here when it does
+        not stand at this step (a new generation, a restore, a step that was not committed)."""
+        p = self.progress
+        at = (rank, world_size, p.epoch, p.position)
+        if self._batches is None or self._batches_at != at:
+            sampler = PassSampler(self.plan, lambda batch: self._passes(batch, rank, world_size),
+                                  p.epoch, p.position, self.config["total_steps"] - p.step)
+            self._batches = pass_batches(
+                self.dataset, sampler, self.config["seed"], self.config.get("workers") or 0,
+                self.collate_fn, self.worker_init_fn, pin_memory=self.device.type == "cuda")
+            self._batches_at = at
+        return next(self._batches)
 
     # the cost of a pass, which sets how steps are cut into micro-batches ----------------------
 
@@ -289,6 +334,17 @@ class Worker:
 
     # one optimizer step ----------------------------------------------------------------------
 
+    def _passes(self, batch: torch.Tensor, rank: int,
+                world_size: int) -> list[tuple[int, torch.Tensor]]:
+        """This rank's passes of a step over `batch` (sample indices): its micro-batches
+        (index k, sample indices), or with --sync-batchnorm all of them in one pass."""
+        parts = self.plan.rank_micro_batches(batch, rank, world_size)
+        if self.config.get("sync_batchnorm") and parts:
+            # SyncBatchNorm's statistics span what every rank forwards at once: one pass over
+            # the rank's whole share gives the global batch (and no rank waits on another)
+            parts = [(parts[0][0], torch.cat([chunk for _, chunk in parts]))]
+        return parts
+
     def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int,
                             world_size: int):
         """Yield the sample indices of each of this rank's micro-batches (index, indices) of a
@@ -299,10 +355,6 @@ class Worker:
         ranks (collectives: every rank's loop must end). An exception in the loop body closes
         this generator as it leaves the caller (CPython frees the loop's iterator), which
         restores the outer RNG state and the layers' momenta."""
-        if self.config.get("sync_batchnorm") and parts:
-            # SyncBatchNorm's statistics span what every rank forwards at once: one pass over
-            # the rank's whole share gives the global batch (and no rank waits on another)
-            parts = [(parts[0][0], torch.cat([chunk for _, chunk in parts]))]
         self.running_stats.begin()
         for n, (index, chunk) in enumerate(parts):
             if n == len(parts) - 1:  # SyncBatchNorm's collectives run inside backward
@@ -314,27 +366,27 @@ class Worker:
         self.reducer.flush(world_size)
         self.running_stats.combine(self.plan.micro_batch_count(B))
 
-    def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int,
-                    world_size: int) -> tuple[float, list[float]]:
-        """Forward and backward over this rank's micro-batches (index, sample indices) of a
-        batch of `B` samples; returns (loss, extra metrics), each already weighted by the
-        micro-batches' fraction of the batch."""
+    def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int, rank: int,
+                    world_size: int) -> tuple:
+        """Forward and backward over this rank's passes (index, sample indices) of a batch of
+        `B` samples, their batches from the input pipeline (the same passes); returns (loss, extra metrics), each already weighted by the
+        micro-batches' fraction of the batch: float64 tensors on the device where loss_fn gave
+        tensors (read with :func:`_floats`, once per step), else floats."""
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
         for chunk in self._micro_batch_passes(parts, B, world_size):
-            batch = _to_device(self.collate_fn([self.dataset[int(i)] for i in chunk]), self.device)
+            batch = _to_device(self._next_batch(rank, world_size), self.device)
             fault_point("forward", self)
             with self._sync_batchnorm_collectives():
                 with self.precision.autocast():
                     out = self.loss_fn(self.model, batch)
                 fault_point("backward", self)
                 loss, metrics, weight = self._backward(out, len(chunk), B)
-            loss_sum += loss
+            loss_sum = loss_sum + loss
             if metrics and not self.progress.metric_names:
                 self.progress.metric_names = sorted(metrics)
                 extras = [0.0] * len(metrics)
             for j, name in enumerate(self.progress.metric_names):
-                value = metrics[name]  # a tensor may still require grad: read it detached
-                extras[j] += float(value.detach() if torch.is_tensor(value) else value) * weight
+                extras[j] = extras[j] + _weighted(metrics[name], weight)
         return loss_sum, extras
 
     def _sync_batchnorm_collectives(self):
@@ -344,9 +396,10 @@ class Worker:
             return contextlib.nullcontext()
         return collective("SyncBatchNorm statistics", only=dist.DistError)
 
-    def _backward(self, out, samples: int, B: int) -> tuple[float, dict, float]:
+    def _backward(self, out, samples: int, B: int) -> tuple:
         """Backward of one micro-batch's ``loss_fn`` output weighted by its count / `B`
-        (its samples, or its MeanOver items); returns (weighted loss, metrics, weight)."""
+        (its samples, or its MeanOver items); returns (weighted loss, metrics, weight), the
+        loss as a float64 tensor on the device (reading it here would wait for the device)."""
         loss, metrics, count, mean_over = read_loss(out, samples)
         if self._mean_over is None:
             self._mean_over = mean_over
@@ -360,7 +413,7 @@ class Worker:
             return 0.0, dict.fromkeys(metrics, 0.0), 0.0
         weight = count / B
         self.precision.backward(loss * weight)
-        return float(loss.detach()) * weight, metrics, weight
+        return _weighted(loss, weight), metrics, weight
 
     def _backward_for_peers(self, loss: torch.Tensor) -> None:
         """With --sync-batchnorm, the backward of a pass whose MeanOver count is 0, at weight 0:
@@ -396,8 +449,14 @@ class Worker:
         fault_point("allreduce", self)
         has_grad = self.reducer.finish(world_size)
         fault_point("vote", self)
-        flag, count, loss, *rest = vote.sum([flag, self._step_count, loss, *extras, *has_grad])
-        extras, has_grad = rest[:len(extras)], rest[len(extras):]
+        # reading the loss waits for the device: with peers the vote needs it (and with nccl
+        # that wait is also what says the reduction is done); one rank reads it only after
+        # its update is queued (train_step), so the device does not idle meanwhile
+        shared = _floats([loss, *extras]) if world_size > 1 else []
+        flag, count, *rest = vote.sum([flag, self._step_count, *shared, *has_grad])
+        if shared:
+            loss, *extras = rest[:len(shared)]
+        has_grad = rest[len(shared):]
         self.reducer.drop_unused(has_grad)
         self._items = count  # the global batch's MeanOver items (B for plain losses)
         if count != B:
@@ -417,7 +476,8 @@ class Worker:
             vote: the generation's commit vote (engine.vote); None with one rank and no store.
             leave_flag: 1.0 on rank 0 when the owner asked the ranks to leave after this step.
         Returns (history record, whether any rank asked to leave after this step); the record
-        is also :attr:`pending` until :meth:`finish_step` is done with it.
+        is also :attr:`pending` until the generation has evaluated, recorded it and stepped
+        the scheduler (engine.generation).
         Raises PeerFailure (StepAborted among them) when the step was not committed: the
         model, optimizer and BatchNorm statistics are then as the step found them.
         """
@@ -427,13 +487,14 @@ class Worker:
         self.in_flight = True
         self.reducer.begin_step()  # zeroed gradients: views of the reduction's buckets
         self._step_count = 0.0
-        parts = self.plan.rank_micro_batches(batch, rank, world_size)
+        parts = self._passes(batch, rank, world_size)
         try:
-            loss, extras = self._local_pass(parts, len(batch), world_size)
+            loss, extras = self._local_pass(parts, len(batch), rank, world_size)
             loss, extras, leave = self._reduce_and_vote(
                 loss, extras, leave_flag, len(batch), world_size, vote or Vote(None, 0, 1, 0.0))
         except BaseException:
             self.running_stats.undo()
+            self._batches = self._batches_at = None  # it stands past this step
             raise
         # committed: every rank applies this update (a rank dying from here on changes nothing)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -441,11 +502,14 @@ class Worker:
         # the scheduler steps in the loop, after evaluation (schedulers.py)
         self.precision.step(self.optimizer, self.config.get("clip_grad_norm"),
                             self.model.parameters())
+        loss, *extras = _floats([loss, *extras])
         if self._first_step_of_generation:  # the buckets, in the order backward filled them
             self.reducer.sync_order(world_size)
             self._first_step_of_generation = False
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
+        if self._batches is not None:  # the input pipeline stands at the next step now
+            self._batches_at = (rank, world_size, p.epoch, p.position)
         p.step += 1
         p.samples += len(batch)
         seconds = time.perf_counter() - t0

@@ -1,0 +1,96 @@
+"""A rank's input pipeline: a torch DataLoader over the rank's passes of the coming steps.
+
+The batch plan (engine.batching) fixes every step's samples and how they are cut into passes,
+so within a generation (fixed rank and world size) a rank knows all its future passes: a
+:class:`PassSampler` lists them, and a DataLoader fetches them ahead, in ``--workers``
+processes (0: in the training process, when the pass asks for its batch) that keep
+``prefetch_factor`` (2) batches each in flight, with the cell's ``collate_fn`` and
+``worker_init_fn``, into pinned memory on GPU slots, so the copy to the device is
+asynchronous. The loader lives for one generation; a new one starts from the run's progress
+in the next, so every sample is still used once per epoch (what a prefetched batch of a
+finished generation held is fetched again by the rank that now has it).
+
+Each sample is fetched under torch's CPU generator seeded by (seed, epoch, sample index)
+(engine.randomness.sample_seed), so a random transform gives the same sample at any world
+size and any number of loader processes.
+"""
+from __future__ import annotations
+
+import multiprocessing
+from typing import Callable
+
+import torch
+
+from .batching import BatchPlan
+from .randomness import sample_seed
+
+
+class SeededSamples(torch.utils.data.Dataset):
+    """The cell's dataset indexed by (epoch, index) pairs; each sample fetched under torch's
+    CPU generator seeded by :func:`sample_seed` (the caller's generator state is kept)."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        return self.__getitems__([key])[0]
+
+    def __getitems__(self, keys: list[tuple[int, int]]) -> list:
+        """The samples of one pass (DataLoader calls this with a whole batch's keys)."""
+        generator = torch.default_generator
+        saved = generator.get_state()  # once per pass, not per sample
+        try:
+            out = []
+            for epoch, index in keys:
+                generator.manual_seed(sample_seed(self.seed, epoch, index))
+                out.append(self.dataset[index])
+            return out
+        finally:
+            generator.set_state(saved)
+
+
+class PassSampler(torch.utils.data.Sampler):
+    """A batch sampler: the (epoch, index) keys of each of one rank's passes, step after step,
+    from the step at (`epoch`, `position`) until `steps` steps are listed.
+
+    Args:
+        plan: the run's batch plan.
+        passes: the rank's passes of a step, ``passes(step's sample indices) -> [(k, indices)]``
+            (Worker._passes: the same function the training step cuts by).
+    """
+
+    def __init__(self, plan: BatchPlan, passes: Callable, epoch: int, position: int,
+                 steps: int):
+        self.plan, self.passes = plan, passes
+        self.epoch, self.position, self.steps = epoch, position, steps
+
+    def __iter__(self):
+        epoch, position = self.epoch, self.position
+        for _ in range(self.steps):
+            for _, chunk in self.passes(self.plan.batch(epoch, position)):
+                yield [(epoch, index) for index in chunk.tolist()]
+            epoch, position = self.plan.advance(epoch, position)
+
+
+def pass_batches(dataset, sampler: PassSampler, seed: int, workers: int,
+                 collate_fn: Callable, worker_init_fn: Callable | None, pin_memory: bool):
+    """An iterator over the collated batches of `sampler`'s passes, in order.
+
+    Args:
+        workers: loader processes (0: fetch in this process when a batch is asked for).
+        pin_memory: copy batches to pinned memory (GPU slots), so moving them to the device
+            with ``non_blocking=True`` overlaps with the device's work.
+    """
+    # forked, not spawned: the cell's classes live in its module, which only this process has
+    # (a spawned process could not unpickle the dataset)
+    context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
+    loader = torch.utils.data.DataLoader(
+        SeededSamples(dataset, seed), batch_sampler=sampler, num_workers=workers,
+        collate_fn=collate_fn, worker_init_fn=worker_init_fn, pin_memory=pin_memory,
+        multiprocessing_context=context,
+        # the loader processes' own seeds (which the samples' do not depend on) follow the run's
+        generator=torch.Generator().manual_seed(seed % 2**63))
+    return iter(loader)
