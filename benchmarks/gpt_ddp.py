@@ -1,11 +1,14 @@
 """torchrun worker for the DDP side of benchmarks/gpt_throughput.py.
 
 Launched as ``python -m torch.distributed.run --standalone --nproc_per_node 2 gpt_ddp.py
---size 50M --seq-len 64 --global-batch 8 --warmup 3 --steps 20``. It executes the same cell
-the elastic run executes (benchmarks/gpt.py ``cell``), wraps the model in
-DistributedDataParallel (gloo) and reads its share of each step through a DistributedSampler
-and a DataLoader (num_workers 0). Rank 0 prints one JSON line: samples/s over the timed steps,
-and every rank's peak resident memory (VmHWM, bytes).
+--size 50M --seq-len 64 --global-batch 8 --warmup 3 --steps 20 [--transform-ms 0] [--workers 0]``.
+It executes the same cell the elastic run executes (benchmarks/gpt.py ``cell``, with the same
+``--transform-ms``), wraps the model in DistributedDataParallel (gloo) and reads its share of
+each step through a DistributedSampler and a DataLoader with ``--workers`` processes (persistent;
+0: in the training process). After the timed steps rank 0 writes a final checkpoint (model and
+optimizer, fsynced, into a temporary folder), as the elastic run does. Rank 0 prints one JSON
+line: samples/s over the timed steps, and every rank's peak resident memory (VmHWM, bytes), the
+checkpoint's included.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import argparse
 import json
 import os
 import resource
+import tempfile
 import time
 
 import torch
@@ -31,18 +35,22 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transform-ms", type=float, default=0.0)
+    parser.add_argument("--workers", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # as the engines do
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     objects = {"__name__": "__ddp_cell__"}
-    exec(compile(gpt.cell(args.size, args.seq_len), "<gpt cell>", "exec"), objects)
+    source = gpt.cell(args.size, args.seq_len, transform_ms=args.transform_ms)
+    exec(compile(source, "<gpt cell>", "exec"), objects)
     model = DistributedDataParallel(objects["model"])
     sampler = DistributedSampler(objects["dataset"], num_replicas=world, rank=rank,
                                  seed=args.seed)
     loader = iter(DataLoader(objects["dataset"], batch_size=args.global_batch // world,
-                             sampler=sampler, num_workers=0))
+                             sampler=sampler, num_workers=args.workers,
+                             persistent_workers=args.workers > 0))
     optimizer, loss_fn = objects["optimizer"], objects["loss_fn"]
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
@@ -53,6 +61,13 @@ def main() -> None:
         optimizer.step()
     dist.barrier()
     seconds = time.perf_counter() - start
+    if rank == 0:  # the final checkpoint, as the elastic run's rank 0 writes one
+        with tempfile.TemporaryDirectory() as folder, \
+                open(os.path.join(folder, "final.pt"), "wb") as f:
+            torch.save({"model": model.module.state_dict(),
+                        "optimizer": optimizer.state_dict()}, f)
+            f.flush()
+            os.fsync(f.fileno())
     peaks = [None] * world
     dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:

@@ -2,16 +2,21 @@
 benchmarks/gpt.py against the same cell under torchrun + DistributedDataParallel.
 
 Both sides: 2 processes, gloo, one thread each, AdamW, byte-level text from the standard
-library, global batch ``--global-batch`` sequences of ``--seq-len`` bytes. The elastic run
+library, global batch ``--global-batch`` sequences of ``--seq-len`` bytes; with
+``--transform-ms`` each sample costs that much CPU time to fetch (benchmarks/gpt.py
+``StdlibText``: a data-bound run), read through ``--workers`` loader processes per rank
+(ours: ``RunConfig(workers=N)``; DDP: ``DataLoader(num_workers=N)``). The elastic run
 trains on a fresh pool of 2 engines (bounds 1..2, so each step is cut for 1 and 2 ranks); its
 throughput comes from the per-step time stamps of ``run.history`` after ``--warmup`` steps,
 DDP's from its own clock over the same number of steps (benchmarks/gpt_ddp.py). The sides
 alternate, ours first, ``--pairs`` times, because this machine's speed drifts by tens of
 percent; the table gives the median ratio and the range of the per-pair ratios. Peak resident
 memory per rank (VmHWM) is read from the engines after their run and reported by the DDP
-ranks themselves.
+ranks themselves; both sides' rank 0 writes a final checkpoint, so the table gives the ratio
+for rank 0 and rank 1 apart.
 
-Usage: ``.venv/bin/python benchmarks/gpt_throughput.py [--sizes 5M 50M] [--pairs 5]``
+Usage: ``.venv/bin/python benchmarks/gpt_throughput.py [--sizes 5M 50M] [--pairs 5]
+[--transform-ms MS --workers N]``
 """
 from __future__ import annotations
 
@@ -45,15 +50,16 @@ def ours(size: str, args) -> dict:
         with tempfile.TemporaryDirectory() as workspace:
             config = RunConfig(name=f"gpt-{size}", global_batch=args.global_batch,
                                steps=args.warmup + args.steps, checkpoint_every=0,
-                               seed=args.seed)
-            run = TrainingRun(pool, config, source=gpt.cell(size, args.seq_len),
-                              workspace=workspace).start()
+                               seed=args.seed, workers=args.workers)
+            source = gpt.cell(size, args.seq_len, transform_ms=args.transform_ms)
+            run = TrainingRun(pool, config, source=source, workspace=workspace).start()
+            ranks = run.members  # rank order (no resizes here): rank 0 writes the checkpoint
             if run.wait(timeout=3600) != "finished":
                 raise RuntimeError(run.logs())
             stamps = [r["time"] for r in run.history]
             timed = stamps[args.warmup - 1:]  # the end of the last warm-up step starts the clock
             cut = next(e for e in run.events if e["kind"] == "micro_batches")
-            peaks = [_vm_hwm(e.pid) for e in pool.engines]
+            peaks = [_vm_hwm(e.pid) for e in ranks]
         return {"samples_per_s": args.steps * args.global_batch / (timed[-1] - timed[0]),
                 "peak_rss": peaks, "cut": cut["message"]}
     finally:
@@ -66,7 +72,8 @@ def ddp(size: str, args) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            os.path.join(HERE, "gpt_ddp.py"), "--size", size, "--seq-len", str(args.seq_len),
            "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
-           "--steps", str(args.steps), "--seed", str(args.seed)]
+           "--steps", str(args.steps), "--seed", str(args.seed),
+           "--transform-ms", str(args.transform_ms), "--workers", str(args.workers)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     if out.returncode != 0:
         raise RuntimeError(f"DDP baseline failed:\n{out.stdout}\n{out.stderr}")
@@ -82,19 +89,27 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--transform-ms", type=float, default=0.0,
+                        help="CPU time of each sample's transform (0: plain byte windows)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help="loader processes per rank, both sides (0: in the training process)")
     args = parser.parse_args()
+    print(f"seq-len {args.seq_len}, global batch {args.global_batch}, {args.warmup} warm-up + "
+          f"{args.steps} timed steps, {args.pairs} pairs; per-sample transform "
+          f"{args.transform_ms:g} ms CPU, {args.workers} loader workers per rank")
     print("| model | ours samples/s | DDP samples/s | ours / DDP (median, range) | "
-          "peak RSS per rank ours / DDP |")
+          "peak RSS ours / DDP (median) |")
     print("|---|---|---|---|---|")
     for size in args.sizes:
         pairs = [(ours(size, args), ddp(size, args)) for _ in range(args.pairs)]
         ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]
-        rss = statistics.median(max(a["peak_rss"]) / max(b["peak_rss"]) for a, b in pairs)
+        rss = [statistics.median(a["peak_rss"][r] / b["peak_rss"][r] for a, b in pairs)
+               for r in range(2)]
         print(f"| {size} ({gpt.parameters(size) / 1e6:.1f} M) | "
               f"{statistics.median(a['samples_per_s'] for a, _ in pairs):.1f} | "
               f"{statistics.median(b['samples_per_s'] for _, b in pairs):.1f} | "
               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
-              f"{rss:.2f} |", flush=True)
+              f"rank0 {rss[0]:.2f} / rank1 {rss[1]:.2f} |", flush=True)
         print(f"  ours: {pairs[0][0]['cut']}", flush=True)
 
 
