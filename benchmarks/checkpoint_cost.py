@@ -5,8 +5,8 @@ synchronously (``torch.save`` + fsync).
 One process, one thread, the GPT decoder of benchmarks/gpt.py with AdamW (the state: the
 parameters and twice their size in moments), trained by a real Worker at world size 1 as a
 generation trains it: each interval is ``--interval`` steps; every other interval ends with a
-checkpoint submitted to the Worker's background writer, which the next interval's steps
-overlap (the write competes for the cores, as it does in a run). Reported: the median extra
+checkpoint copied into reused buffers and submitted to the Worker's background writer, which
+the next interval's steps overlap (the write competes for the cores, as it does in a run). Reported: the median extra
 seconds of a checkpointed interval over its plain neighbours, the median of a synchronous save
 of the same state, and their ratio.
 
@@ -28,6 +28,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402
+from elastic_jupyter.engine import state as state_mod  # noqa: E402
 from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
 
@@ -61,13 +62,15 @@ def main() -> None:
                         "cpu")
         for _ in range(2):  # warm-up: the optimizer's moments exist from the first step
             worker.train_step(0, 1)
-        plain, checkpointed = [], []
+        plain, checkpointed, staging = [], [], state_mod.Staging()
         for i in range(2 * args.intervals + 1):
             start = time.perf_counter()
             for _ in range(args.interval):
                 worker.train_step(0, 1)
-            if i % 2:
-                worker.writer.submit(worker.capture())
+            if i % 2:  # as engine.generation checkpoints: into reused buffers, once the
+                # previous write is done
+                worker.writer.wait()
+                worker.writer.submit(worker.capture(staging=staging))
             (checkpointed if i % 2 else plain).append(time.perf_counter() - start)
         worker.writer.drain()
         state = worker.capture()

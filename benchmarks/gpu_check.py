@@ -730,19 +730,26 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
     cfg["global_batch"] = batch
     plain = Plain(plain_objects, cfg, ctx.device)
     worker = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1), str(ctx.device))
-    runs = {"ours": [], "plain": [], "plain_item": []}
+    # the same with 2 loader processes fetching ahead into pinned memory (engine.loader)
+    fed = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1, workers=2),
+                 str(ctx.device))
+    runs = {"ours": [], "plain": [], "plain_item": [], "ours_workers2": []}
     for pair in range(ctx.pairs):  # interleaved: a slow moment of the machine hits every side
         runs["ours"].append(with_peak_memory(ctx.device, worker.model, worker.optimizer,
                                              lambda: ours_window(ctx, worker, warmup, steps)))
+        runs["ours_workers2"].append(with_peak_memory(
+            ctx.device, fed.model, fed.optimizer, lambda: ours_window(ctx, fed, warmup, steps)))
         runs["plain"].append(with_peak_memory(ctx.device, plain.model, plain.optimizer,
                                               lambda: plain_window(plain, warmup, steps)))
         runs["plain_item"].append(with_peak_memory(
             ctx.device, plain.model, plain.optimizer,
             lambda: plain_window(plain, warmup, steps, read_loss=True)))
-        log("  pair {}: ours {:.1f} ms, plain {:.1f} ms, plain+loss.item() {:.1f} ms".format(
+        log("  pair {}: ours {:.1f} ms, plain {:.1f} ms, plain+loss.item() {:.1f} ms, "
+            "ours --workers 2 {:.1f} ms".format(
             pair + 1, *(runs[k][-1]["mean"] * 1e3 for k in runs)))
     med = {k: statistics.median(r["mean"] for r in v) for k, v in runs.items()}
     ratio, ratio_item = med["ours"] / med["plain"], med["ours"] / med["plain_item"]
+    ratio_fed = med["ours_workers2"] / med["plain"]
     pair_ratios = [o["mean"] / p["mean"] for o, p in zip(runs["ours"], runs["plain"])]
     peaks = {k: v[-1].get("peak_bytes") for k, v in runs.items()}  # steady state: the last
     losses_finite = all(math.isfinite(r["loss"]) for v in runs.values() for r in v)
@@ -753,14 +760,30 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
     ok = losses_finite and (ctx.quick or ratio <= AIM)
     return Outcome(ok, f"ours/plain {ratio:.3f}",
                    f"{med['ours'] * 1e3:.1f} vs {med['plain'] * 1e3:.1f} ms/step "
-                   f"(+item {ratio_item:.3f}), GPT {size} bf16 B={batch}x{seq}; {aim}{memory}",
+                   f"(+item {ratio_item:.3f}; --workers 2: {ratio_fed:.3f}), GPT {size} bf16 "
+                   f"B={batch}x{seq}; {aim}{memory}",
                    {"median_step_s": med, "ratio": ratio, "ratio_vs_plain_item": ratio_item,
+                    "ratio_workers2": ratio_fed,
                     "pair_ratios": pair_ratios, "overhead_ms": (med["ours"] - med["plain"]) * 1e3,
                     "peak_bytes": peaks, "runs": runs, "tuning": probes, "global_batch": batch,
                     "seq_len": seq, "size": size, "warmup": warmup, "timed_steps": steps})
 
 
 # ------------------------------------------------------------------------------ 9: pinned
+
+
+def pipeline_pinned(ctx: Ctx) -> bool:
+    """Whether the engine's input pipeline hands over pinned batches (engine.loader), with a
+    loader process: the batches the engine moves to the device with non_blocking copies."""
+    model = nn.Linear(8, 1).to(ctx.device)
+    objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+               "dataset": Pairs(64, 8, torch.float32), "loss_fn": mse_loss}
+    worker = Worker(objects, config(steps=2, workers=1), str(ctx.device))
+    try:
+        x, _ = worker._next_batch(0, 1)  # the next pass's batch, before its copy to the device
+        return x.is_pinned()
+    finally:
+        worker.end_generation()
 
 
 def check_pinned_memory(ctx: Ctx) -> Outcome:
@@ -773,14 +796,12 @@ def check_pinned_memory(ctx: Ctx) -> Outcome:
     equal = (torch.equal(moved["x"].cpu(), x) and torch.equal(moved["pair"][0].cpu(), tokens)
              and torch.equal(moved["pair"][1][0].cpu(), x[:3]))
     on_device = moved["x"].device.type == "cuda" and moved["pair"][0].device.type == "cuda"
-    # what the engine moves: default_collate's batch (its collate_fn), pinned or not
-    collated = default_collate([Pairs(4, 8, torch.float32)[i] for i in range(4)])
-    pinned = collated[0].is_pinned()
+    pinned = pipeline_pinned(ctx)
     ok = equal and on_device
     return Outcome(ok, "equal" if equal else "DIFFERS",
-                   f"to_device non_blocking from pinned memory; collated batches pinned: "
+                   f"to_device non_blocking from pinned memory; input pipeline's batches pinned: "
                    f"{pinned} ({'async copies' if pinned else 'so the copies are synchronous'})",
-                   {"equal": equal, "on_device": on_device, "collated_batch_pinned": pinned})
+                   {"equal": equal, "on_device": on_device, "pipeline_batches_pinned": pinned})
 
 
 # ------------------------------------------------------------------------------ driver

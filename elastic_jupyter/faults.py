@@ -2,8 +2,8 @@
 
 A *fault* is an engine that died (SIGKILL, out-of-memory kill, segfault: ipyparallel reports
 ``EngineError`` within milliseconds) or hung (a rank that did not return while its peers' collective
-timed out). The run survives a fault: survivors roll back to their last common in-memory commit and
-go on without the lost engine. An *error* is an exception raised by the user's code on a live
+timed out). The run survives a fault: survivors keep the last step every rank voted for
+(engine.vote) and go on without the lost engine. An *error* is an exception raised by the user's code on a live
 engine; it ends the run. A peer's failure makes the other ranks fail inside the collective; those
 secondary errors are neither.
 

@@ -243,8 +243,10 @@ def train_generation(spec: dict, log_path: str | None) -> dict:
 
 def training_state() -> dict:
     """Called on rank 0 when the run ends (finished or stopped), for the final weights:
-    the Worker's full state as plain data on the CPU."""
-    return _state.worker.capture()
+    the Worker's full state as plain data on the CPU. A CPU engine sends its live tensors,
+    which no step changes any more: the reply's serialization is the only copy."""
+    w = _state.worker
+    return w.capture(copy_tensors=w.device.type != "cpu")
 
 
 def drop_run() -> None:

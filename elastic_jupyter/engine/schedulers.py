@@ -4,7 +4,7 @@ Every torch scheduler steps once per optimizer step, except ReduceLROnPlateau, w
 metric: with ``--plateau-metric val_<name>`` it steps at each evaluation with that validation
 metric; without, once per epoch with the epoch's mean training loss (the mean over its
 samples). Every rank steps with the same value (losses and metrics are reduced across ranks),
-so the learning rate stays the same everywhere; the scheduler's state goes into commits and
+so the learning rate stays the same everywhere; the scheduler's state goes into broadcasts and
 checkpoints like any scheduler's.
 
 This module imports nothing from IPython or the UI.

@@ -298,13 +298,16 @@ class Worker:
             return 0.0
         buffers = [b.detach().clone() for b in self.model.buffers()]
         rng = state_mod.rng_state()  # the dataset's draws from Python's and numpy's too
+        # fetched before the timing: the passes' cost is the model's, not the loading's (which
+        # --workers processes may do beside the passes)
+        batches = {size: _to_device(self.collate_fn([self.dataset[int(i)] for i in
+                                                     indices[:size]]), self.device)
+                   for size in (2, large)}
 
         def run_pass(size: int) -> None:
             with micro_batch_stream(self.config["seed"], p.step, CALIBRATION_STREAM, self.device):
-                batch = self.collate_fn([self.dataset[int(i)] for i in indices[:size]])
                 with self.precision.autocast():
-                    loss = read_loss(self.loss_fn(self.model, _to_device(batch, self.device)),
-                                     size)[0]
+                    loss = read_loss(self.loss_fn(self.model, batches[size]), size)[0]
                 if loss.requires_grad:
                     loss.backward()
             if self.device.type == "cuda":
@@ -369,9 +372,9 @@ class Worker:
     def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int, rank: int,
                     world_size: int) -> tuple:
         """Forward and backward over this rank's passes (index, sample indices) of a batch of
-        `B` samples, their batches from the input pipeline (the same passes); returns (loss, extra metrics), each already weighted by the
-        micro-batches' fraction of the batch: float64 tensors on the device where loss_fn gave
-        tensors (read with :func:`_floats`, once per step), else floats."""
+        `B` samples, each pass's batch from the input pipeline; returns (loss, extra metrics),
+        each weighted by the passes' fraction of the batch: float64 tensors on the device where
+        loss_fn gave tensors (read with :func:`_floats`, once per step), else floats."""
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
         for chunk in self._micro_batch_passes(parts, B, world_size):
             batch = _to_device(self._next_batch(rank, world_size), self.device)
@@ -435,12 +438,13 @@ class Worker:
         self.precision.backward(loss * 0.0)
         self.reducer.forget_pass()
 
-    def _reduce_and_vote(self, loss: float, extras: list[float], flag: float, B: int,
-                         world_size: int, vote: Vote) -> tuple[float, list, bool]:
+    def _reduce_and_vote(self, loss, extras: list, flag: float, B: int, world_size: int,
+                         vote: Vote) -> tuple:
         """Sum gradients across ranks, then vote: the count, loss, extra metrics, leave flag
-        and which parameters had gradients are summed by the vote itself. Returns the summed
-        (loss, extras, leave) once every rank voted; raises StepAborted (a PeerFailure) when
-        the step is not committed.
+        and which parameters had gradients are summed by the vote itself. Returns (loss,
+        extras, leave) once every rank voted, loss and extras summed as floats (with one rank:
+        as :meth:`_local_pass` gave them); raises StepAborted (a PeerFailure) when the step is
+        not committed.
 
         The local pass weighted each micro-batch by count / B; with MeanOver counts the total
         is not B, and multiplying by B / total makes the update the mean over every item.
@@ -503,9 +507,6 @@ class Worker:
         self.precision.step(self.optimizer, self.config.get("clip_grad_norm"),
                             self.model.parameters())
         loss, *extras = _floats([loss, *extras])
-        if self._first_step_of_generation:  # the buckets, in the order backward filled them
-            self.reducer.sync_order(world_size)
-            self._first_step_of_generation = False
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
         if self._batches is not None:  # the input pipeline stands at the next step now
@@ -520,6 +521,10 @@ class Worker:
         if self._mean_over:  # what the step's loss is a mean over (an epoch's mean weighs it)
             record["items"] = int(round(self._items))
         self.in_flight, self.pending = False, record
+        if self._first_step_of_generation:  # the buckets, in the order backward filled them:
+            # a collective, so only once the step is done (a peer failing here loses nothing)
+            self._first_step_of_generation = False
+            self.reducer.sync_order(world_size)
         return record, leave
 
     # evaluation ------------------------------------------------------------------------------
