@@ -8,7 +8,8 @@ generation trains it: each interval is ``--interval`` steps; every other interva
 checkpoint copied into reused buffers and submitted to the Worker's background writer, which
 the next interval's steps overlap (the write competes for the cores, as it does in a run). Reported: the median extra
 seconds of a checkpointed interval over its plain neighbours, the median of a synchronous save
-of the same state, and their ratio.
+of the same state, and their ratio; and the time the loop itself stops for a checkpoint (the
+copy into the buffers, and any wait for the previous write).
 
 Usage: ``.venv/bin/python benchmarks/checkpoint_cost.py [--size 50M] [--intervals 6]``
 """
@@ -62,15 +63,17 @@ def main() -> None:
                         "cpu")
         for _ in range(2):  # warm-up: the optimizer's moments exist from the first step
             worker.train_step(0, 1)
-        plain, checkpointed, staging = [], [], state_mod.Staging()
+        plain, checkpointed, stalls, staging = [], [], [], state_mod.Staging()
         for i in range(2 * args.intervals + 1):
             start = time.perf_counter()
             for _ in range(args.interval):
                 worker.train_step(0, 1)
             if i % 2:  # as engine.generation checkpoints: into reused buffers, once the
                 # previous write is done
+                stall = time.perf_counter()
                 worker.writer.wait()
                 worker.writer.submit(worker.capture(staging=staging))
+                stalls.append(time.perf_counter() - stall)
             (checkpointed if i % 2 else plain).append(time.perf_counter() - start)
         worker.writer.drain()
         state = worker.capture()
@@ -86,7 +89,9 @@ def main() -> None:
           f"{statistics.median(plain):.2f} s; a checkpoint adds {statistics.median(extra):.3f} s "
           f"(range {min(extra):.3f}..{max(extra):.3f}); a synchronous save + fsync takes "
           f"{statistics.median(saves):.2f} s; ratio "
-          f"{statistics.median(extra) / statistics.median(saves):.1%}")
+          f"{statistics.median(extra) / statistics.median(saves):.1%}; the loop itself waits "
+          f"{statistics.median(stalls):.3f} s per checkpoint (the copy), "
+          f"{statistics.median(stalls) / statistics.median(saves):.1%} of the save")
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def main() -> None:
         print(json.dumps({"samples_per_s": args.steps * args.global_batch / seconds,
                           "peak_rss": peaks, "parameters": gpt.parameters(args.size)}),
               flush=True)
+    dist.barrier()  # both ranks leave the group together (gloo aborted a rank that left first)
     dist.destroy_process_group()
 
 

@@ -3,10 +3,10 @@
 The batch plan (engine.batching) fixes every step's samples and how they are cut into passes,
 so within a generation (fixed rank and world size) a rank knows all its future passes: a
 :class:`PassSampler` lists them, and a DataLoader fetches them ahead, in ``--workers``
-processes (0: in the training process, when the pass asks for its batch) that keep
-``prefetch_factor`` (2) batches each in flight, with the cell's ``collate_fn`` and
-``worker_init_fn``, into pinned memory on GPU slots, so the copy to the device is
-asynchronous. The loader lives for one generation; a new one starts from the run's progress
+processes that keep ``prefetch_factor`` (2) batches each in flight, with the cell's
+``collate_fn`` and ``worker_init_fn``, into pinned memory on GPU slots, so the copy to the
+device is asynchronous; with 0, the training process fetches a pass's samples when the pass
+asks for its batch. The loader lives for one generation; a new one starts from the run's progress
 in the next, so every sample is still used once per epoch (what a prefetched batch of a
 finished generation held is fetched again by the rank that now has it).
 
@@ -81,14 +81,17 @@ def pass_batches(dataset, sampler: PassSampler, seed: int, workers: int,
 
     Args:
         workers: loader processes (0: fetch in this process when a batch is asked for).
-        pin_memory: copy batches to pinned memory (GPU slots), so moving them to the device
-            with ``non_blocking=True`` overlaps with the device's work.
+        pin_memory: with loader processes, batches arrive in pinned memory (GPU slots), so
+            moving them to the device with ``non_blocking=True`` overlaps with its work.
     """
+    samples = SeededSamples(dataset, seed)
+    if not workers:  # what DataLoader would do in this process, without its per-batch cost
+        return (collate_fn(samples.__getitems__(keys)) for keys in sampler)
     # forked, not spawned: the cell's classes live in its module, which only this process has
     # (a spawned process could not unpickle the dataset)
     context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
     loader = torch.utils.data.DataLoader(
-        SeededSamples(dataset, seed), batch_sampler=sampler, num_workers=workers,
+        samples, batch_sampler=sampler, num_workers=workers,
         collate_fn=collate_fn, worker_init_fn=worker_init_fn, pin_memory=pin_memory,
         multiprocessing_context=context,
         # the loader processes' own seeds (which the samples' do not depend on) follow the run's

@@ -48,10 +48,10 @@ CALIBRATION_STREAM = 2**64 - 1  # the random stream of measuring passes: no micr
 
 def _weighted(value, weight: float):
     """`value` (a metric or loss: a one-element tensor, or a number) times `weight`: a float64
-    tensor on the value's device, or a float."""
-    if torch.is_tensor(value):  # it may still require grad
-        return value.detach().double().reshape(()) * weight
-    return float(value) * weight
+    tensor on the value's GPU (reading it now would wait for the device), else a float."""
+    if torch.is_tensor(value) and value.device.type != "cpu":
+        return value.detach().double().reshape(()) * weight  # it may still require grad
+    return float(value.detach() if torch.is_tensor(value) else value) * weight
 
 
 def _floats(values: list) -> list[float]:
