@@ -230,12 +230,25 @@ class Driver:
     # ---------------------------------------------------------------- end states
 
     async def _finish(self, state: str) -> None:
-        self.final_state = await self.calls.training_state(self.members[0])
+        self.final_state = await self._last_state()
         if state == "stopped":
             await self._final_checkpoint()
         self.state = state
         self.log.event(state, world_size=len(self.members))
         await self._release()
+
+    async def _last_state(self) -> dict:
+        """The run's state at its last step: from the checkpoint of that step when rank 0 wrote
+        one (a finished run always does), which spares rank 0 a serialized copy of the whole
+        state in a reply; else from rank 0."""
+        written = self.log.last_event("checkpoint")  # this run's, not an older file's
+        if written is not None and written["step"] == self.log.step:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, ckpt.load_checkpoint, written["path"])
+            except (ckpt.CheckpointError, RuntimeError):  # pruned, unreadable; interpreter exit
+                pass
+        return await self.calls.training_state(self.members[0])
 
     async def _final_checkpoint(self) -> None:
         """Write the stopped run's state (off the owner loop: the disk may be slow)."""

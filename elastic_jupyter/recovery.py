@@ -30,7 +30,7 @@ class Recovery:
         self.membership, self.calls, self.log = membership, calls, log
         self.sizer, self.pool = sizer, pool
         self.checkpoint_dir, self.standby, self.poll = checkpoint_dir, standby, poll
-        self._last_rollback = 0
+        self._restored_step = 0
         self._faults_without_progress = 0
 
     async def recover(self, outcome) -> set:
@@ -44,7 +44,7 @@ class Recovery:
         members.boot(self.sizer.engines_wanted(self.standby))
         await self.wait_for_minimum()
         fault_step, target, newcomers = await self._roll_back_survivors()
-        self._last_rollback = target
+        self._restored_step = target
         self.log.roll_back(target)
         # records the live stream had not delivered before the fault
         self.log.merge({"records": await self.calls.history_since(
@@ -56,7 +56,7 @@ class Recovery:
         return newcomers
 
     def _count_fault(self) -> None:
-        if self.log.step > self._last_rollback:
+        if self.log.step > self._restored_step:
             self._faults_without_progress = 0
         self._faults_without_progress += 1
         if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.pool.max_size):

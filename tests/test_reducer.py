@@ -3,7 +3,7 @@ start while the last backward runs, in the same order on every rank even when ra
 gradients in different orders, and the result is the sum of every rank's gradients."""
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from worlds import spawn
 
 from elastic_jupyter.engine.reduce import GradReducer
 from elastic_jupyter.engine.vote import Vote
@@ -89,7 +89,7 @@ def _rank(rank: int, store: str, out: str) -> None:
 
 
 def test_buckets_start_during_backward_and_sum_every_rank(tmp_path):
-    mp.spawn(_rank, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=3)
+    spawn(_rank, (str(tmp_path / "store"), str(tmp_path)), 3)
     for rank in range(3):
         started, buckets, summed, got, expected, layouts = torch.load(tmp_path / f"rank{rank}.pt")
         assert layouts[0] == layouts[1] == layouts[2]  # the newcomer's too

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from worlds import spawn
 
 from elastic_jupyter.engine import state as state_mod
 from elastic_jupyter.engine import state_transfer
@@ -79,7 +79,7 @@ def _assert_same(a, b, path="state"):
 
 @pytest.mark.parametrize("bucket_bytes", [16 * 2**20, 64])  # 64: most tensors sent alone
 def test_receivers_get_rank0s_state(tmp_path, bucket_bytes):
-    mp.spawn(_rank, args=(str(tmp_path / "store"), bucket_bytes, str(tmp_path)), nprocs=3)
+    spawn(_rank, (str(tmp_path / "store"), bucket_bytes, str(tmp_path)), 3)
     (sent, _), *received = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
                             for r in range(3)]
     assert not torch.equal(_objects(1)[0][0].weight, _objects(0)[0][0].weight)  # differed

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ipyparallel.error import EngineError, RemoteError
-from worlds import cell_namespace, config
+from worlds import cell_namespace, config, spawn
 
 from elastic_jupyter import RunConfig, TrainingRun, faults
 from elastic_jupyter.engine.collective import PeerFailure, collective
@@ -134,8 +133,7 @@ def _generation_rank(rank: int, world_size: int, cell: str, store_path: str, out
 ])
 def test_the_failing_rank_raises_the_users_error_and_its_peer_a_peer_failure(
         tmp_path, fail, error, words):
-    mp.spawn(_generation_rank, args=(2, failing_cell(fail), str(tmp_path / "store"),
-                                     str(tmp_path)), nprocs=2)
+    spawn(_generation_rank, (2, failing_cell(fail), str(tmp_path / "store"), str(tmp_path)), 2)
     ended = sorted((tmp_path / f"rank{r}.txt").read_text().split("\n", 2) for r in range(2))
     assert sorted(name for _, name, _ in ended) == sorted([error, "PeerFailure"])
     assert abs(float(ended[0][0]) - float(ended[1][0])) < 5  # the peer fails as the rank leaves

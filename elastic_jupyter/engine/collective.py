@@ -1,6 +1,6 @@
 """Our own collectives, and the one exception that says a peer failed in one of them.
 
-The owner tells a fault (a peer died or hung: roll back and go on) from the user's error (the
+The owner tells a fault (a peer died or hung: go on without it) from the user's error (the
 run fails) by signals, never by the words of a message: an engine that is gone, a rank that did
 not return, or a :class:`PeerFailure` raised here. Every collective this package runs (forming
 the process group, the state broadcast, the gradient reduction, the evaluation gather) runs

@@ -89,7 +89,7 @@ def pass_batches(dataset, sampler: PassSampler, seed: int, workers: int,
         return (collate_fn(samples.__getitems__(keys)) for keys in sampler)
     # forked, not spawned: the cell's classes live in its module, which only this process has
     # (a spawned process could not unpickle the dataset)
-    context = "fork" if workers and "fork" in multiprocessing.get_all_start_methods() else None
+    context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     loader = torch.utils.data.DataLoader(
         samples, batch_sampler=sampler, num_workers=workers,
         collate_fn=collate_fn, worker_init_fn=worker_init_fn, pin_memory=pin_memory,
