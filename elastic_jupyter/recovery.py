@@ -94,21 +94,25 @@ class Recovery:
         checkpoint is loaded on rank 0."""
         survivors = list(self.membership.members)
         joining = self.membership.admit_joining()
-        if survivors:
-            held = await self.calls.progress(survivors)
+        held = await self.calls.progress(survivors) if survivors else []
+        # an engine the fault caught while it received the state holds part of it: it
+        # receives the state again (engine.state_transfer's `into`)
+        receivers = {e.engine_id for e, h in zip(survivors, held)
+                     if not h["holds_state"]} | {e.engine_id for e in joining}
+        held = [h for h in held if h["holds_state"]]
+        if held:
             steps = {h["step"] for h in held}
             if len(steps) == 1:
                 step = steps.pop()
-                return step + any(h["in_flight"] for h in held), step, {
-                    e.engine_id for e in joining}
+                return step + any(h["in_flight"] for h in held), step, receivers
             # the vote rules this out; should it happen, a checkpoint is still consistent
             self.log.event("warning", message=f"survivors disagree on the step ({sorted(steps)})")
             reached = max(steps)
         else:
             reached = self.log.step
         if ckpt.latest_checkpoint(self.checkpoint_dir) is None:
-            raise RuntimeError("every engine was lost before the first checkpoint; start the "
-                               "run again")
+            raise RuntimeError("the engines that held the run's state were lost before its "
+                               "first checkpoint; start the run again")
         members = self.membership.members
         loaded = await self.calls.load_state(members[0], self.checkpoint_dir)
         self.log.event("warning", message=f"no survivor holds the run's state: restored "

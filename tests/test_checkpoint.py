@@ -76,6 +76,7 @@ def test_checkpoint_copies_reuse_their_buffers_and_equal_a_fresh_copy(tmp_path):
         opt.step()
         staged = state_mod.capture(model, opt, None, state_mod.Progress(step=step), [], {},
                                    staging=staging)
+        staging.wait()
         fresh = state_mod.capture(model, opt, None, state_mod.Progress(step=step), [], {})
         assert all(torch.equal(a, b) for a, b in zip(_tensors(staged), _tensors(fresh)))
         pointers.append([t.data_ptr() for t in _tensors(staged)])
@@ -83,6 +84,36 @@ def test_checkpoint_copies_reuse_their_buffers_and_equal_a_fresh_copy(tmp_path):
     assert pointers[0] == pointers[1]
     loaded = ckpt.load_checkpoint(ckpt.latest_checkpoint(str(tmp_path)))
     assert torch.equal(loaded["model"]["weight"], model.weight)
+
+
+def test_a_copy_overlapping_the_next_step_holds_the_state_as_captured(tmp_path):
+    """Parameters and optimizer state are copied on a thread while the next step's forward
+    and backward run; the step waits for the copies before its update (as Worker.train_step
+    does), and so does the writer: the file holds the state as captured."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512))
+    opt = torch.optim.Adam(model.parameters())
+    staging = state_mod.Staging()
+    writer = ckpt.CheckpointWriter(str(tmp_path), keep=1)
+    try:
+        for step in (1, 2):
+            model(torch.randn(8, 512)).pow(2).mean().backward()
+            opt.step()
+            expected = state_mod.capture(model, opt, None, state_mod.Progress(step=step), [], {})
+            writer.wait()
+            writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=step),
+                                            [], {}, staging=staging), ready=staging.wait)
+            assert staging._copier is not None  # the large tensors' copies were deferred
+            opt.zero_grad()
+            model(torch.randn(8, 512)).pow(2).mean().backward()  # BatchNorm's buffers change
+            staging.wait()
+            opt.step()
+        assert [e["kind"] for e in writer.drain()] == ["checkpoint", "checkpoint"]
+    finally:
+        writer.close()
+    loaded = ckpt.load_checkpoint(ckpt.latest_checkpoint(str(tmp_path)))
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(loaded), _tensors(expected)))
+    assert not torch.equal(loaded["model"]["0.weight"], model[0].weight)  # it moved on
 
 
 class _RunsCode:

@@ -157,6 +157,30 @@ def test_crash_while_resizing(idle_pool, tmp_path, expected):
     assert fault_events(run)[0]["lost_slots"] == [victim.slot]
 
 
+def test_crash_while_a_newcomer_receives_the_state(idle_pool, tmp_path):
+    """The sender dies while a grow's newcomer receives the state: the newcomer holds part of
+    it, so the survivor that holds all of it sends it again; nothing is rolled back."""
+    steps = 1000  # long enough for the grow's engine to start
+    clean = TrainingRun(idle_pool, config("grow-clean", tmp_path / "clean", steps=steps),
+                        source=CELL, engines=2, workspace=str(tmp_path)).start()
+    assert clean.wait(timeout=240) == "finished", clean.logs()
+    run = TrainingRun(idle_pool, config("crash-grow", tmp_path, steps=steps), source=CELL,
+                      engines=2, workspace=str(tmp_path)).start()
+    sender = run.members[0]
+    wait_for(lambda: run.step >= 1, what="step 1")  # the first generation's broadcast is done
+    with open(os.path.join(run.config.fault_dir, "arm.broadcast"), "w") as f:
+        f.write(str(sender.slot))
+    run.resize(3)
+    pattern = os.path.join(run.config.fault_dir, f"hit.broadcast.{sender.slot}.*")
+    wait_for(lambda: glob.glob(pattern), what="the grow's state broadcast")
+    os.kill(int(open(glob.glob(pattern)[0]).read()), signal.SIGKILL)
+    assert_same_result(run, clean.state_dict(), steps=steps)
+    event = fault_events(run)[0]
+    assert event["lost_slots"] == [sender.slot] and event["lost_steps"] == 0, event
+    warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
+    assert not any("disagree" in m or "no survivor" in m for m in warnings), warnings
+
+
 def test_hung_engine_is_detected_killed_and_replaced(idle_pool, tmp_path, expected):
     run = TrainingRun(idle_pool, config("hang", tmp_path), source=CELL, engines=2,
                       workspace=str(tmp_path)).start()

@@ -48,9 +48,15 @@ def _rank(rank: int, store_path: str, bucket_bytes: int, out: str) -> None:
         random.seed(rank)
         objects = _objects(seed=rank)  # receivers start from other values
         model, optimizer, _ = objects
+        # rank 2 receives into its own model's tensors, rank 1 into new memory
+        into = _capture(objects, 0) if rank == 2 else None
+        addresses = {k: t.data_ptr() for k, t in model.state_dict().items() if t.numel()}
         state = broadcast_state(_capture(objects, 7) if rank == 0 else None, rank,
-                                torch.device("cpu"))
+                                torch.device("cpu"), into=into)
         if rank:
+            in_place = {k for k, t in state["model"].items()
+                        if k in addresses and t.data_ptr() == addresses[k]}
+            assert in_place == (set(addresses) if into else set()), in_place
             state_mod.restore(state, *objects)
         del state
         # the optimizer keeps its received tensors: their storages must hold nothing else

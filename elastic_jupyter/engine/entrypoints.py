@@ -260,10 +260,13 @@ def progress() -> dict:
 
     Returns {"step": committed steps, "in_flight": whether a step had begun and was not
     committed (the work the fault lost), "pending": whether the last step's evaluation is
-    still to do}. The commit vote gives every survivor the same step (engine.vote).
+    still to do, "holds_state": False when the fault caught it before it had loaded the
+    state it was to receive (its model may hold part of it)}. The commit vote gives every survivor that holds the state
+    the same step (engine.vote).
     """
     w = _state.worker
-    return {"step": w.progress.step, "in_flight": w.in_flight, "pending": w.pending is not None}
+    return {"step": w.progress.step, "in_flight": w.in_flight, "pending": w.pending is not None,
+            "holds_state": w.holds_state}
 
 
 def history_since(step: int) -> list[dict]:

@@ -97,10 +97,11 @@ class Generation:
         self._version: int | None = None
         self.end_at = spec.get("end_at")
         self.events: list[dict] = []  # rank 0's, for the owner's run log
-        self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
 
     def run(self) -> dict:
         spec, w = self.spec, self.worker
+        if spec["receive_state"]:  # until it is loaded, this engine holds no state of the run
+            w.holds_state = False  # (a transfer that fails leaves part of it in the model)
         with collective("forming the process group"):
             dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg/", self.control),
                                     rank=self.rank, world_size=self.world_size,
@@ -128,8 +129,11 @@ class Generation:
         live = w.capture(copy_tensors=False) if self.rank == 0 else None  # read, never kept
         if live is not None:
             live["pending"] = w.pending  # a step whose evaluation a fault interrupted
+        # a receiver's model tensors take the bytes in place
+        into = w.capture(copy_tensors=False) if receive else None
+        fault_point("broadcast", w)
         with collective("state broadcast"):
-            state = broadcast_state(live, self.rank, w.device)
+            state = broadcast_state(live, self.rank, w.device, into=into)
         if receive:
             w.restore(state)
             w.pending = state["pending"]
@@ -207,4 +211,5 @@ class Generation:
             # next checkpoint's copy waits for it (it reuses the buffers). The last step's
             # state changes no more (the generation waits for the write): no copy
             w.writer.wait()
-            w.writer.submit(w.capture(copy_tensors=not last, staging=self.staging))
+            w.writer.submit(w.capture(copy_tensors=not last, staging=w.staging),
+                            ready=w.staging.wait)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import copy
 import random
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,6 +156,13 @@ class Staging:
     the next: memory is allocated once, not at every checkpoint, and pinned for GPU tensors,
     so their copies run asynchronously and the capture waits for the device once.
 
+    CPU tensors that only the optimizer step changes (parameters, the optimizer's state) are
+    copied on a background thread while the next step's forward and backward run; the step
+    calls :meth:`wait` before it updates them (engine.worker), and so does the writer before it
+    reads the buffers. torch.distributed.checkpoint's asynchronous stagers make the same
+    contract (``synchronize_staging`` before the state changes). It assumes the loss function
+    changes no parameter in place, as the optimizer alone should.
+
     A capture's result holds these buffers: the next capture overwrites them, so its writer
     must be done with the previous one first (engine.generation waits for it).
     """
@@ -163,9 +171,15 @@ class Staging:
         self._buffers: list[torch.Tensor] = []
         self._next = 0
         self._device: torch.device | None = None  # a GPU the copies came from
+        self._deferrable: set[int] = set()  # data pointers of tensors only the step changes
+        self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor)
+        self._copier: threading.Thread | None = None
 
-    def begin(self) -> None:
-        self._next, self._device = 0, None
+    def begin(self, deferrable: set[int] = frozenset()) -> None:
+        """Start a capture; CPU tensors whose ``data_ptr()`` is in `deferrable` may be copied
+        after :meth:`end`, until :meth:`wait`."""
+        self.wait()
+        self._next, self._device, self._deferrable = 0, None, deferrable
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` copied into the capture's next buffer (tensors come in the same order each
@@ -180,16 +194,37 @@ class Staging:
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
             buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
             self._buffers[i] = buffer
-        buffer.copy_(t, non_blocking=t.is_cuda)
         if t.is_cuda:
+            buffer.copy_(t, non_blocking=True)
             self._device = t.device
+        elif t.data_ptr() in self._deferrable:
+            self._deferred.append((buffer, t))
+        else:
+            buffer.copy_(t)
         return buffer
 
     def end(self) -> None:
-        """Wait for the copies; buffers past this capture's last are freed."""
+        """Wait for the GPU's copies and start the deferred ones; buffers past this capture's
+        last are freed."""
         del self._buffers[self._next:]
         if self._device is not None:
             torch.cuda.synchronize(self._device)
+        if self._deferred:
+            deferred, self._deferred = self._deferred, []
+            self._copier = threading.Thread(target=_copy_all, args=(deferred,),
+                                            name="checkpoint-copy", daemon=True)
+            self._copier.start()
+
+    def wait(self) -> None:
+        """Return once every copy of the last capture is done (at once when none is left)."""
+        if self._copier is not None:
+            self._copier.join()
+            self._copier = None
+
+
+def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for buffer, t in pairs:
+        buffer.copy_(t)  # torch releases the interpreter lock for the copy
 
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
@@ -202,8 +237,8 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     live ones (to inspect the state without copying the model). With `staging`, tensors are
     copied into its reused buffers (see :class:`Staging`).
     """
-    if staging is not None:
-        staging.begin()
+    if staging is not None:  # the optimizer step alone changes these (see Staging)
+        staging.begin({t.data_ptr() for t in _step_changes(model, optimizer)})
     tensor = (staging.copy if staging is not None else _cpu_copy) if copy_tensors \
         else (lambda t: t)
     numpy_types: list = []
@@ -225,6 +260,13 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     if staging is not None:
         staging.end()
     return state
+
+
+def _step_changes(model, optimizer):
+    """The tensors that the optimizer step changes and nothing else does between steps."""
+    yield from model.parameters()
+    for per_parameter in optimizer.state.values():
+        yield from (v for v in per_parameter.values() if isinstance(v, torch.Tensor))
 
 
 def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None) -> tuple[Progress, list]:

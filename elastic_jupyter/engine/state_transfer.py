@@ -13,10 +13,9 @@ issued asynchronously, so a bucket's copy on the sender overlaps the previous on
 torch's DDP broadcasts parameters in flat buckets in the same way when it wraps a model (its
 ``_sync_module_states``).
 
-Memory stays as DDP's: the model's tensors are copied into the parameters when the state is
-loaded and their buffers freed, while the optimizer's large tensors (Adam's moments, twice the
-model) are kept by the optimizer as received, each in a buffer of its own; a bucket's small
-tensors are copied out of it.
+Memory stays as DDP's: a receiver's model tensors take the bytes in place (``into``), while the
+optimizer's large tensors (Adam's moments, twice the model) are kept by the optimizer as
+received, each in a buffer of its own; a bucket's small tensors are copied out of it.
 
 This module imports nothing from IPython or the UI.
 """
@@ -117,11 +116,34 @@ def _as_bytes(t: torch.Tensor, via: torch.device) -> torch.Tensor:
     return t.detach().to(via).contiguous().view(-1).view(torch.uint8)
 
 
-def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict:
+def _targets(skeleton, into, meta: list, device: torch.device, out: dict) -> None:
+    """Fill `out` with {tensor index: a tensor of `into` at the same place in the structure}
+    where that tensor can take the bytes as they arrive: same dtype, shape and device,
+    contiguous."""
+    if isinstance(skeleton, _Ref):
+        _, dtype, device_type, shape = meta[skeleton.index]
+        target = device if device_type == "cuda" else torch.device("cpu")
+        if isinstance(into, torch.Tensor) and into.dtype == dtype and \
+                tuple(into.shape) == shape and into.device == target and into.is_contiguous():
+            out[skeleton.index] = into
+    elif isinstance(skeleton, dict) and isinstance(into, dict):
+        for key, value in skeleton.items():
+            if key in into:
+                _targets(value, into[key], meta, device, out)
+
+
+def broadcast_state(state: dict | None, rank: int, device: torch.device,
+                    into: dict | None = None) -> dict:
     """Send rank 0's `state` (a dict of plain data and tensors, engine.state's capture) to every
     rank of the current process group; all ranks call it. Returns the state on every rank (rank
     0's own object there). `device` is this rank's training device: tensors captured on a GPU
     arrive on it, CPU tensors on the CPU. With nccl the bytes travel through `device`.
+
+    `into`, on a receiving rank: its own live state (a capture without copies). A tensor at the
+    same place, of the same dtype, shape and device, receives the bytes in place (the model's
+    parameters and buffers): no new memory to fault in and no copy when the state is loaded.
+    Such a tensor holds a mix of old and new values if the transfer fails, so the caller
+    treats its state as lost until the transfer completes.
 
     Raises what the collectives raise (the caller turns a peer's failure into PeerFailure).
     """
@@ -137,6 +159,9 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict
     dist.broadcast_object_list(box, src=0, device=via if nccl else None)
     skeleton, meta = box[0]
     received: list = [None] * len(meta)
+    targets: dict = {}
+    if rank != 0 and into is not None:
+        _targets(skeleton, into, meta, device, targets)
     in_flight = []  # (work, bucket, buffer): broadcasts overlap the next bucket's copy
     for bucket in plan_buckets(meta):
         last, offset = bucket[-1]
@@ -147,6 +172,8 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict
             flat = torch.zeros(size, dtype=torch.uint8, device=via)
             for index, start in bucket:
                 flat[start:start + _nbytes(meta[index])].copy_(_as_bytes(tensors[index][1], via))
+        elif len(bucket) == 1 and last in targets and targets[last].device == via:
+            flat = _as_bytes(targets[last], via)  # a view: the bytes land in the tensor
         else:
             flat = torch.empty(size, dtype=torch.uint8, device=via)
         in_flight.append((dist.broadcast(flat, src=0, async_op=True), bucket, flat))
@@ -157,7 +184,9 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device) -> dict
                 section, dtype, device_type, shape = meta[index]
                 target = device if device_type == "cuda" else torch.device("cpu")
                 value = flat[start:start + _nbytes(meta[index])].view(dtype).view(shape)
-                # a small tensor gets storage of its own: the bucket is freed, and code that
-                # reads a tensor's storage from its start (torch.set_rng_state) reads it right
-                received[index] = (value.clone() if len(bucket) > 1 else value).to(target)
+                if index in targets:
+                    received[index] = targets[index].copy_(value)  # a no-op if received there
+                else:  # a small tensor gets storage of its own: the bucket is freed, and
+                    # code that reads a storage from its start (torch.set_rng_state) reads it
+                    received[index] = (value.clone() if len(bucket) > 1 else value).to(target)
     return state if rank == 0 else _fill(skeleton, received)

@@ -135,10 +135,12 @@ class Worker:
         self.history: list[dict] = []
         # a step begun and not yet committed (what a fault now would lose)
         self.in_flight = False
+        self.holds_state = True  # False from a generation that sends it the state until loaded
         # the record of a committed step whose evaluation, history entry and scheduler step
         # are still to do (a fault hit its evaluation): the next generation does them first
         self.pending: dict | None = None
         self.writer = None
+        self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
         if config.get("checkpoint_dir"):
             self.writer = CheckpointWriter(config["checkpoint_dir"], config["keep"],
                                            before_write=lambda: fault_point("checkpoint", self))
@@ -215,9 +217,11 @@ class Worker:
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (a broadcast or a checkpoint)."""
+        self.staging.wait()  # a checkpoint's copies read the tensors this overwrites
         self.pending, self.in_flight = None, False
         self.progress, self.history = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
+        self.holds_state = True
         given = self._given_pass_cost()
         if given is not None:
             self.progress.pass_cost = given
@@ -240,8 +244,10 @@ class Worker:
         return event
 
     def end_generation(self) -> None:
-        """The generation ended (or failed): stop its input pipeline's loader processes."""
+        """The generation ended (or failed): stop its input pipeline's loader processes and
+        finish a checkpoint's copies."""
         self._batches = self._batches_at = None
+        self.staging.wait()
 
     def _next_batch(self, rank: int, world_size: int):
         """The next pass's collated batch from the input pipeline, started here when it does
@@ -328,10 +334,12 @@ class Worker:
         count = plan.micro_batch_count(B)
         worst = worst_slowdown(micro_batch_bounds(B, count), plan.min_size, plan.max_size,
                                plan.pass_cost)
-        return (f"a forward/backward pass costs as much as {plan.pass_cost:g} samples "
-                f"(measured in {seconds:.2f} s): each step of {B} samples is cut into {count} "
-                f"micro-batches of {B // count}-{-(-B // count)}; the slowest rank's step takes "
-                f"at most {worst:.2f} x an even split's time at world sizes {plan.min_size}.."
+        cost = (f"costs as much as {plan.pass_cost:g} samples" if plan.pass_cost else
+                "costs nothing measurable beyond its samples")
+        sizes = f"{B // count}" if B % count == 0 else f"{B // count}-{-(-B // count)}"
+        return (f"a forward/backward pass {cost} (measured in {seconds:.2f} s): each step of "
+                f"{B} samples is cut into {count} micro-batches of {sizes}; the slowest rank's "
+                f"step takes at most {worst:.2f} x an even split's time at world sizes {plan.min_size}.."
                 f"{plan.max_size}. Another run cuts its steps the same way (and draws the same "
                 f"dropout masks) with --pass-cost {plan.pass_cost:g}")
 
@@ -503,6 +511,7 @@ class Worker:
         # committed: every rank applies this update (a rank dying from here on changes nothing)
         lr = self.optimizer.param_groups[0]["lr"]
         fault_point("optimizer", self)
+        self.staging.wait()  # the last checkpoint's copies of the tensors this step changes
         # the scheduler steps in the loop, after evaluation (schedulers.py)
         self.precision.step(self.optimizer, self.config.get("clip_grad_norm"),
                             self.model.parameters())
