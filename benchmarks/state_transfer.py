@@ -8,7 +8,8 @@ receiver having loaded the state (model and optimizer), median of ``--repeats``:
 
 - ``pickled``: rank 0 captures a CPU copy and ``broadcast_object_list`` sends it (what a
   generation start did before engine.state_transfer);
-- ``buckets``: ``engine.state_transfer.broadcast_state`` of the live state;
+- ``buckets``: ``engine.state_transfer.broadcast_state`` of the live state, received into the
+  receiver's own model tensors (``into``), as a generation's start does;
 - ``broadcast``: one ``dist.broadcast`` of a flat tensor of the same bytes (the achievable limit
   on this backend) and ``memcpy``: one copy of those bytes in memory.
 
@@ -79,9 +80,11 @@ def _rank(rank: int, size: str, repeats: int, pickled_too: bool, store: str, out
         if rank == 1:
             state_mod.restore(box[0], *receiver, None)
 
-    def buckets():
+    def buckets():  # as a generation's start: a newcomer's model takes the bytes in place
+        # (its optimizer is empty: only the model, whatever the earlier repeats left there)
         state = broadcast_state(_capture(model, optimizer, False) if rank == 0 else None, rank,
-                                torch.device("cpu"))
+                                torch.device("cpu"),
+                                into={"model": receiver[0].state_dict()} if rank == 1 else None)
         if rank == 1:
             state_mod.restore(state, *receiver, None)
 
