@@ -86,7 +86,7 @@ def main() -> None:
         def checkpoint() -> None:  # as engine.generation checkpoints: into reused buffers,
             worker.writer.wait()  # once the previous write is done
             worker.writer.submit(worker.capture(staging=worker.staging),
-                                 ready=worker.staging.wait)
+                                 ready=worker.staging.ready)
 
         def memcpy() -> None:  # the least a background write of the state does
             threading.Thread(target=target.copy_, args=(source,)).start()

@@ -4,7 +4,8 @@ When a generation ends with a fault (faults.classify), :meth:`Recovery.recover` 
 engines, waits for replacements if fewer than ``--min`` survive, and names the engines that
 must receive the survivors' state by broadcast in the next generation. The survivors need no
 rollback: a step is applied only once every rank voted (engine.vote), so they all hold the same
-committed step and the fault loses at most the step in flight. With no survivor the newest
+committed step and the fault loses at most the step in flight. An engine that had not loaded
+the state it was being sent is no survivor (``holds_state``); with no survivor the newest
 checkpoint is loaded. A survivor that dies meanwhile is dropped and the look retried. When no
 recovery is possible it raises :class:`BelowMinimum` or ``RuntimeError``; the driver ends
 the run.
@@ -93,8 +94,8 @@ class Recovery:
         committed step (engine.vote), which stays as it is; without survivors, the newest
         checkpoint is loaded on rank 0."""
         survivors = list(self.membership.members)
-        joining = self.membership.admit_joining()
         held = await self.calls.progress(survivors) if survivors else []
+        joining = self.membership.admit_joining()  # after the look: a retry must not count them
         # an engine the fault caught while it received the state holds part of it: it
         # receives the state again (engine.state_transfer's `into`)
         receivers = {e.engine_id for e, h in zip(survivors, held)

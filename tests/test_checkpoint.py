@@ -102,7 +102,7 @@ def test_a_copy_overlapping_the_next_step_holds_the_state_as_captured(tmp_path):
             expected = state_mod.capture(model, opt, None, state_mod.Progress(step=step), [], {})
             writer.wait()
             writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=step),
-                                            [], {}, staging=staging), ready=staging.wait)
+                                            [], {}, staging=staging), ready=staging.ready)
             assert staging._copier is not None  # the large tensors' copies were deferred
             opt.zero_grad()
             model(torch.randn(8, 512)).pow(2).mean().backward()  # BatchNorm's buffers change

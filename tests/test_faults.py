@@ -158,8 +158,9 @@ def test_crash_while_resizing(idle_pool, tmp_path, expected):
 
 
 def test_crash_while_a_newcomer_receives_the_state(idle_pool, tmp_path):
-    """The sender dies while a grow's newcomer receives the state: the newcomer holds part of
-    it, so the survivor that holds all of it sends it again; nothing is rolled back."""
+    """The sender dies as a grow's state broadcast begins: the newcomer, being sent the state,
+    holds none (had bytes arrived, its model would hold part of it), so it is no survivor and
+    the survivor that holds the state sends it again; nothing is rolled back."""
     steps = 1000  # long enough for the grow's engine to start
     clean = TrainingRun(idle_pool, config("grow-clean", tmp_path / "clean", steps=steps),
                         source=CELL, engines=2, workspace=str(tmp_path)).start()

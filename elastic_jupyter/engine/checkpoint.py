@@ -14,6 +14,7 @@ written here loads with ``torch.load(weights_only=True)``.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -62,6 +63,18 @@ def atomic_write(path: str, write) -> None:
     _fsync_dir(os.path.dirname(path))
 
 
+def _without_crc32():
+    """A context in which torch.save skips the zip records' CRC32: torch.load never checks it
+    and the record's SHA-256 covers the file, while computing it held the interpreter lock for
+    about half of a 0.6 GB save, stalling the training thread. torch before 2.7 has no such
+    setting: there the CRC stays."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return contextlib.nullcontext()
+    return config.patch({"save.compute_crc32": False})
+
+
 def _sha256(path: str) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -89,12 +102,7 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         raise CheckpointError(f"could not write checkpoint {path}: {problem}")
     try:
         import torch  # here, not at the top: the server lists checkpoints without torch
-        import torch.utils.serialization  # its config is not imported with torch
-        # torch.load never checks the zip records' CRC32 and the record's SHA-256 covers the
-        # file, so the CRC is skipped: it held the interpreter lock for about half of a
-        # 0.6 GB save, stalling the training thread. (The setting is global; a torch.save
-        # elsewhere meanwhile loses only that unchecked CRC.)
-        with torch.utils.serialization.config.patch({"save.compute_crc32": False}):
+        with _without_crc32():
             atomic_write(path, lambda f: torch.save(state, f))
         record = {"file": os.path.basename(path), "step": step, "sha256": _sha256(path),
                   "bytes": os.path.getsize(path), "time": time.time()}

@@ -100,8 +100,9 @@ class Generation:
 
     def run(self) -> dict:
         spec, w = self.spec, self.worker
-        if spec["receive_state"]:  # until it is loaded, this engine holds no state of the run
-            w.holds_state = False  # (a transfer that fails leaves part of it in the model)
+        # a rank sent the state holds none until it is loaded (a transfer that fails leaves
+        # part of it in the model); the others are the driver's holders
+        w.holds_state = not spec["receive_state"]
         with collective("forming the process group"):
             dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg/", self.control),
                                     rank=self.rank, world_size=self.world_size,
@@ -212,4 +213,4 @@ class Generation:
             # state changes no more (the generation waits for the write): no copy
             w.writer.wait()
             w.writer.submit(w.capture(copy_tensors=not last, staging=w.staging),
-                            ready=w.staging.wait)
+                            ready=w.staging.ready)

@@ -174,12 +174,13 @@ class Staging:
         self._deferrable: set[int] = set()  # data pointers of tensors only the step changes
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor)
         self._copier: threading.Thread | None = None
+        self._copy_error: BaseException | None = None
 
     def begin(self, deferrable: set[int] = frozenset()) -> None:
-        """Start a capture; CPU tensors whose ``data_ptr()`` is in `deferrable` may be copied
-        after :meth:`end`, until :meth:`wait`."""
+        """Start a capture; CPU tensors whose :func:`_identity` is in `deferrable` may be
+        copied after :meth:`end`, until :meth:`wait`."""
         self.wait()
-        self._next, self._device, self._deferrable = 0, None, deferrable
+        self._next, self._device, self._deferrable, self._deferred = 0, None, deferrable, []
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` copied into the capture's next buffer (tensors come in the same order each
@@ -197,7 +198,7 @@ class Staging:
         if t.is_cuda:
             buffer.copy_(t, non_blocking=True)
             self._device = t.device
-        elif t.data_ptr() in self._deferrable:
+        elif _identity(t) in self._deferrable:
             self._deferred.append((buffer, t))
         else:
             buffer.copy_(t)
@@ -211,20 +212,31 @@ class Staging:
             torch.cuda.synchronize(self._device)
         if self._deferred:
             deferred, self._deferred = self._deferred, []
-            self._copier = threading.Thread(target=_copy_all, args=(deferred,),
+            self._copier = threading.Thread(target=self._copy_all, args=(deferred,),
                                             name="checkpoint-copy", daemon=True)
             self._copier.start()
 
     def wait(self) -> None:
-        """Return once every copy of the last capture is done (at once when none is left)."""
-        if self._copier is not None:
-            self._copier.join()
-            self._copier = None
+        """Return once every copy of the last capture is done (at once when none is left).
+        The training thread and the writer may both call it at once."""
+        copier = self._copier
+        if copier is not None:
+            copier.join()
 
+    def ready(self) -> None:
+        """:meth:`wait`, for the writer: raises what a copy raised (the buffers then hold an
+        older state, which must not be written)."""
+        self.wait()
+        if self._copy_error is not None:
+            raise RuntimeError("copying the state for a checkpoint failed") from self._copy_error
 
-def _copy_all(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for buffer, t in pairs:
-        buffer.copy_(t)  # torch releases the interpreter lock for the copy
+    def _copy_all(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._copy_error = None
+        try:
+            for buffer, t in pairs:
+                buffer.copy_(t)  # torch releases the interpreter lock for the copy
+        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
+            self._copy_error = e
 
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
@@ -233,12 +245,13 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
-    another thread while training goes on. With ``copy_tensors=False`` the tensors are the
+    another thread while training goes on (with `staging`, once ``staging.wait()`` returned).
+    With ``copy_tensors=False`` the tensors are the
     live ones (to inspect the state without copying the model). With `staging`, tensors are
     copied into its reused buffers (see :class:`Staging`).
     """
     if staging is not None:  # the optimizer step alone changes these (see Staging)
-        staging.begin({t.data_ptr() for t in _step_changes(model, optimizer)})
+        staging.begin({_identity(t) for t in _step_changes(optimizer)})
     tensor = (staging.copy if staging is not None else _cpu_copy) if copy_tensors \
         else (lambda t: t)
     numpy_types: list = []
@@ -262,11 +275,19 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     return state
 
 
-def _step_changes(model, optimizer):
-    """The tensors that the optimizer step changes and nothing else does between steps."""
-    yield from model.parameters()
+def _step_changes(optimizer):
+    """The tensors that the optimizer step changes and nothing else does between steps: the
+    parameters it trains (a frozen one may be changed by the forward pass, as a VQ-VAE's
+    moving-average codebook is) and its own state."""
+    for group in optimizer.param_groups:
+        yield from (p for p in group["params"] if p.requires_grad)
     for per_parameter in optimizer.state.values():
         yield from (v for v in per_parameter.values() if isinstance(v, torch.Tensor))
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    """What tells a tensor from another that starts at the same address (a view of it)."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
 def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None) -> tuple[Progress, list]:

@@ -135,7 +135,9 @@ class Worker:
         self.history: list[dict] = []
         # a step begun and not yet committed (what a fault now would lose)
         self.in_flight = False
-        self.holds_state = True  # False from a generation that sends it the state until loaded
+        # whether this engine holds the run's state: a generation's rank that is sent none (its
+        # setup's state at the run's start), or once a state is loaded (recovery counts these)
+        self.holds_state = False
         # the record of a committed step whose evaluation, history entry and scheduler step
         # are still to do (a fault hit its evaluation): the next generation does them first
         self.pending: dict | None = None
