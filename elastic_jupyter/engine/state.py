@@ -156,10 +156,10 @@ class Staging:
     the next: memory is allocated once, not at every checkpoint, and pinned for GPU tensors,
     so their copies run asynchronously and the capture waits for the device once.
 
-    CPU tensors that only the optimizer step changes (parameters, the optimizer's state) are
+    CPU tensors that only the optimizer step changes (the parameters it trains, its state) are
     copied on a background thread while the next step's forward and backward run; the step
-    calls :meth:`wait` before it updates them (engine.worker), and so does the writer before it
-    reads the buffers. torch.distributed.checkpoint's asynchronous stagers make the same
+    calls :meth:`wait` before it updates them (engine.worker), and the writer calls
+    :meth:`ready` before it reads the buffers. torch.distributed.checkpoint's asynchronous stagers make the same
     contract (``synchronize_staging`` before the state changes). It assumes the loss function
     changes no parameter in place, as the optimizer alone should.
 
@@ -171,12 +171,12 @@ class Staging:
         self._buffers: list[torch.Tensor] = []
         self._next = 0
         self._device: torch.device | None = None  # a GPU the copies came from
-        self._deferrable: set[int] = set()  # data pointers of tensors only the step changes
+        self._deferrable: set[tuple] = set()  # tensors only the step changes (_identity)
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor)
         self._copier: threading.Thread | None = None
         self._copy_error: BaseException | None = None
 
-    def begin(self, deferrable: set[int] = frozenset()) -> None:
+    def begin(self, deferrable: set[tuple] = frozenset()) -> None:
         """Start a capture; CPU tensors whose :func:`_identity` is in `deferrable` may be
         copied after :meth:`end`, until :meth:`wait`."""
         self.wait()
@@ -235,7 +235,7 @@ class Staging:
         try:
             for buffer, t in pairs:
                 buffer.copy_(t)  # torch releases the interpreter lock for the copy
-        except BaseException as e:  # noqa: BLE001 -- re-raised by wait()
+        except BaseException as e:  # noqa: BLE001 -- re-raised by ready()
             self._copy_error = e
 
 
