@@ -1,27 +1,31 @@
-"""What a checkpoint costs the training loop: the wall time of an interval of steps with a
-checkpoint against the same interval without one, as a fraction of writing the same state
+"""What a checkpoint costs the training loop: the wall time of the steps a checkpoint's write
+overlaps against the same steps without one, as a fraction of writing the same state
 synchronously (``torch.save`` + fsync).
 
 One process, one thread, the GPT decoder of benchmarks/gpt.py with AdamW (the state: the
 parameters and twice their size in moments), trained by a real Worker at world size 1 as a
-generation trains it, in blocks of four intervals of ``--interval`` steps: a plain one, one
-that ends with a checkpoint (copied into reused buffers and submitted to the Worker's
-background writer), the one the write overlaps (it competes for the cores, as in a run), and a
-plain one. Blocks whose background work is a plain memcpy of the state's bytes on another
-thread (the least any background write of it does: read it once, write it once) alternate with
-them, as this machine's floor. Reported: the median over blocks of the extra seconds of the
-middle two intervals over the plain two, for checkpoints and for the memcpy; the median of a
-synchronous save of the same state and the ratio; and the time the loop itself stops for a
-checkpoint (the copy into the buffers, and any wait for the previous write).
+generation trains it. A block times each step: ``--plain`` steps, then background work starts
+and steps go on until it is done, then ``--plain`` steps more; its cost is the stall to start
+it plus the steps it overlapped, less as many steps at the median of the plain ones around
+them (a window as short as the write: these machines drift by tens of percent within
+minutes). Three kinds of blocks alternate: a checkpoint as the engine writes it (copied into
+reused shared buffers, written by the writer process), the same written on the engine's own
+writer thread (``--process-min-bytes`` beyond the state), and a plain memcpy of the state's
+bytes on another thread (the least any background write of it does: read it once, write it
+once), as this machine's floor. A synchronous save of the same state is timed between blocks.
+With ``--probes``, two more: another process that keeps a core busy for ``--probe-seconds``
+(no memory traffic), and one that copies 64 MiB buffers for as long: what a background write
+can cost a training step that a spare core does not absorb.
 
-Usage: ``.venv/bin/python benchmarks/checkpoint_cost.py [--size 50M] [--intervals 12]
-[--global-batch 1 --seq-len 32 --interval 6]``
+Usage: ``.venv/bin/python benchmarks/checkpoint_cost.py [--size 50M] [--blocks 12]
+[--global-batch 1 --seq-len 32] [--probes]``
 """
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -35,8 +39,21 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402
+from elastic_jupyter.engine.checkpoint import PROCESS_MIN_BYTES  # noqa: E402
 from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
+
+
+PROBE = """
+import sys, time, torch
+a = torch.ones(64 << 20, dtype=torch.uint8)
+b = a.clone()
+print("ready", flush=True)
+sys.stdin.readline()
+end = time.perf_counter() + {seconds}
+while time.perf_counter() < end:
+    {loop}
+"""
 
 
 def sync_save(state: dict, folder: str) -> float:
@@ -55,10 +72,13 @@ def sync_save(state: dict, folder: str) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="50M", choices=list(gpt.SIZES))
-    parser.add_argument("--interval", type=int, default=4, help="steps per interval")
-    parser.add_argument("--intervals", type=int, default=12, help="checkpointed intervals")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--plain", type=int, default=3, help="plain steps before and after")
+    parser.add_argument("--blocks", type=int, default=12, help="blocks of each kind")
+    parser.add_argument("--seq-len", type=int, default=32)
+    parser.add_argument("--global-batch", type=int, default=1)
+    parser.add_argument("--probes", action="store_true",
+                        help="also time a busy core and a memory-bound copy in another process")
+    parser.add_argument("--probe-seconds", type=float, default=2.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -67,6 +87,7 @@ def main() -> None:
                   "steps": 10**6, "checkpoint_dir": folder}
         worker = Worker(_run_setup(gpt.cell(args.size, args.seq_len), None, {}, None), config,
                         "cpu")
+        writer = worker.writer
         for _ in range(2):  # warm-up: the optimizer's moments exist from the first step
             worker.train_step(0, 1)
         state = worker.capture()
@@ -76,54 +97,88 @@ def main() -> None:
         del state
         source = torch.ones(nbytes, dtype=torch.uint8)
         target = torch.zeros(nbytes, dtype=torch.uint8)
+        events, plain = [], []
 
-        def interval() -> float:
+        def step() -> float:
             start = time.perf_counter()
-            for _ in range(args.interval):
-                worker.train_step(0, 1)
+            worker.train_step(0, 1)
             return time.perf_counter() - start
 
-        def checkpoint() -> None:  # as engine.generation checkpoints: into reused buffers,
-            worker.writer.wait()  # once the previous write is done
-            worker.writer.submit(worker.capture(staging=worker.staging),
-                                 ready=worker.staging.ready)
+        def checkpoint(process: bool):
+            submitted = []
 
-        def memcpy() -> None:  # the least a background write of the state does
-            threading.Thread(target=target.copy_, args=(source,)).start()
+            def start():  # as engine.generation checkpoints: into reused buffers
+                writer.process_min_bytes = PROCESS_MIN_BYTES if process else nbytes * 2
+                submitted.append(worker.progress.step)
+                writer.submit(worker.capture(staging=worker.staging),
+                              ready=worker.staging.ready, arena=worker.staging.arena)
 
-        def block(background) -> tuple[float, float]:
-            """Four intervals: plain, one that ends by starting `background`, the one it
-            overlaps, plain; returns (extra seconds of the middle two, the stall)."""
-            before, middle = interval(), interval()
+            def done() -> bool:
+                events.extend(writer.take_events())
+                return bool(events) and events[-1]["step"] == submitted[-1]
+            return start, done
+
+        def memcpy():
+            thread = threading.Thread(target=target.copy_, args=(source,))
+            return thread.start, lambda: not thread.is_alive()
+
+        def probe(loop: str):
+            def make():
+                process = subprocess.Popen(
+                    [sys.executable, "-c", PROBE.format(seconds=args.probe_seconds, loop=loop)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert process.stdout.readline().strip() == "ready"  # torch imported
+
+                def start():
+                    process.stdin.write("go\n")
+                    process.stdin.flush()
+                return start, lambda: process.poll() is not None
+            return make
+
+        def block(kind) -> tuple[float, float]:
+            """(extra seconds of the steps the background work overlapped, the stall)."""
+            start, done = kind
+            before = [step() for _ in range(args.plain)]
             stall = time.perf_counter()
-            background()
+            start()
             stall = time.perf_counter() - stall
-            after, last = interval(), interval()
-            plain.extend([before, last])
-            return middle + stall + after - before - last, stall
+            during = [step()]
+            while not done():
+                during.append(step())
+            after = [step() for _ in range(args.plain)]
+            base = statistics.median(before + after)
+            plain.extend(before + after)
+            return stall + sum(during) - base * len(during), stall
 
-        # comparing within a block cancels this machine's drift (steps of one size drift by
-        # 2x within a minute here); checkpoint and memcpy blocks alternate
-        extra, floor, plain, stalls = [], [], [], []
-        for _ in range(args.intervals):
-            cost, stall = block(checkpoint)
-            extra.append(cost)
-            stalls.append(stall)
-            floor.append(block(memcpy)[0])
-        failed = [e for e in worker.writer.drain() if e["kind"] != "checkpoint"]
+        block(checkpoint(True))  # the writer process starts (a torch import), once a run
+        kinds = {"process": lambda: checkpoint(True), "thread": lambda: checkpoint(False),
+                 "memcpy": memcpy}
+        if args.probes:
+            kinds["busy core"] = probe("pass")
+            kinds["busy memory"] = probe("b.copy_(a)")
+        extra = {name: [] for name in kinds}
+        stalls, saves = [], []
+        for i in range(args.blocks):
+            for name, kind in kinds.items():
+                cost, stall = block(kind())
+                extra[name].append(cost)
+                if name in ("process", "thread"):
+                    stalls.append(stall)
+            if i % 4 == 3:
+                state = worker.capture()
+                saves.append(sync_save(state, folder))
+                del state
+        failed = [e for e in events if e["kind"] != "checkpoint"]
         assert not failed, failed
-        state = worker.capture()
-        saves = [sync_save(state, folder) for _ in range(3)]
-        worker.writer.close()
-    print(f"{args.size}: state {nbytes / 1e9:.2f} GB; interval of {args.interval} steps "
-          f"{statistics.median(plain):.2f} s; a checkpoint adds {statistics.median(extra):.3f} s "
-          f"(range {min(extra):.3f}..{max(extra):.3f}); a synchronous save + fsync takes "
-          f"{statistics.median(saves):.2f} s; ratio "
-          f"{statistics.median(extra) / statistics.median(saves):.1%}; a memcpy of the same "
-          f"bytes on another thread adds {statistics.median(floor):.3f} s (range "
-          f"{min(floor):.3f}..{max(floor):.3f}); the loop itself waits "
-          f"{statistics.median(stalls):.3f} s per checkpoint (the copy), "
-          f"{statistics.median(stalls) / statistics.median(saves):.1%} of the save")
+        writer.close()
+    save = statistics.median(saves)
+    print(f"{args.size}: state {nbytes / 1e9:.2f} GB; step {statistics.median(plain):.3f} s; "
+          f"a synchronous save + fsync takes {save:.2f} s (range {min(saves):.2f}.."
+          f"{max(saves):.2f}); the loop itself waits {statistics.median(stalls):.3f} s per "
+          f"checkpoint ({statistics.median(stalls) / save:.1%} of the save)")
+    for name, costs in extra.items():
+        print(f"  {name}: adds {statistics.median(costs):.3f} s (range {min(costs):.3f}.."
+              f"{max(costs):.3f}), {statistics.median(costs) / save:.1%} of the save")
 
 
 if __name__ == "__main__":

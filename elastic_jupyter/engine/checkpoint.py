@@ -21,6 +21,7 @@ import json
 import os
 import queue
 import re
+import sys
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -84,6 +85,29 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+class _Hashing:
+    """A file that feeds what is written to it to `digest` too: the hash costs no second read
+    of the file (torch.save writes its zip front to back, never seeking back). Each slice is
+    hashed while the write has just brought it into the cache: memory bandwidth, not the
+    cores, is what a background write takes from training."""
+
+    SLICE = 1 << 20  # bytes: fits a core's L2 cache
+
+    def __init__(self, file, digest):
+        self._file, self._digest = file, digest
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        for start in range(0, len(data), self.SLICE):
+            piece = data[start:start + self.SLICE]
+            self._file.write(piece)
+            self._digest.update(piece)
+        return len(data)
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
@@ -102,9 +126,10 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         raise CheckpointError(f"could not write checkpoint {path}: {problem}")
     try:
         import torch  # here, not at the top: the server lists checkpoints without torch
+        digest = hashlib.sha256()
         with _without_crc32():
-            atomic_write(path, lambda f: torch.save(state, f))
-        record = {"file": os.path.basename(path), "step": step, "sha256": _sha256(path),
+            atomic_write(path, lambda f: torch.save(state, _Hashing(f, digest)))
+        record = {"file": os.path.basename(path), "step": step, "sha256": digest.hexdigest(),
                   "bytes": os.path.getsize(path), "time": time.time()}
         data = json.dumps(record).encode()
         atomic_write(path[:-3] + ".json", lambda f: f.write(data))
@@ -329,35 +354,57 @@ def _why_unloadable(error: Exception) -> str:
     return f"torn or corrupted ({type(error).__name__}{': ' + cause if cause else ''})"
 
 
+PROCESS_MIN_BYTES = 64 << 20  # staged state from which a write goes to the writer process
+MAX_WRITER_LOSSES = 2  # writer processes lost in a row before the thread writes for good
+
+
+def _notice(text: str) -> None:
+    print(f"elastic-jupyter: {text}", file=sys.stderr, flush=True)  # to the engine's log
+
+
 class CheckpointWriter:
-    """Writes checkpoints on a background thread so training does not wait for the disk.
+    """Writes checkpoints in the background so training does not wait for the disk.
 
     ``submit`` takes a state already copied off the model (engine.state.capture); ``drain``
-    waits for pending writes and returns their outcomes as event dicts.
+    waits for pending writes and returns their outcomes as event dicts. A state staged in shared
+    memory of at least `process_min_bytes` is written by a process of the engine's own
+    (engine.checkpoint_process), where serializing it cannot stall training for the interpreter
+    lock; a smaller one (which would not repay that process's start, about a torch import) on
+    this writer's thread. So is a state the process does not take (one holding values other
+    than plain data), one whose process was lost while writing it (the next starts another,
+    up to MAX_WRITER_LOSSES in a row), and every state once the process cannot be started.
     """
 
-    def __init__(self, folder: str, keep: int, before_write=None):
+    def __init__(self, folder: str, keep: int, before_write=None,
+                 process_min_bytes: int = PROCESS_MIN_BYTES):
+        from .checkpoint_process import WriterProcess
         self.folder, self.keep, self._before_write = folder, keep, before_write
+        self.process_min_bytes = process_min_bytes
+        self._process: WriterProcess | None = WriterProcess()
+        self._lost = 0  # writer processes lost in a row
         self._queue: queue.Queue = queue.Queue()
         self._done: list[dict] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, state: dict, ready=None) -> None:
-        """Write `state` once ``ready()`` returned (copies still filling its buffers)."""
-        self._queue.put((state, time.time(), ready))
+    def submit(self, state: dict, ready=None, arena=None) -> None:
+        """Write `state` once ``ready()`` returned (copies still filling its buffers); `arena`
+        is the engine.shared_memory.Arena its tensors were staged in, if any."""
+        self._queue.put((state, time.time(), ready, arena))
 
     def close(self) -> None:
-        """Finish pending writes, then end the thread (it holds the run's objects through
-        `before_write` until then)."""
-        self._queue.put((None, None, None))
+        """Finish pending writes, then end the thread and the writer process (the thread holds
+        the run's objects through `before_write` until then)."""
+        self._queue.put((None, None, None, None))
         self._thread.join()
 
     def _loop(self) -> None:
         while True:
-            state, queued, ready = self._queue.get()
+            state, queued, ready, arena = self._queue.get()
             if state is None:
+                if self._process is not None:  # from this thread: the process dies with it
+                    self._process.close()
                 self._queue.task_done()
                 return
             step = state["progress"]["step"]
@@ -366,14 +413,33 @@ class CheckpointWriter:
                     ready()
                 if self._before_write is not None:
                     self._before_write()
-                record = write_checkpoint(self.folder, state, self.keep)
+                record = self._write(state, arena)
                 event = {"kind": "checkpoint", "step": step, "path": record["path"],
                          "bytes": record["bytes"], "seconds": time.time() - queued}
             except Exception as e:
                 event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
+            state = None  # the next capture overwrites its buffers
             with self._lock:
                 self._done.append(event)
             self._queue.task_done()
+
+    def _write(self, state: dict, arena) -> dict:
+        staged = arena.nbytes() if arena is not None else 0
+        if self._process is not None and staged >= self.process_min_bytes:
+            from .checkpoint_process import Unsendable, WriterLost
+            try:
+                record = self._process.write(self.folder, self.keep, state, arena)
+                self._lost = 0
+                return record
+            except Unsendable:  # written below, where the check names what is not plain data
+                pass
+            except (WriterLost, OSError) as e:  # the buffers are intact: write them here
+                self._lost += 1
+                if isinstance(e, OSError) or self._lost == MAX_WRITER_LOSSES:
+                    self._process = None
+                _notice(f"{e}; checkpoint {state['progress']['step']} is written on the "
+                        "engine's thread" + ("" if self._process else ", and the next ones too"))
+        return write_checkpoint(self.folder, state, self.keep)
 
     def take_events(self) -> list[dict]:
         """Outcomes finished since the last call (does not wait)."""

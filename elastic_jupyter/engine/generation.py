@@ -213,4 +213,4 @@ class Generation:
             # state changes no more (the generation waits for the write): no copy
             w.writer.wait()
             w.writer.submit(w.capture(copy_tensors=not last, staging=w.staging),
-                            ready=w.staging.ready)
+                            ready=w.staging.ready, arena=None if last else w.staging.arena)

@@ -15,11 +15,14 @@ from __future__ import annotations
 import collections
 import copy
 import random
+import sys
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from . import shared_memory
 
 FORMAT_VERSION = 1
 
@@ -153,8 +156,11 @@ def with_numpy_values(state: dict) -> dict:
 
 class Staging:
     """CPU buffers that captures for checkpoints copy tensors into, kept from one capture to
-    the next: memory is allocated once, not at every checkpoint, and pinned for GPU tensors,
-    so their copies run asynchronously and the capture waits for the device once.
+    the next: memory is allocated once, not at every checkpoint, and page-locked for GPU
+    tensors, so their copies run asynchronously and the capture waits for the device once. The
+    buffers lie in shared memory (:attr:`arena`, where the host has it) for the writer process
+    (engine.checkpoint_process) to read in place; there they are locked after the first
+    capture, whose copies are synchronous.
 
     CPU tensors that only the optimizer step changes (the parameters it trains, its state) are
     copied on a background thread while the next step's forward and backward run; the step
@@ -168,6 +174,7 @@ class Staging:
     """
 
     def __init__(self):
+        self.arena = shared_memory.Arena() if shared_memory.available() else None
         self._buffers: list[torch.Tensor] = []
         self._next = 0
         self._device: torch.device | None = None  # a GPU the copies came from
@@ -185,7 +192,7 @@ class Staging:
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """`t` copied into the capture's next buffer (tensors come in the same order each
         capture; a buffer of another shape or dtype is replaced)."""
-        if t.layout != torch.strided or t.is_quantized:
+        if t.layout != torch.strided or t.is_quantized or t.numel() == 0:
             return _cpu_copy(t)
         t = t.detach()
         i, self._next = self._next, self._next + 1
@@ -193,7 +200,7 @@ class Staging:
             self._buffers.append(None)
         buffer = self._buffers[i]
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
-            buffer = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            buffer = self._new_buffer(t)
             self._buffers[i] = buffer
         if t.is_cuda:
             buffer.copy_(t, non_blocking=True)
@@ -204,12 +211,33 @@ class Staging:
             buffer.copy_(t)
         return buffer
 
+    def _new_buffer(self, t: torch.Tensor) -> torch.Tensor:
+        if self.arena is not None:
+            try:
+                return self.arena.tensor(t.shape, t.dtype)
+            except OSError as e:
+                self._unshare(e)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+
+    def _unshare(self, error: Exception) -> None:
+        """Stage in private memory from now on (the checkpoint writer thread writes then)."""
+        self.arena = None
+        print(f"elastic-jupyter: checkpoint buffers are not shared: {error}", file=sys.stderr,
+              flush=True)
+
     def end(self) -> None:
         """Wait for the GPU's copies and start the deferred ones; buffers past this capture's
         last are freed."""
         del self._buffers[self._next:]
+        if self.arena is not None:
+            self.arena.keep_only(self._buffers)
         if self._device is not None:
             torch.cuda.synchronize(self._device)
+            if self.arena is not None:
+                try:
+                    self.arena.pin_used()
+                except RuntimeError as e:
+                    self._unshare(e)
         if self._deferred:
             deferred, self._deferred = self._deferred, []
             self._copier = threading.Thread(target=self._copy_all, args=(deferred,),
