@@ -31,9 +31,11 @@ def _trained():
     return model, opt
 
 
-def _step(model, opt):
+def _step(model, opt, staging=None):
     opt.zero_grad()
     model(torch.randn(8, 256)).pow(2).mean().backward()
+    if staging is not None:  # as Worker.train_step: the copies read what the update changes
+        staging.wait()
     opt.step()
 
 
@@ -63,8 +65,8 @@ def test_a_staged_state_is_written_by_the_writer_process_as_captured(tmp_path, m
             writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=step),
                                             [{"step": step}], {}, staging=staging),
                           ready=staging.ready, arena=staging.arena)
-            _step(model, opt)  # the next steps change the model while the write goes on
-            _step(model, opt)
+            _step(model, opt, staging)  # the next steps change the model while the write goes on
+            _step(model, opt, staging)
             writer.wait()
             assert len(_writers()) == 1  # one process, kept from one checkpoint to the next
         events = writer.drain()
@@ -141,7 +143,7 @@ def test_a_checkpoint_whose_writer_process_is_killed_is_written_on_the_thread(tm
     try:
         events = []
         for step in (1, 2, 3):
-            _step(model, opt)
+            _step(model, opt, staging)
             writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=step),
                                             [], {}, staging=staging),
                           ready=staging.ready, arena=staging.arena)

@@ -418,7 +418,7 @@ class CheckpointWriter:
                          "bytes": record["bytes"], "seconds": time.time() - queued}
             except Exception as e:
                 event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
-            state = None  # the next capture overwrites its buffers
+            state = None  # not held while idle (a run's last state holds its live tensors)
             with self._lock:
                 self._done.append(event)
             self._queue.task_done()
