@@ -13,9 +13,11 @@ reused shared buffers, written by the writer process), the same written on the e
 writer thread (``--process-min-bytes`` beyond the state), and a plain memcpy of the state's
 bytes on another thread (the least any background write of it does: read it once, write it
 once), as this machine's floor. A synchronous save of the same state is timed between blocks.
-With ``--probes``, two more: another process that keeps a core busy for ``--probe-seconds``
-(no memory traffic), and one that copies 64 MiB buffers for as long: what a background write
-can cost a training step that a spare core does not absorb.
+With ``--probes``, five more, each another process at the writer's niceness: one that keeps
+a core busy for ``--probe-seconds`` (no memory traffic), one that copies 64 MiB buffers for as
+long, and three that handle as many bytes as the state has once: a buffered write + fsync, an
+``O_DIRECT`` write, a SHA-256. What a background write can cost a training step that a spare
+core does not absorb, and which part of a write costs it.
 
 Usage: ``.venv/bin/python benchmarks/checkpoint_cost.py [--size 50M] [--blocks 12]
 [--global-batch 1 --seq-len 32] [--probes]``
@@ -23,7 +25,9 @@ Usage: ``.venv/bin/python benchmarks/checkpoint_cost.py [--size 50M] [--blocks 1
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -44,16 +48,34 @@ from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
 
 
+# Another process, at the writer process's niceness, doing one thing per "go" line: a loop
+# for some seconds, or one write of the state's bytes (its own copy of as many) to a file.
 PROBE = """
-import sys, time, torch
+import hashlib, mmap, os, sys, time, torch
+os.nice(10)
 a = torch.ones(64 << 20, dtype=torch.uint8)
 b = a.clone()
+data = memoryview(mmap.mmap(-1, {nbytes} // 4096 * 4096))  # page-aligned, for O_DIRECT
+torch.frombuffer(data, dtype=torch.uint8).fill_(1)
+path = os.path.join({folder!r}, f"probe-{{os.getpid()}}")
 print("ready", flush=True)
-sys.stdin.readline()
-end = time.perf_counter() + {seconds}
-while time.perf_counter() < end:
-    {loop}
+for _ in sys.stdin:
+    end = time.perf_counter() + {seconds}
+    {body}
+    print("done", flush=True)
 """
+PROBES = {
+    "busy core": "while time.perf_counter() < end: pass",
+    "busy memory": "while time.perf_counter() < end: b.copy_(a)",
+    "buffered write": "with open(path, 'wb', buffering=0) as f:\n"
+                      "        for i in range(0, len(data), 1 << 20): f.write(data[i:i + (1 << 20)])\n"
+                      "        os.fsync(f.fileno())\n"
+                      "    os.unlink(path)",
+    "direct write": "fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT)\n"
+                    "    for i in range(0, len(data), 8 << 20): os.write(fd, data[i:i + (8 << 20)])\n"
+                    "    os.fsync(fd); os.close(fd); os.unlink(path)",
+    "sha256": "hashlib.sha256(data)",
+}
 
 
 def sync_save(state: dict, folder: str) -> float:
@@ -67,6 +89,19 @@ def sync_save(state: dict, folder: str) -> float:
     seconds = time.perf_counter() - start
     os.remove(path)
     return seconds
+
+
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95 % confidence interval of the median: the order statistics
+    of ranks n/2 - 1.96 sqrt(n)/2 and 1 + n/2 + 1.96 sqrt(n)/2, rounded outwards (the
+    binomial's normal approximation; Conover, *Practical Nonparametric Statistics*, 3rd ed.,
+    sec. 3.2). Blocks are independent draws; their
+    distribution has heavy tails here (a neighbour's burst), so no normal model of the values."""
+    ordered = sorted(values)
+    half = 1.96 * len(ordered) ** 0.5 / 2
+    low = max(1, math.floor(len(ordered) / 2 - half))
+    high = min(len(ordered), math.ceil(1 + len(ordered) / 2 + half))
+    return ordered[low - 1], ordered[high - 1]
 
 
 def main() -> None:
@@ -122,17 +157,23 @@ def main() -> None:
             thread = threading.Thread(target=target.copy_, args=(source,))
             return thread.start, lambda: not thread.is_alive()
 
-        def probe(loop: str):
-            def make():
-                process = subprocess.Popen(
-                    [sys.executable, "-c", PROBE.format(seconds=args.probe_seconds, loop=loop)],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-                assert process.stdout.readline().strip() == "ready"  # torch imported
+        def probe(body: str):
+            process = subprocess.Popen(
+                [sys.executable, "-c", PROBE.format(seconds=args.probe_seconds, body=body,
+                                                    nbytes=nbytes, folder=folder)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            assert process.stdout.readline().strip() == "ready"  # torch imported
 
+            def make():
                 def start():
                     process.stdin.write("go\n")
                     process.stdin.flush()
-                return start, lambda: process.poll() is not None
+
+                def done() -> bool:
+                    if select.select([process.stdout], [], [], 0)[0]:
+                        return process.stdout.readline().strip() == "done"
+                    return False
+                return start, done
             return make
 
         def block(kind) -> tuple[float, float]:
@@ -154,8 +195,7 @@ def main() -> None:
         kinds = {"process": lambda: checkpoint(True), "thread": lambda: checkpoint(False),
                  "memcpy": memcpy}
         if args.probes:
-            kinds["busy core"] = probe("pass")
-            kinds["busy memory"] = probe("b.copy_(a)")
+            kinds.update({name: probe(body) for name, body in PROBES.items()})
         extra = {name: [] for name in kinds}
         stalls, saves = [], []
         for i in range(args.blocks):
@@ -177,8 +217,11 @@ def main() -> None:
           f"{max(saves):.2f}); the loop itself waits {statistics.median(stalls):.3f} s per "
           f"checkpoint ({statistics.median(stalls) / save:.1%} of the save)")
     for name, costs in extra.items():
-        print(f"  {name}: adds {statistics.median(costs):.3f} s (range {min(costs):.3f}.."
-              f"{max(costs):.3f}), {statistics.median(costs) / save:.1%} of the save")
+        low, high = median_interval(costs)
+        print(f"  {name}: adds {statistics.median(costs):.3f} s, {statistics.median(costs) / save:.1%}"
+              f" of the save (95 % interval of the median {low:.3f}..{high:.3f} s = "
+              f"{low / save:.1%}..{high / save:.1%}; blocks range {min(costs):.3f}.."
+              f"{max(costs):.3f})")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
+from .direct_io import DirectFile, open_for_writing
+
 
 POINTER = "latest.json"
 
@@ -49,12 +51,17 @@ def _fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write, direct: bool = False) -> None:
+    """Write `path` through ``write(file)`` to a temporary name, fsync, rename. `direct`: past
+    the page cache (engine.direct_io), for a large file written once."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "wb") as f:
+        with (open_for_writing(tmp) if direct else open(tmp, "wb")) as f:
             write(f)
-            f.flush()
+            if isinstance(f, DirectFile):
+                f.finish()  # its tail: a flush cannot write a partial block
+            else:
+                f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -128,7 +135,7 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         import torch  # here, not at the top: the server lists checkpoints without torch
         digest = hashlib.sha256()
         with _without_crc32():
-            atomic_write(path, lambda f: torch.save(state, _Hashing(f, digest)))
+            atomic_write(path, lambda f: torch.save(state, _Hashing(f, digest)), direct=True)
         record = {"file": os.path.basename(path), "step": step, "sha256": digest.hexdigest(),
                   "bytes": os.path.getsize(path), "time": time.time()}
         data = json.dumps(record).encode()

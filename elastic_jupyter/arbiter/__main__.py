@@ -1,0 +1,5 @@
+import sys
+
+from .service import main
+
+sys.exit(main())

@@ -1,0 +1,142 @@
+"""Talking to the machine's arbiter: where it is, starting it on demand, one call per request.
+
+Where the arbiter lives (the first that applies):
+
+1. ``$ELASTIC_JUPYTER_ARBITER``: a folder the user or the admin names;
+2. ``/run/elastic-jupyter``, when a system arbiter serves there (``--shared``, started by the
+   admin for every user of the machine: docs/arbiter.md);
+3. a private folder of this user (``<jupyter runtime dir>/elastic-jupyter/arbiter``), where the
+   first run that needs it starts one. It coordinates this user's kernels; other users' GPU
+   processes are then seen as busy outside.
+
+Only in the third case does a client start an arbiter; a shared one that does not answer is
+the admin's to restart, and the client says so.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+from .service import SOCKET, own_folder
+from .table import ArbiterError
+
+SYSTEM_DIR = "/run/elastic-jupyter"
+START_TIMEOUT = 15.0  # seconds for an arbiter started on demand to answer (a Python start)
+LINGER_S = 600.0  # an arbiter started on demand exits after this long without runs
+
+
+def arbiter_dir() -> str:
+    """The folder of the arbiter this process should use (see the module's docstring)."""
+    return _locate()[0]
+
+
+def _locate() -> tuple[str, bool]:
+    """(the arbiter's folder, whether it is this user's private one)."""
+    named = os.environ.get("ELASTIC_JUPYTER_ARBITER")
+    if named:
+        return named, False
+    if os.path.exists(os.path.join(SYSTEM_DIR, SOCKET)):
+        return SYSTEM_DIR, False
+    return _private_dir(), True
+
+
+def _private_dir() -> str:
+    """This user's arbiter folder, made (mode 0700) and checked to be this user's own, with
+    its parent: nobody else may plant a socket for us to talk to."""
+    from jupyter_core.paths import jupyter_runtime_dir
+    base = os.path.join(jupyter_runtime_dir(), "elastic-jupyter")
+    if len(os.fsencode(os.path.join(base, "arbiter", SOCKET))) > 107:  # a socket address
+        base = f"/tmp/elastic-jupyter-{os.getuid()}"
+    own_folder(base, 0o700)
+    path = os.path.join(base, "arbiter")
+    own_folder(path, 0o700)
+    return path
+
+
+class ArbiterClient:
+    """Requests to the arbiter in `folder` (default :func:`arbiter_dir`).
+
+    Each call opens a connection, sends one request and reads one reply, so an arbiter that
+    restarts between calls loses nothing. When nothing answers and the folder is this user's
+    private one (`folder` None, and no shared arbiter found), an arbiter is started (in its own session, so it outlives the kernel; it exits after
+    ``LINGER_S`` without runs).
+
+    Raises:
+        ArbiterError: the arbiter refused the request (its message says why), or no arbiter
+            answered within ``timeout`` seconds.
+    """
+
+    def __init__(self, folder: str | None = None, timeout: float = START_TIMEOUT):
+        if folder is None:
+            self.folder, self.startable = _locate()
+        else:  # a folder named by the caller is served by whoever chose it
+            self.folder, self.startable = folder, False
+        self.timeout = timeout
+        self._started = False
+
+    def call(self, op: str, **arguments) -> dict:
+        """Send one request; returns the reply (without ``ok``)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                reply = self._send({"op": op, **arguments})
+                break
+            except (FileNotFoundError, ConnectionRefusedError, ConnectionResetError,
+                    BrokenPipeError, socket.timeout) as e:
+                if time.monotonic() > deadline:
+                    raise ArbiterError(self._unreachable(e)) from None
+                if self.startable and not self._started:
+                    self._start()
+                time.sleep(0.05)
+        if not reply.pop("ok", False):
+            raise ArbiterError(reply.get("error", "the arbiter refused the request"))
+        return reply
+
+    def register(self, run: str, **demand) -> dict:
+        return self.call("register", run=run, **demand)
+
+    def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
+        return self.call("poll", run=run, active=active,
+                         engines={str(k): v for k, v in (engines or {}).items()})
+
+    def release(self, run: str, slots: list[int]) -> dict:
+        return self.call("release", run=run, slots=list(slots))
+
+    def unregister(self, run: str) -> None:
+        self.call("unregister", run=run)
+
+    def view(self) -> dict:
+        return self.call("view")
+
+    def _send(self, request: dict) -> dict:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5.0)
+            sock.connect(os.path.join(self.folder, SOCKET))
+            sock.sendall(json.dumps(request).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(1 << 16)
+                if not chunk:
+                    raise ConnectionResetError("the arbiter closed the connection")
+                data += chunk
+        return json.loads(data)
+
+    def _start(self) -> None:
+        with open(os.path.join(self.folder, "arbiter.log"), "ab") as log:
+            subprocess.Popen([sys.executable, "-m", "elastic_jupyter.arbiter", "--dir",
+                              self.folder, "--linger", str(LINGER_S)],
+                             start_new_session=True, stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=log, cwd="/")
+        self._started = True
+
+    def _unreachable(self, error: Exception) -> str:
+        where = os.path.join(self.folder, SOCKET)
+        if self.startable:
+            return (f"the slot arbiter at {where} did not answer within {self.timeout:.0f} s "
+                    f"({type(error).__name__}); its log is {self.folder}/arbiter.log")
+        return (f"the machine's slot arbiter at {where} does not answer ({type(error).__name__}):"
+                " ask the machine's admin to start it (docs/arbiter.md)")

@@ -1,0 +1,315 @@
+"""The arbiter process: the slot table served on a Unix socket, one JSON line each way.
+
+    python -m elastic_jupyter.arbiter [--dir FOLDER] [--config FILE]
+
+Every request is answered on one thread, in arrival order, so no two requests interleave and
+no slot is ever leased twice. Who asks is read from the socket (``SO_PEERCRED``: the kernel
+vouches for the pid and uid), never from the request, so a user can neither pose as another
+nor change another user's run; the run's holder is the connecting process (its kernel).
+
+The folder holds ``arbiter.sock``, ``arbiter.lock`` (held by the live arbiter, so a second
+one started at the same time exits) and ``state.json`` (the leases, saved at every change and
+loaded at start: a restarted arbiter keeps every lease). Every half second the arbiter drops
+runs whose process is gone (their leases are free within a second) and asks its provider
+which slots are busy outside.
+
+The wire (requests carry ``"op"``; replies ``"ok"`` and, when false, ``"error"``):
+
+=============  ==========================================================  =================
+op             arguments                                                   reply
+=============  ==========================================================  =================
+register       run, name, notebook, min, max, weight, auto, wanted,        the run's grant
+               standby
+poll           run, active (it trains), engines ({slot: pid})               grant + events
+release        run, slots                                                   the run's grant
+unregister     run                                                          —
+view           —                                                            the machine
+=============  ==========================================================  =================
+
+A grant is :meth:`.table.SlotTable.grant`'s dict.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import logging
+import os
+import pwd
+import socket
+import stat
+import struct
+import sys
+import time
+
+import psutil
+
+from .providers import SlotProvider, provider
+from .settings import SYSTEM_CONFIG, Settings
+from .table import ArbiterError, SlotTable
+
+WATCH_S = 0.5  # liveness and outside slots: a dead run's leases are free within a second
+MAX_LINE = 1 << 20
+SOCKET, LOCK, STATE = "arbiter.sock", "arbiter.lock", "state.json"
+
+log = logging.getLogger("elastic_jupyter.arbiter")
+
+
+def alive(pid: int, start_time: float) -> bool:
+    """Whether the process `pid` that started at `start_time` (s since the epoch) still runs
+    (a reused pid has another start time; a zombie has ended)."""
+    try:
+        proc = psutil.Process(pid)
+        return abs(proc.create_time() - start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Arbiter:
+    """Serves one machine's slots from `folder`.
+
+    Args:
+        folder: where the socket, lock and state live (created; mode 0755 when `shared`).
+        settings: the admin's settings.
+        slots: the provider (default: the one the settings ask for).
+        shared: whether other users may connect (the socket is then mode 0666; identities
+            still come from the kernel).
+    """
+
+    def __init__(self, folder: str, settings: Settings, slots: SlotProvider | None = None,
+                 shared: bool = False):
+        self.folder, self.settings, self.shared = folder, settings, shared
+        self.provider = slots or provider(settings)
+        self.table: SlotTable | None = None  # loaded once the folder's lock is ours
+        self._users: dict[int, str] = {}
+        self._idle_since = time.monotonic()
+        self._lock_fd = None
+
+    # ------------------------------------------------------------------ process
+
+    def acquire(self) -> bool:
+        """Take the folder's lock (writing our pid into it) and load the state; False when
+        another arbiter holds it. Raises OSError when the folder is not this user's own."""
+        own_folder(self.folder, 0o755 if self.shared else 0o700)
+        fd = os.open(os.path.join(self.folder, LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW,
+                     0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+        self.table = SlotTable(self.provider.slots(), os.path.join(self.folder, STATE),
+                               cap=self.settings.cap, weights=self.settings.weights,
+                               hold_s=self.settings.hold_s, idle_s=self.settings.idle_s,
+                               alive=alive)
+        return True
+
+    async def serve(self, linger_s: float | None = None) -> None:
+        """Answer requests until cancelled, or until no run has been registered for
+        `linger_s` seconds (an arbiter started on demand)."""
+        path = os.path.join(self.folder, SOCKET)
+        if os.path.exists(path):
+            os.unlink(path)  # a dead arbiter's: we hold the lock
+        server = await asyncio.start_unix_server(self._connection, path, limit=MAX_LINE)
+        os.chmod(path, 0o666 if self.shared else 0o600)
+        log.info("arbiter: %d %s slot(s), serving %s", len(self.table.slots),
+                 self.provider.kind, path)
+        async with server:
+            while True:
+                self._watch()
+                if linger_s is not None and self._lingered(linger_s):
+                    log.info("arbiter: no run for %.0f s, exiting", linger_s)
+                    return
+                await asyncio.sleep(WATCH_S)
+
+    def _watch(self) -> None:
+        try:
+            self.table.reap()
+            self.table.set_outside(self.provider.outside(self._placed()))
+        except Exception as e:  # noqa: BLE001 -- nothing may end the machine's arbiter
+            log.exception("arbiter: watching runs and slots failed: %s: %s",
+                          type(e).__name__, e)
+
+    def _placed(self) -> dict[int, set[int]]:
+        """slot -> the processes of the engine its holder runs there: the engine a run
+        reports, only if it is a descendant of the run's process (a run cannot vouch for a
+        process it did not start), with the engine's own children."""
+        placed: dict[int, set[int]] = {}
+        started: dict[str, set[int]] = {}  # run -> its process's descendants
+        for lease in self.table.leases.values():
+            run = self.table.runs[lease.run]
+            pid = run.engines.get(str(lease.slot))
+            if pid is None:
+                continue
+            if run.id not in started:
+                started[run.id] = _descendants(run.pid)
+            if pid in started[run.id]:
+                placed[lease.slot] = {pid, *_descendants(pid)}
+        return placed
+
+    def _lingered(self, linger_s: float) -> bool:
+        if self.table.runs:
+            self._idle_since = time.monotonic()
+        return time.monotonic() - self._idle_since > linger_s
+
+    # ------------------------------------------------------------------ requests
+
+    async def _connection(self, reader: asyncio.StreamReader,
+                          writer: asyncio.StreamWriter) -> None:
+        sock = writer.get_extra_info("socket")
+        pid, uid, _ = struct.unpack("3i", sock.getsockopt(
+            socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+        try:
+            while line := await reader.readline():
+                writer.write(json.dumps(self.answer(pid, uid, line)).encode() + b"\n")
+                await writer.drain()
+        except (ConnectionError, asyncio.LimitOverrunError, ValueError):
+            pass  # the client went away, or sent a line beyond MAX_LINE
+        finally:
+            writer.close()
+
+    def answer(self, pid: int, uid: int, line: bytes) -> dict:
+        """The reply to one request line from process `pid` of user `uid`."""
+        try:
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise ArbiterError("a request is a JSON object with an \"op\"")
+            return {"ok": True, **(self.dispatch(pid, uid, request) or {})}
+        except ArbiterError as e:
+            return {"ok": False, "error": str(e)}
+        except json.JSONDecodeError as e:
+            return {"ok": False, "error": f"not JSON: {e}"}
+        except Exception as e:  # noqa: BLE001 -- a request must never end the arbiter
+            log.exception("arbiter: request %r failed", line[:200])
+            return {"ok": False, "error": f"the arbiter failed on this request: "
+                                          f"{type(e).__name__}: {e}"}
+
+    def dispatch(self, pid: int, uid: int, request: dict) -> dict | None:
+        op = request.pop("op", None)
+        if op not in ARGUMENTS:
+            raise ArbiterError(f"unknown op {op!r}: {', '.join(ARGUMENTS)}")
+        _check_arguments(op, request)
+        table = self.table
+        if op == "register":
+            start = _start_time(pid)
+            return table.register(uid, self._user(uid), pid, start, **request)
+        if op == "poll":
+            return table.poll(uid, **request)
+        if op == "release":
+            return table.release(uid, **request)
+        if op == "unregister":
+            table.unregister(uid, **request)
+            return None
+        if op == "view":
+            view = table.view()
+            view["kind"] = self.provider.kind
+            usage = self.provider.usage()
+            for slot in view["slots"]:
+                slot.update(usage.get(slot["slot"], {}))
+            return view
+
+    def _user(self, uid: int) -> str:
+        if uid not in self._users:
+            try:
+                self._users[uid] = pwd.getpwuid(uid).pw_name
+            except KeyError:
+                self._users[uid] = str(uid)
+        return self._users[uid]
+
+
+# op -> argument -> its type; "run" is required where it is listed, the rest optional
+ARGUMENTS = {
+    "register": {"run": str, "name": str, "notebook": str, "min": int, "max": int,
+                 "weight": (int, float), "auto": bool, "wanted": (int, type(None)),
+                 "standby": int},
+    "poll": {"run": str, "active": bool, "engines": dict},
+    "release": {"run": str, "slots": list},
+    "unregister": {"run": str},
+    "view": {},
+}
+
+
+def _check_arguments(op: str, request: dict) -> None:
+    """Only the arguments of `op`, of their types: a client cannot set anything else (the
+    time, the user, the pid)."""
+    kinds = ARGUMENTS[op]
+    unknown = sorted(set(request) - set(kinds))
+    if unknown:
+        raise ArbiterError(f"{op} takes {', '.join(kinds) or 'no arguments'}; "
+                           f"unknown: {', '.join(unknown)}")
+    if kinds and "run" not in request:
+        raise ArbiterError(f"{op} needs the run's id (\"run\")")
+    for key, value in request.items():
+        if not isinstance(value, kinds[key]) or (isinstance(value, bool)
+                                                 and kinds[key] is not bool):
+            raise ArbiterError(f"{op}: {key} has the wrong type ({type(value).__name__})")
+    ints = request.get("slots", []) + [v for kv in request.get("engines", {}).items()
+                                       for v in kv]
+    if not all(_natural(v) for v in ints):
+        raise ArbiterError(f"{op}: slots and engine pids are integers from 0 to {MAX_ID}")
+
+
+MAX_ID = 1 << 22  # pid_max's limit on Linux
+
+
+def _natural(v) -> bool:
+    if isinstance(v, str) and v.isascii() and v.isdigit():
+        v = int(v)
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_ID
+
+
+def _start_time(pid: int) -> float:
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        raise ArbiterError(f"process {pid} ended while registering") from None
+
+
+def _descendants(pid: int) -> set[int]:
+    try:
+        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    except (psutil.Error, ValueError):
+        return set()
+
+
+def own_folder(path: str, mode: int) -> None:
+    """Make `path` a folder of this user with `mode`; refuse one that is a link or another
+    user's (a shared /tmp must not let anyone plant our socket, lock or state)."""
+    os.makedirs(path, mode=mode, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{path} is not a folder of this user: the arbiter will not use it")
+    os.chmod(path, mode)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="elastic-jupyter-arbiter",
+                                     description="The machine's slot arbiter.")
+    parser.add_argument("--dir", help="folder for the socket, lock and state "
+                        "(default: the one clients look in first)")
+    parser.add_argument("--config", help=f"the admin's settings (default {SYSTEM_CONFIG})")
+    parser.add_argument("--shared", action="store_true",
+                        help="let every user of the machine connect (a system arbiter)")
+    parser.add_argument("--linger", type=float, default=None,
+                        help="exit after this many seconds without runs (default: never)")
+    args = parser.parse_args(argv)
+    from .client import arbiter_dir
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    settings = Settings.load(args.config)
+    arbiter = Arbiter(args.dir or arbiter_dir(), settings, shared=args.shared)
+    if not arbiter.acquire():
+        log.info("arbiter: another arbiter serves %s", arbiter.folder)
+        return 0
+    try:
+        asyncio.run(arbiter.serve(args.linger))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The slot table: the machine's slots, the runs that want them and the leases they hold.
+
+One :class:`SlotTable` lives in the arbiter process, which serves every request on one thread;
+it is the only writer of leases and demands, so no slot is ever leased twice. Every change is
+saved to a state file before the request is answered (written aside and renamed), and a new
+arbiter loads it: leases outlive an arbiter restart.
+
+Leases are held by a run; a run is held by a process (its kernel), known by pid and start time
+(a reused pid has another start time). When that process is gone the run and its leases go.
+
+A run's training slots follow its target (:mod:`.fairshare`). A slot the run should give back
+is named in ``give_back``; the run gives it back at its next step boundary (:meth:`release`).
+Slots beyond the target are *standby*: leased only from slots nobody else wants, named in
+``revoke`` as soon as someone does, and turned into training slots when the run's own target
+grows.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+from .fairshare import Allocation, Demand, allocate
+
+log = logging.getLogger("elastic_jupyter.arbiter")
+
+MAX_EVENTS = 50  # undelivered events kept per run
+MAX_WEIGHT = 1e6  # a run's weight: finite, so shares per weight stay comparable
+
+
+class ArbiterError(ValueError):
+    """A request the arbiter refuses; the message says why and what to do."""
+
+
+@dataclass
+class Run:
+    """A run as the arbiter knows it (see :class:`~.fairshare.Demand` for the bounds)."""
+
+    id: str
+    name: str
+    user: str
+    uid: int
+    pid: int
+    start_time: float
+    notebook: str
+    arrival: int
+    min: int
+    max: int
+    weight: float
+    auto: bool
+    wanted: int
+    standby: int
+    since: float
+    active: float  # wall time it last said it trains (or registered)
+    engines: dict = field(default_factory=dict)  # slot (str) -> engine pid, as reported
+    events: list = field(default_factory=list)  # not yet delivered
+
+
+@dataclass
+class Lease:
+    """`slot` held by run `run` since `since` (wall time); `standby`: not training."""
+
+    slot: int
+    run: str
+    since: float
+    standby: bool = False
+
+
+class SlotTable:
+    """The machine's slots and leases.
+
+    Args:
+        slots: the machine's slot ids (GPU indices, or CPU slot numbers).
+        path: the state file (loaded if present).
+        cap: user -> the most slots all of that user's runs may hold (None: no cap).
+        weights: user -> weight in the fair share (absent: 1).
+        hold_s: a slot that moved is not taken again for this long (no flapping).
+        idle_s: a run that has not trained for this long gives its slots back.
+        alive: (pid, start_time) -> whether that process still runs.
+    """
+
+    def __init__(self, slots: list[int], path: str | None, cap=None, weights: dict | None = None, hold_s: float = 30.0, idle_s: float = 1800.0,
+                 alive=None):
+        self.slots = list(slots)
+        self.path = path
+        self.cap = cap or (lambda user: None)
+        self.weights = dict(weights or {})
+        self.hold_s, self.idle_s = hold_s, idle_s
+        self.alive = alive or (lambda pid, start: True)
+        self.runs: dict[str, Run] = {}
+        self.leases: dict[int, Lease] = {}
+        self.outside: dict[int, str] = {}  # slot -> who holds it outside the arbiter
+        self.allocation = Allocation()
+        self._arrivals = 0
+        self._freed: dict[int, tuple] = {}  # slot -> (run id, name) that gave it back, for events
+        self._saved: tuple | None = None  # the fingerprint of what the state file holds
+        if path and os.path.exists(path):
+            self._load()
+
+    # ------------------------------------------------------------------ requests
+
+    def register(self, uid: int, user: str, pid: int, start_time: float, run: str, *,
+                 name: str = "", notebook: str = "", min: int = 1, max: int = 1,
+                 weight: float = 1.0, auto: bool = False, wanted: int | None = None,
+                 standby: int = 0, now: float | None = None) -> dict:
+        """A run states (or restates) its demand. Returns its grant (:meth:`grant`).
+        Raises ArbiterError for bounds that do not fit, or a run of another user."""
+        now = time.time() if now is None else now
+        _check_demand(min, max, weight, wanted, standby)
+        cap = self.cap(user)
+        if cap is not None and min > cap:
+            raise ArbiterError(f"min {min} exceeds the {cap} slot(s) the machine's admin allows "
+                               f"user {user}: ask for --min {cap} or less")
+        entry = self.runs.get(run)
+        if entry is not None:
+            self._owned(entry, uid)
+        else:
+            self._arrivals += 1
+            entry = self.runs[run] = Run(run, name, user, uid, pid, start_time, notebook,
+                                         self._arrivals, min, max, weight, auto, min, 0, now,
+                                         now)
+        entry.pid, entry.start_time = pid, start_time  # the process that asks holds it
+        entry.name, entry.notebook = name or entry.name, notebook or entry.notebook
+        entry.min, entry.max, entry.weight, entry.auto = min, max, float(weight), bool(auto)
+        entry.wanted = min if wanted is None else wanted
+        entry.standby = standby
+        entry.active = now
+        self._changed(now)
+        return self.grant(run, now)
+
+    def poll(self, uid: int, run: str, *, active: bool = True, engines: dict | None = None,
+             now: float | None = None) -> dict:
+        """A run's regular look (every second or so): it says whether it trains and which
+        engine runs on which slot; returns its grant and its undelivered events."""
+        now = time.time() if now is None else now
+        entry = self._run(run, uid)
+        if active:
+            entry.active = now
+        if engines is not None:
+            entry.engines = {str(k): int(v) for k, v in engines.items()}
+        self._changed(now)
+        reply = self.grant(run, now)
+        reply["events"], entry.events = entry.events, []
+        return reply
+
+    def release(self, uid: int, run: str, slots: list[int], now: float | None = None) -> dict:
+        """`run` gives these slots back (its engines on them have stopped)."""
+        now = time.time() if now is None else now
+        entry = self._run(run, uid)
+        if len(set(slots)) != len(slots):
+            raise ArbiterError(f"slots {slots} name a slot twice")
+        for slot in slots:
+            lease = self.leases.get(slot)
+            if lease is None or lease.run != entry.id:
+                raise ArbiterError(f"slot {slot} is not held by run {entry.name or run!r}")
+        for slot in slots:
+            del self.leases[slot]
+            self._freed[slot] = (entry.id, entry.name)
+        self._changed(now)
+        return self.grant(run, now)
+
+    def unregister(self, uid: int, run: str, now: float | None = None) -> None:
+        """The run ended: every lease it holds is released."""
+        self._drop(self._run(run, uid))
+        self._changed(time.time() if now is None else now)
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Drop the runs whose process is gone; returns their ids. Called every half second."""
+        gone = [r for r in self.runs.values() if not self.alive(r.pid, r.start_time)]
+        for entry in gone:
+            self._drop(entry)
+        if gone:
+            self._changed(time.time() if now is None else now)
+        return [r.id for r in gone]
+
+    def set_outside(self, outside: dict[int, str], now: float | None = None) -> None:
+        """Slots busy with processes the arbiter did not place (slot -> who)."""
+        if outside != self.outside:
+            self.outside = dict(outside)
+            self._changed(time.time() if now is None else now)
+
+    # ------------------------------------------------------------------ answers
+
+    def grant(self, run: str, now: float) -> dict:
+        """What `run` holds and should do: ``target`` training slots, the ``slots`` it trains
+        on and its ``standby`` slots, ``give_back`` (training slots to release at its next step
+        boundary), ``revoke`` (standby slots to release now), ``queued`` (its place in the
+        queue, 1 first, or None) and ``grantable`` (the most it could get now)."""
+        entry = self.runs[run]
+        mine = [lease for lease in self.leases.values() if lease.run == run]
+        training = sorted(x.slot for x in mine if not x.standby)
+        target = self.allocation.targets.get(run, 0)
+        queue = self.allocation.queue
+        return {"run": run, "target": target, "slots": training,
+                "standby": sorted(x.slot for x in mine if x.standby),
+                "give_back": self._give_back(entry, mine, target, now),
+                "revoke": sorted(x.slot for x in mine if x.standby and self._revoked(x)),
+                "queued": queue.index(run) + 1 if run in queue else None,
+                "fair": self.allocation.fair.get(run, 0),
+                "grantable": self._grantable(entry, now)}
+
+    def view(self, now: float | None = None) -> dict:
+        """The machine: every slot with its holder, every run with its demand and target."""
+        now = time.time() if now is None else now
+        slots = []
+        for slot in self.slots:
+            lease = self.leases.get(slot)
+            holder = None
+            if lease is not None:
+                r = self.runs[lease.run]
+                holder = {"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
+                          "since": lease.since, "standby": lease.standby,
+                          "engine_pid": r.engines.get(str(slot))}
+            slots.append({"slot": slot, "holder": holder, "outside": self.outside.get(slot)})
+        runs = [{"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
+                 "since": r.since, "min": r.min, "max": r.max, "weight": r.weight, "auto": r.auto,
+                 "wanted": r.wanted, "target": self.allocation.targets.get(r.id, 0),
+                 "queued": (self.allocation.queue.index(r.id) + 1
+                            if r.id in self.allocation.queue else None),
+                 "held": sum(1 for x in self.leases.values()
+                             if x.run == r.id and not x.standby)}
+                for r in sorted(self.runs.values(), key=lambda r: r.arrival)]
+        return {"slots": slots, "runs": runs, "hold_s": self.hold_s, "time": now}
+
+    # ------------------------------------------------------------------ decisions
+
+    def _changed(self, now: float) -> None:
+        """Recompute the targets and hand out free slots; save the state when a lease or a
+        demand changed (before the reply that tells of it)."""
+        self.allocation = allocate(self._demands(now), self._capacity(), self._caps(),
+                                   self.weights)
+        self._assign(now)
+        saved = self._fingerprint()
+        if saved != self._saved:
+            self._save()
+            self._saved = saved
+
+    def _fingerprint(self) -> tuple:
+        return (tuple(sorted((x.slot, x.run, x.standby) for x in self.leases.values())),
+                tuple(sorted((r.id, r.pid, r.min, r.max, r.weight, r.auto, r.wanted, r.standby)
+                             for r in self.runs.values())))
+
+    def _capacity(self) -> int:
+        return len([s for s in self.slots if s not in self.outside])
+
+    def _demands(self, now: float) -> list[Demand]:
+        demands = []
+        for r in self.runs.values():
+            training = [x for x in self.leases.values() if x.run == r.id and not x.standby
+                        and x.slot not in self.outside]
+            idle = now - r.active > self.idle_s  # its pool gives every slot back
+            demands.append(Demand(
+                run=r.id, user=r.user, arrival=r.arrival, min=0 if idle else r.min,
+                max=0 if idle else r.max, weight=r.weight, auto=r.auto or idle,
+                wanted=r.wanted, held=len(training),
+                pinned=sum(1 for x in training if now - x.since < self.hold_s)))
+        return demands
+
+    def _assign(self, now: float) -> None:
+        """Free slots go to runs below their target (earliest arrival first), a run's own
+        standby slot first; then to standby wishes, from slots nobody else wants."""
+        free = [s for s in self.slots if s not in self.leases and s not in self.outside]
+        for r in sorted(self.runs.values(), key=lambda r: r.arrival):
+            target = self.allocation.targets.get(r.id, 0)
+            mine = [x for x in self.leases.values() if x.run == r.id]
+            training = [x for x in mine if not x.standby and x.slot not in self.outside]
+            standby = [x for x in mine if x.standby and x.slot not in self.outside]
+            for lease in standby[:max(0, target - len(training))]:
+                lease.standby, lease.since = False, now  # a standby engine joins: no move
+                training.append(lease)
+            while len(training) < target and free:
+                slot = free.pop(0)
+                giver = self._freed.pop(slot, None)
+                training.append(self.leases.setdefault(slot, Lease(slot, r.id, now)))
+                self._event(r, slot, giver)
+        if any(self._short(r) for r in self.runs.values()):
+            return  # someone waits: no slot goes to a standby wish
+        for r in sorted(self.runs.values(), key=lambda r: r.arrival):
+            have = sum(1 for x in self.leases.values() if x.run == r.id and x.standby)
+            while have < r.standby and free and r.id in self.allocation.targets:
+                slot = free.pop(0)
+                self.leases[slot] = Lease(slot, r.id, now, standby=True)
+                have += 1
+
+    def _short(self, r: Run) -> bool:
+        held = sum(1 for x in self.leases.values() if x.run == r.id and not x.standby)
+        return r.id in self.allocation.queue or held < self.allocation.targets.get(r.id, 0)
+
+    def _revoked(self, lease: Lease) -> bool:
+        """A standby slot goes first when any run waits for a slot and none is free."""
+        free = [s for s in self.slots if s not in self.leases and s not in self.outside]
+        return lease.slot in self.outside or (not free and any(
+            self._short(r) for r in self.runs.values() if r.id != lease.run))
+
+    def _give_back(self, entry: Run, mine: list[Lease], target: int, now: float) -> list[int]:
+        """The training slots `entry` should release: slots now busy outside first, then its
+        newest slots beyond its target (its youngest engines; those that moved least recently
+        among them when the no-flap rule keeps some)."""
+        training = [x for x in mine if not x.standby]
+        busy = [x.slot for x in training if x.slot in self.outside]
+        rest = [x for x in training if x.slot not in self.outside]
+        extra = max(0, len(rest) - target)
+        unpinned = sorted((x for x in rest if now - x.since >= self.hold_s),
+                          key=lambda x: (-x.since, -x.slot))
+        pinned = sorted((x for x in rest if now - x.since < self.hold_s),
+                        key=lambda x: (x.since, -x.slot))
+        return busy + [x.slot for x in (unpinned + pinned)[:extra]]
+
+    def _grantable(self, entry: Run, now: float) -> int:
+        """The most slots `entry` could hold now if it asked for its max (for a slider)."""
+        demands = [d if d.run != entry.id else
+                   Demand(**{**asdict(d), "wanted": entry.max})
+                   for d in self._demands(now)]
+        return allocate(demands, self._capacity(), self._caps(),
+                        self.weights).fair.get(entry.id, 0)
+
+    def _caps(self) -> dict[str, int]:
+        users = {r.user for r in self.runs.values()}
+        return {u: c for u in users if (c := self.cap(u)) is not None}
+
+    # ------------------------------------------------------------------ helpers
+
+    def _run(self, run: str, uid: int) -> Run:
+        entry = self.runs.get(run)
+        if entry is None:
+            raise ArbiterError(f"no run {run!r} is known to the arbiter: register it first "
+                               "(its kernel may have been restarted)")
+        self._owned(entry, uid)
+        return entry
+
+    @staticmethod
+    def _owned(entry: Run, uid: int) -> None:
+        if uid not in (0, entry.uid):
+            raise ArbiterError(f"run {entry.name or entry.id!r} belongs to user {entry.user}: "
+                               "only its owner (or root) may change it")
+
+    def _drop(self, entry: Run) -> None:
+        for slot in [s for s, x in self.leases.items() if x.run == entry.id]:
+            del self.leases[slot]
+            self._freed[slot] = (entry.id, entry.name)
+        del self.runs[entry.id]
+
+    def _event(self, r: Run, slot: int, giver: tuple | None) -> None:
+        """`r` grew into `slot`; the run that gave it up (if any, and not `r`) hears where it
+        went."""
+        r.events = (r.events + [{"kind": "grew", "slot": slot,
+                                 "from": giver[1] if giver else None}])[-MAX_EVENTS:]
+        if giver and giver[0] in self.runs and giver[0] != r.id:
+            other = self.runs[giver[0]]
+            other.events = (other.events + [{"kind": "gave", "slot": slot, "to": r.name}])[
+                -MAX_EVENTS:]
+
+    def _save(self) -> None:
+        if not self.path:
+            return
+        state = {"arrivals": self._arrivals,
+                 "runs": [asdict(r) for r in self.runs.values()],
+                 "leases": [asdict(x) for x in self.leases.values()]}
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(state, f)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a full disk: serving goes on, a restart would lose this change
+            log.error("arbiter: could not save %s: %s", self.path, e)
+
+    def _load(self) -> None:
+        try:
+            with open(self.path) as f:
+                state = json.load(f)
+            runs = [Run(**r) for r in state["runs"]]
+            leases = [Lease(**x) for x in state["leases"]]
+            arrivals = int(state["arrivals"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            aside = f"{self.path}.unreadable-{int(time.time())}"
+            os.replace(self.path, aside)
+            log.error("arbiter: %s is unreadable (%s: %s); moved to %s, starting without "
+                      "leases", self.path, type(e).__name__, e, aside)
+            return
+        self._arrivals = arrivals
+        now = time.time()
+        # when a run last trained is not saved at every poll: the idle clock starts anew
+        for r in runs:
+            r.active = now
+        self.runs = {r.id: r for r in runs}
+        self.leases = {x.slot: x for x in leases if x.slot in self.slots and x.run in self.runs}
+        self._saved = self._fingerprint()
+        self._changed(now)
+
+
+def _check_demand(min, max, weight, wanted, standby) -> None:
+    for label, v in (("min", min), ("max", max), ("standby", standby)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if label == "standby" else 1):
+            raise ArbiterError(f"{label} must be a {'non-negative' if label == 'standby' else 'positive'}"
+                               f" integer, got {v!r}")
+    if min > max:
+        raise ArbiterError(f"min {min} exceeds max {max}")
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            0 < weight <= MAX_WEIGHT):  # (NaN fails too)
+        raise ArbiterError(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")
+    if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int)
+                               or not min <= wanted <= max):
+        raise ArbiterError(f"the size asked for must be an integer in [{min}, {max}], "
+                           f"got {wanted!r}")
