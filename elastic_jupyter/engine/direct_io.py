@@ -1,12 +1,12 @@
 """Writing a large file past the page cache (``O_DIRECT``), for checkpoints.
 
 A buffered write copies every byte into the page cache and leaves the kernel's writeback
-threads to send it to the device later, on whichever core they are scheduled: measured here
-(BENCHMARKS.md, checkpoint cost), a plain buffered write + fsync of a 0.59 GB state from
-another process slowed the training loop by about as much as our whole checkpoint write did
-(0.30 s against 0.27 s), an ``O_DIRECT`` write of the same bytes by 0.07 s. With
-``O_DIRECT`` the device reads
-the data straight from our buffer; nothing is left for writeback.
+threads to send it to the device later, on whichever core they are scheduled. With
+``O_DIRECT`` the device reads the data straight from our buffer and nothing is left for
+writeback. (In one probe run, BENCHMARKS.md, a buffered write + fsync of a 0.59 GB state from
+another process slowed training as much as our whole checkpoint write did, an ``O_DIRECT``
+write a quarter of that; a second run could not separate them. Our checkpoint's median cost
+fell from 15 % to 7-8 % of a synchronous save with this file.)
 
 ``O_DIRECT`` wants the buffer's address, the length and the file offset aligned to the
 device's block; :class:`DirectFile` copies what it is given into an aligned buffer and writes
