@@ -95,8 +95,8 @@ def median_interval(values: list[float]) -> tuple[float, float]:
     """A distribution-free 95 % confidence interval of the median: the order statistics
     of ranks n/2 - 1.96 sqrt(n)/2 and 1 + n/2 + 1.96 sqrt(n)/2, rounded outwards (the
     binomial's normal approximation; Conover, *Practical Nonparametric Statistics*, 3rd ed.,
-    sec. 3.2). Blocks are independent draws; their
-    distribution has heavy tails here (a neighbour's burst), so no normal model of the values."""
+    sec. 3.2). Blocks are independent draws with heavy tails here (a neighbour's burst), so
+    no normal model of the values."""
     ordered = sorted(values)
     half = 1.96 * len(ordered) ** 0.5 / 2
     low = max(1, math.floor(len(ordered) / 2 - half))

@@ -15,13 +15,13 @@ import atexit
 import hashlib
 import json
 import os
-import stat
 import time
 import uuid
 
 import psutil
 
 from .control import ControlServer
+from .host import alive, own_folder
 from .owner import background
 from .snapshot import FINAL_STATES, last_snapshot
 
@@ -48,17 +48,6 @@ def kernel_id() -> str | None:
 SOCKET_PATH_MAX = 107
 
 
-def _private_dir(path: str) -> str:
-    """`path` as a folder only this user can enter: created mode 0700, and refused when it is
-    a link or another user's (a shared /tmp must not let anyone else plant our socket)."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"{path} is not a folder of this user")
-    os.chmod(path, 0o700)
-    return path
-
-
 def socket_path(run_id: str) -> str:
     """Where the control socket of `run_id` goes: a name of fixed length (a hash of the id,
     never the run name) in the registry folder, or, when the runtime dir is so deep that
@@ -68,7 +57,7 @@ def socket_path(run_id: str) -> str:
     path = os.path.join(registry_dir(), name)
     if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
         return path
-    return os.path.join(_private_dir(f"/tmp/elastic-jupyter-{os.getuid()}"), name)
+    return os.path.join(own_folder(f"/tmp/elastic-jupyter-{os.getuid()}"), name)
 
 
 class Registration:
@@ -139,7 +128,7 @@ def read_entry(run_id: str) -> dict | None:
     try:
         with open(os.path.join(registry_dir(), f"{run_id}.json")) as f:
             entry = json.load(f)
-        entry["live"] = _alive(entry["pid"], entry["pid_start_time"])
+        entry["live"] = alive(entry["pid"], entry["pid_start_time"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return entry if isinstance(entry.get("checkpoint_dir"), str) else None
@@ -186,10 +175,3 @@ def prune(entries: list[dict], max_age_s: float, max_count: int) -> list[dict]:
         if entry["id"] in drop:
             forget(entry)
     return [e for e in entries if e["id"] not in drop]
-
-
-def _alive(pid: int, start_time: float) -> bool:
-    try:
-        return abs(psutil.Process(pid).create_time() - start_time) < 1.0
-    except psutil.Error:
-        return False

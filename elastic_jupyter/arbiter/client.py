@@ -21,7 +21,8 @@ import subprocess
 import sys
 import time
 
-from .service import SOCKET, own_folder
+from ..host import own_folder
+from .service import SOCKET
 from .table import ArbiterError
 
 SYSTEM_DIR = "/run/elastic-jupyter"

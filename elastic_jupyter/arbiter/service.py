@@ -38,13 +38,13 @@ import logging
 import os
 import pwd
 import socket
-import stat
 import struct
 import sys
 import time
 
 import psutil
 
+from ..host import alive, own_folder
 from .providers import SlotProvider, provider
 from .settings import SYSTEM_CONFIG, Settings
 from .table import ArbiterError, SlotTable
@@ -54,16 +54,6 @@ MAX_LINE = 1 << 20
 SOCKET, LOCK, STATE = "arbiter.sock", "arbiter.lock", "state.json"
 
 log = logging.getLogger("elastic_jupyter.arbiter")
-
-
-def alive(pid: int, start_time: float) -> bool:
-    """Whether the process `pid` that started at `start_time` (s since the epoch) still runs
-    (a reused pid has another start time; a zombie has ended)."""
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 class Arbiter:
@@ -274,16 +264,6 @@ def _descendants(pid: int) -> set[int]:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)}
     except (psutil.Error, ValueError):
         return set()
-
-
-def own_folder(path: str, mode: int) -> None:
-    """Make `path` a folder of this user with `mode`; refuse one that is a link or another
-    user's (a shared /tmp must not let anyone plant our socket, lock or state)."""
-    os.makedirs(path, mode=mode, exist_ok=True)
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise OSError(f"{path} is not a folder of this user: the arbiter will not use it")
-    os.chmod(path, mode)
 
 
 def main(argv: list[str] | None = None) -> int:
