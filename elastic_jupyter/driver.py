@@ -63,6 +63,12 @@ class Driver:
     def _wanted(self) -> int:
         return self.sizer.engines_wanted(self.config.standby)
 
+    def _leaving(self) -> frozenset:
+        """Slots the machine's arbiter wants back (lease mode; see lease.py)."""
+        if self.pool.lease is None:
+            return frozenset()
+        return frozenset(self.pool.leaving_slots())
+
     # ---------------------------------------------------------------- lifecycle
 
     async def setup(self, size: int, resume_from: str | None) -> str | None:
@@ -196,6 +202,8 @@ class Driver:
                          f"from {request.source}")
         if self.membership.gave_up:
             self.sizer.settle(len(self.members))
+        if leaving := self._leaving():  # standby slots the machine's arbiter revoked
+            self.membership.stop_spares(leaving)
         if self.sizer.settled(now) and self.state in ("training", "resizing"):
             self.membership.boot(self._wanted())
             self.membership.trim(self._wanted())
@@ -213,7 +221,7 @@ class Driver:
                                 change.scheduled)
         newcomers = []
         if change.target < W:
-            self.membership.shrink(change.target, self._wanted())
+            self.membership.shrink(change.target, self._wanted(), self._leaving())
         else:
             newcomers = await self.membership.grow(change.target, POLL)
             if len(self.members) < change.target:

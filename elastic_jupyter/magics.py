@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import time
 
 from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
@@ -40,6 +41,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _weight(value: float | None) -> float:
+    return 1.0 if value is None else value
+
+
 def _schedule(text: str) -> list[tuple[int, int]]:
     out = []
     for item in filter(None, (t.strip() for t in text.split(","))):
@@ -63,15 +68,47 @@ def _status_table(status: dict) -> str:
     """The pool's status as lines of text: size and bounds, the engines, excluded slots."""
     lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
              f"backend {status['backend']}, run: {status['run'] or 'none'}"]
-    rows = [("slot", "device", "pid", "engine id")] + [
+    lines += _columns([("slot", "device", "pid", "engine id")] + [
         (str(e["slot"]), e["device"], str(e["pid"]), str(e["engine_id"]))
-        for e in status["engines"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(4)]
-    lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
-              for row in rows]
+        for e in status["engines"]])
     for slot, reason in sorted(status["excluded_slots"].items()):
         lines.append(f"Excluded slot {slot}: {reason}")
+    lease = status.get("lease")
+    if lease is not None:
+        lines.append(f"Lease: {'auto' if lease['auto'] else 'manual'}, weight {lease['weight']:g}"
+                     f", training slots {lease['slots']}, standby {lease['standby']}, "
+                     f"target {lease['target']}, grantable {lease['grantable']}"
+                     + (f", place {lease['queued']} in the queue" if lease["queued"] else ""))
     return "\n".join(lines)
+
+
+def _machine_table(view: dict, now: float) -> str:
+    """The machine's slots (holder, since, use) and runs, as the arbiter sees them."""
+    runs = {r["run"]: r for r in view["runs"]}
+    rows = [("slot", "holder", "user", "notebook", "for", "use")]
+    for s in view["slots"]:
+        h = s["holder"]
+        if h is not None:
+            who = h["name"] + (" (standby)" if h["standby"] else "")
+            row = (who, h["user"], h["notebook"] or "-", f"{now - h['since']:.0f} s")
+        elif s["outside"]:
+            row = ("outside: " + s["outside"], "-", "-", "-")
+        else:
+            row = ("free", "-", "-", "-")
+        use = " ".join(f"{k} {s[k]}" for k in ("util", "memory_mib") if s.get(k) is not None)
+        rows.append((str(s["slot"]),) + row + (use or "-",))
+    lines = [f"Machine: {len(view['slots'])} {view.get('kind', '')} slot(s)"]
+    lines += _columns(rows)
+    rows = [("run", "user", "auto", "weight", "min", "max", "holds", "target", "queue")]
+    rows += [(r["name"], r["user"], "on" if r["auto"] else "off", f"{r['weight']:g}",
+              str(r["min"]), str(r["max"]), str(r["held"]), str(r["target"]),
+              str(r["queued"] or "-")) for r in runs.values()]
+    return "\n".join(lines + _columns(rows))
+
+
+def _columns(rows: list[tuple]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
 def _pool_parser() -> _Parser:
@@ -84,7 +121,16 @@ def _pool_parser() -> _Parser:
     p.add_argument("--gpus", default="all", help="all | none | a list like 0,2 (default all)")
     p.add_argument("--engine-timeout", type=float, default=60.0,
                    help="seconds to wait for an engine to start (default 60)")
+    _auto_options(p)
     return p
+
+
+def _auto_options(p: _Parser) -> None:
+    p.add_argument("--auto", action="store_true",
+                   help="auto mode: the machine's arbiter sizes the pool between --min and --max"
+                        " by weighted fair share with the machine's other runs")
+    p.add_argument("--weight", type=float, default=None,
+                   help="the pool's weight in that fair share among your runs (default 1)")
 
 
 def _train_parser() -> _Parser:
@@ -139,6 +185,7 @@ def _train_parser() -> _Parser:
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",
                    help="resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, at_step=STEP))")
+    _auto_options(p)
     p.add_argument("--wait", action="store_true", help="block until training ends, printing progress")
     p.add_argument("--no-dashboard", action="store_true",
                    help="do not show the live dashboard (run.dashboard() shows it later)")
@@ -189,8 +236,8 @@ class ElasticMagics(Magics):
             if self.pool is not None and self.pool.running:
                 raise UsageError(f"a pool is already running ({self.pool!r}); "
                                  "%elastic_pool stop it first")
-            self.pool = EnginePool(args.n, args.min, args.max, args.gpus,
-                                   args.engine_timeout).start()
+            self.pool = EnginePool(args.n, args.min, args.max, args.gpus, args.engine_timeout,
+                                   auto=args.auto, weight=_weight(args.weight)).start()
             print(f"Started {self.pool!r}: " + ", ".join(
                 f"slot {e.slot} ({e.device}, pid {e.pid})" for e in self.pool.engines))
             return None
@@ -199,6 +246,8 @@ class ElasticMagics(Magics):
         if args.action == "status":
             status = _PoolStatus(self.pool.status())
             print(_status_table(status))  # shown wherever the line is in the cell
+            if self.pool.lease is not None:
+                print(_machine_table(self.pool.machine(), time.time()))
             return status
         if args.action == "resize":
             if args.size is None:
@@ -245,8 +294,11 @@ class ElasticMagics(Magics):
             commit_every=args.commit_every, standby=args.standby, workers=args.workers,
             plateau_metric=args.plateau_metric, precision=args.precision)
         if self.pool is None or not self.pool.running:
-            self.pool = EnginePool().start()
+            self.pool = EnginePool(auto=args.auto, weight=_weight(args.weight)).start()
             print(f"Started {self.pool!r}")
+        elif args.auto or args.weight is not None:
+            self.pool.set_auto(args.auto or self.pool.lease is not None
+                               and self.pool.lease.demand["auto"], args.weight)
         run = TrainingRun(self.pool, config, source=cell, push=push, resume=args.resume,
                           engines=args.engines, notebook=os.environ.get("JPY_SESSION_NAME"),
                           schedule=_schedule(args.schedule))

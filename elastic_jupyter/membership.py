@@ -34,13 +34,18 @@ def free_slots(max_size: int, used: set, excluded: set, k: int) -> list[int]:
     return free[:k]
 
 
-def plan_shrink(members: list, target: int, wanted: int, spares: int) -> tuple[list, list, list]:
-    """Shrink to `target`: the youngest ranks leave (rank order is age order, so rank 0 and the
-    state it broadcasts stay). Returns (staying, kept as spares, stopped): leavers are kept as
-    spares while the run wants more engines set up (`wanted`, beside `spares` ready ones)."""
-    staying, leaving = members[:target], members[target:]
+def plan_shrink(members: list, target: int, wanted: int, spares: int,
+                leaving_slots: frozenset = frozenset()) -> tuple[list, list, list]:
+    """Shrink to `target`: members on `leaving_slots` (slots the machine's arbiter wants back)
+    leave first, then the youngest ranks (rank order is age order, so rank 0 and the state it
+    broadcasts stay where they can; after a step every member holds that state). Returns
+    (staying, kept as spares, stopped): leavers are kept as spares while the run wants more
+    engines set up (`wanted`, beside `spares` ready ones), except those on leaving slots."""
+    must = [m for m in members if leaving_slots and m.slot in leaving_slots]
+    rest = [m for m in members if m not in must]
+    staying, leaving = rest[:target], rest[target:]
     room = max(0, wanted - target - spares)
-    return staying, leaving[:room], leaving[room:]
+    return staying, leaving[:room], must + leaving[room:]
 
 
 def plan_trim(spares: list, wanted: int, members: int) -> tuple[list, list]:
@@ -108,7 +113,7 @@ class Membership:
         if self._booting is not None and not self._booting.done():
             return
         self._booting = None
-        missing = wanted - len(self.members) - len(self.spares)
+        missing = min(wanted - len(self.members) - len(self.spares), self.pool.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
                                        lambda e: self.log.event("warning", message=f"boot: {e}"))
@@ -118,6 +123,13 @@ class Membership:
         self.spares, extra = plan_trim(self.spares, wanted, len(self.members))
         if extra:
             self.pool.remove_engines(extra)
+
+    def stop_spares(self, slots: set) -> None:
+        """Stop the spares on `slots` now (the machine's arbiter wants those slots back)."""
+        gone = [e for e in self.spares if e.slot in slots]
+        if gone:
+            self.spares = [e for e in self.spares if e not in gone]
+            self.pool.remove_engines(gone)
 
     async def _boot(self, k: int) -> None:
         await asyncio.sleep(self.health.delay(self.pool.next_free_slot()))  # back off a bad slot
@@ -145,9 +157,11 @@ class Membership:
 
     # ---------------------------------------------------------------- resizes
 
-    def shrink(self, target: int, wanted: int) -> None:
-        """Leave `target` members; leavers left the group already (kept as spares or stopped)."""
-        self.members, kept, stopped = plan_shrink(self.members, target, wanted, len(self.spares))
+    def shrink(self, target: int, wanted: int, leaving_slots: frozenset = frozenset()) -> None:
+        """Leave `target` members; leavers left the group already (kept as spares or stopped;
+        see :func:`plan_shrink`)."""
+        self.members, kept, stopped = plan_shrink(self.members, target, wanted,
+                                                  len(self.spares), leaving_slots)
         self.spares += kept
         self.pool.remove_engines(stopped)
 

@@ -3,6 +3,11 @@
 Each slot's engine is its own engine set of one, because ipyparallel cannot stop a single engine
 of a larger set (``Cluster.stop_engine`` raises) and forgets per-set environments on restart.
 CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot change.
+
+In lease mode (``auto=True``, or a machine whose admin runs a shared arbiter) the slots are the
+machine's, leased by its arbiter: engines start only on leased slots, and the pool follows the
+lease (:mod:`.lease`): while no run trains, the pool itself starts and stops engines to match
+it; while one trains, the run's :class:`~.lease.LeasePolicy` resizes it at step boundaries.
 """
 from __future__ import annotations
 
@@ -16,10 +21,13 @@ from dataclasses import dataclass
 
 import psutil
 
+from .arbiter.client import arbiter_configured
+from .arbiter.table import ArbiterError, check_weight
 from .config import PoolConfig, UsageError
 from .engine_calls import EngineCalls
+from .lease import POLL_S, SlotLease, describe_slot_event
 from .membership import free_slots
-from .owner import get_owner
+from .owner import background, get_owner
 from .reaper import start_reaper, write_pidfile
 from .registry import registry_dir
 
@@ -27,6 +35,7 @@ CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
 # Seconds the controller gets to exit on SIGTERM (it takes ~0.4 s and removes its connection
 # files) before SIGKILL, and a removed engine's nanny after its engine is gone.
 STOP_GRACE = 1.0
+RETRY_S = 5.0  # lease mode: after a failed look at the grant (or engine start), wait this long
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,8 @@ class Engine:
 def _engine_env(slot: int, gpu: int | None, threads: int) -> dict:
     return {
         "ELASTIC_JUPYTER_SLOT": str(slot),
+        # NVML (the arbiter) numbers GPUs by PCI bus; CUDA by speed unless told otherwise
+        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
         "GLOO_SOCKET_IFNAME": "lo",  # single-host pool: gloo stays on loopback
@@ -68,13 +79,23 @@ class EnginePool:
         min_size, max_size: bounds for resizes (default 1 and the number of GPUs, or 4).
         gpus: "all", "none" or a list of GPU ids such as "0,2".
         engine_timeout: seconds to wait for a new engine to register.
+        auto: auto mode: the machine's arbiter sizes the pool between min and max by weighted
+            fair share with the other runs on the machine (docs/arbiter.md).
+        weight: the pool's weight in that fair share among its user's runs (> 0).
+        arbiter: take slots from the machine's arbiter (default: with ``auto``, or when the
+            admin runs a shared one or ``$ELASTIC_JUPYTER_ARBITER`` names one).
+        name, notebook: how the machine's view shows the pool (a run on it renames it).
     Raises:
-        UsageError: bounds that do not fit (n outside [min, max], more engines than GPUs).
+        UsageError: bounds that do not fit (n outside [min, max], more engines than GPUs),
+            ``auto`` without the arbiter, or a GPU list in lease mode (the arbiter places).
     """
 
     def __init__(self, n: int | None = None, min_size: int | None = None,
-                 max_size: int | None = None, gpus: str = "all", engine_timeout: float = 60.0):
+                 max_size: int | None = None, gpus: str = "all", engine_timeout: float = 60.0,
+                 auto: bool = False, weight: float = 1.0, arbiter: bool | None = None,
+                 name: str = "", notebook: str | None = None):
         self.config = PoolConfig.resolve(n, min_size, max_size, gpus, engine_timeout)
+        self.lease = self._lease(auto, weight, arbiter, gpus, name, notebook)
         self.owner = get_owner()
         self.engines: list[Engine] = []  # oldest first
         self.cluster = None
@@ -86,6 +107,28 @@ class EnginePool:
         self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
         self._pidfile = None
         self._reaper = None  # subprocess.Popen of the reaper
+        self._busy_slots: set[int] = set()  # slots of engines starting or stopping
+        self._resizing = asyncio.Lock()  # an idle resize and the lease's following
+        self._following: asyncio.Task | None = None  # lease mode: _follow_lease
+
+    def _lease(self, auto, weight, arbiter, gpus, name, notebook) -> SlotLease | None:
+        if arbiter is None:
+            arbiter = auto or arbiter_configured()
+        if not arbiter:
+            if auto:
+                raise UsageError("auto mode needs the machine's arbiter: leave arbiter unset")
+            return None
+        try:
+            check_weight(weight)
+        except ArbiterError as e:
+            raise UsageError(str(e)) from None
+        if gpus not in ("all", "none"):
+            raise UsageError(f"--gpus {gpus}: in lease mode the machine's arbiter places the "
+                             "engines; give --gpus all (or none for CPU slots)")
+        c = self.config
+        return SlotLease(f"pool-{uuid.uuid4().hex}", dict(
+            name=name or "pool", notebook=notebook or os.environ.get("JPY_SESSION_NAME", ""),
+            min=c.min_size, max=c.max_size, weight=weight, auto=auto, wanted=c.n, standby=0))
 
     # properties --------------------------------------------------------------------------------
 
@@ -120,11 +163,16 @@ class EnginePool:
             raise UsageError(f"the pool is busy with run {self._run.name!r}: stop it "
                              "(%elastic_stop or run.stop()) or wait for it to finish")
         self._run = run
+        if self.lease is not None:
+            self.lease.active = True  # told to the arbiter as the run registers
 
     def release(self, run) -> None:
-        """`run` no longer holds the pool."""
+        """`run` no longer holds the pool (its spares are gone: no standby slots wanted)."""
         if self._run is run:
             self._run = None
+            if self.lease is not None:
+                self.lease.active = False
+                background(self.lease.update(standby=0), self._lease_warning)
 
     def check_size(self, n) -> int:
         """Validate a requested size; returns it as int or raises UsageError saying the bounds."""
@@ -141,23 +189,77 @@ class EnginePool:
             raise UsageError(f"pool size {n} is outside this pool's bounds [{self.min_size}, "
                              f"{self.max_size}]; choose a size in range or start a pool with "
                              "other --min/--max")
+        if self.lease is not None and self.lease.grant and n > max(
+                self.lease.grantable, len(self.lease.slots)):
+            raise UsageError(f"the machine's arbiter can grant this pool at most "
+                             f"{self.lease.grantable} slot(s) now (the other runs hold the rest:"
+                             " %elastic_pool status shows the machine); choose a smaller size")
         return n
 
     # public, any thread ------------------------------------------------------------------------
 
     def start(self) -> "EnginePool":
-        """Start the controller and the first ``n`` engines; returns self when all registered."""
-        self.owner.call(self.ensure_started())
+        """Start the controller and the first ``n`` engines; returns self when all registered.
+        In lease mode, waits (printing its place in the machine's queue) until the arbiter
+        leased ``min`` slots."""
+        self.wait_printing_queue(self.owner.submit(self.ensure_started()))
         return self
 
+    def wait_printing_queue(self, future):
+        """The result of `future` (of the owner loop), printing the pool's place in the
+        machine's queue while it waits for its slots."""
+        shown = None
+        while True:
+            try:
+                return future.result(timeout=POLL_S)
+            except TimeoutError:
+                pass
+            except BaseException:
+                future.cancel()
+                raise
+            place = self.lease.queued if self.lease is not None else None
+            if place != shown and place is not None:
+                print(f"Waiting for {self.min_size} slot(s): place {place} in the machine's "
+                      "queue (%elastic_pool status shows who holds the slots)", flush=True)
+            shown = place
+
     def resize(self, n: int, at_step: int | None = None):
-        """Change the number of engines. During a run this is the run's resize request."""
+        """Change the number of engines. During a run this is the run's resize request.
+        In lease mode this also ends auto mode (the size is the user's from now on)."""
         n = self.check_size(n)
         if self.run is not None and self.run.active:
             return self.run.resize(n, at_step=at_step)
         if at_step is not None:
             raise UsageError("at_step needs a running training run")
-        self.owner.call(self.resize_idle(n))
+        self.owner.call(self._resize_to(n))
+
+    def set_auto(self, on: bool = True, weight: float | None = None) -> None:
+        """Turn auto mode on or off (and set the pool's weight). Raises UsageError without
+        the machine's arbiter, or for a weight it refuses."""
+        if self.lease is None:
+            raise UsageError("this pool does not take its slots from the machine's arbiter: "
+                             "start it with --auto (EnginePool(auto=True))")
+        changes = {"auto": bool(on)}
+        if weight is not None:
+            try:
+                check_weight(weight)
+            except ArbiterError as e:
+                raise UsageError(str(e)) from None
+            changes["weight"] = weight
+        if self.owner.in_owner_thread():  # the control channel (the panel's toggle)
+            background(self.lease.update(**changes), self._lease_warning)
+        else:
+            self.owner.call(self.lease.update(**changes))
+
+    def machine(self) -> dict:
+        """The machine's slots and runs as the arbiter sees them (see arbiter.table.view).
+        Raises UsageError when the pool is not in lease mode."""
+        if self.lease is None:
+            raise UsageError("this pool does not take its slots from the machine's arbiter")
+        try:
+            return self.lease.client.view()
+        except ArbiterError as e:
+            raise UsageError(str(e)) from None
 
     def stop(self) -> None:
         """Stop every engine and the controller (a running run is stopped first)."""
@@ -167,11 +269,19 @@ class EnginePool:
         self.owner.call(self._stop())
 
     def status(self) -> dict:
+        lease = None
+        if self.lease is not None:
+            g = self.lease.grant
+            lease = {"auto": self.lease.demand["auto"], "weight": self.lease.demand["weight"],
+                     "slots": g.get("slots", []), "standby": g.get("standby", []),
+                     "target": g.get("target", 0), "queued": g.get("queued"),
+                     "grantable": g.get("grantable", 0)}
         return {"running": self.running, "size": self.size, "min": self.min_size,
                 "max": self.max_size, "backend": self.backend,
                 "excluded_slots": dict(self.excluded_slots),
                 "engines": [vars(e).copy() for e in self.engines],
-                "run": self.run.name if self.run is not None and self.run.active else None}
+                "run": self.run.name if self.run is not None and self.run.active else None,
+                "lease": lease}
 
     def __repr__(self) -> str:
         return (f"<EnginePool size={self.size} bounds=[{self.min_size}, {self.max_size}] "
@@ -192,7 +302,28 @@ class EnginePool:
         self._reaper = start_reaper(self._pidfile)
         atexit.register(self._shutdown_at_exit)
         self.client = await self.cluster.connect_client()
-        await self.add_engines(self.config.n)
+        if self.lease is None:
+            await self.add_engines(self.config.n)
+            return
+        try:  # wait in the machine's queue, then start on the slots leased now
+            await self.lease.register()
+            while self.lease.kept < self.min_size:
+                await asyncio.sleep(POLL_S)
+                await self.lease.poll(engines={})
+            auto = self.lease.demand["auto"]  # auto: every slot leased; else n of them
+            await self.resize_idle(self.lease.kept if auto else min(self.lease.kept, self.config.n))
+        except BaseException as e:  # refused, interrupted, engines that did not start
+            await self._stop()
+            if isinstance(e, ArbiterError):
+                raise UsageError(str(e)) from None
+            raise
+        self._following = background(self._follow_lease(), self._lease_warning)
+
+    async def admitted(self) -> None:
+        """Wait until the lease keeps ``min`` training slots (lease mode, a run starting on the
+        pool: the pool's place in the machine's queue shows meanwhile)."""
+        while self.lease.kept < self.min_size:
+            await asyncio.sleep(POLL_S / 5)
 
     def _update_pidfile(self) -> None:
         """Tell the reaper which processes to end if this process dies without stopping us."""
@@ -210,10 +341,83 @@ class EnginePool:
 
     async def resize_idle(self, n: int) -> None:
         """Start or stop engines until `n` run (owner loop; no run trains meanwhile)."""
-        if n > self.size:
-            await self.add_engines(n - self.size)
-        elif n < self.size:
-            await self.remove_engines(self.engines[n:])
+        async with self._resizing:
+            if n > self.size:
+                await self.add_engines(n - self.size)
+            elif n < self.size:
+                await self.remove_engines(self.engines[n:])
+
+    async def _resize_to(self, n: int) -> None:
+        """An idle pool's resize by the user: in lease mode it asks the arbiter first (auto
+        mode ends) and grows to what is granted now; the rest follows when granted."""
+        if self.lease is not None:
+            await self.lease.update(wanted=n, auto=False)
+            n = min(n, self.lease.kept)
+        await self.resize_idle(n)
+
+    # lease mode --------------------------------------------------------------------------------
+
+    async def _follow_lease(self) -> None:
+        """Every POLL_S: tell the arbiter what runs where, take its grant, and follow it (an
+        idle pool here; a training run through its LeasePolicy); slots to give back go back
+        once no engine of ours runs there. Ends with the pool."""
+        failing = None
+        while self.cluster is not None:
+            try:
+                await self.lease.poll(engines={e.slot: e.pid for e in self.engines})
+                self._show_lease_events()
+                if self._run is None:
+                    await self._follow_idle()
+                await self._release_unused()
+                failing = None
+            except Exception as e:  # the arbiter restarts, or an engine did not start:
+                if str(e) != failing:  # the pool keeps what it holds and tries again
+                    self._lease_warning(f"{type(e).__name__}: {e}")
+                failing = str(e)
+                await asyncio.sleep(RETRY_S)
+            await asyncio.sleep(POLL_S)
+
+    def leaving_slots(self) -> set[int]:
+        """Slots whose engines should go: those the arbiter wants back, and any no longer
+        leased to the pool (the arbiter lost its state and leased others)."""
+        leased = set(self.lease.leased)
+        return self.lease.leaving | {e.slot for e in self.engines if e.slot not in leased}
+
+    async def _follow_idle(self) -> None:
+        async with self._resizing:
+            if self._run is not None:
+                return  # a run claimed the pool meanwhile: it follows the lease from now
+            leaving = [e for e in self.engines if e.slot in self.leaving_slots()]
+            if leaving:
+                self.remove_engines(leaving)
+            missing = min(self.lease.kept - self.size, self.startable())
+            if missing > 0:
+                await self.add_engines(missing)
+
+    async def _release_unused(self) -> None:
+        """Give back the slots the arbiter asks for (and, while idle, standby slots) that no
+        engine of the pool runs on, starts on or still stops on."""
+        used = {e.slot for e in self.engines} | self._busy_slots
+        unused = self.lease.leaving
+        if self._run is None:
+            unused |= set(self.lease.grant.get("standby", []))
+        unused -= used
+        if unused:
+            await self.lease.release(sorted(unused))
+
+    def _show_lease_events(self) -> None:
+        """The arbiter's "grew into"/"gave" events go to the run's events (and its chart)."""
+        events, self.lease.events = self.lease.events, []
+        if self._run is not None:
+            kind = "gpu" if self.config.gpus else "cpu"
+            for event in events:
+                self._run.log.event("slot", message=describe_slot_event(event, kind),
+                                    slot=event["slot"])
+
+    def _lease_warning(self, message: str) -> None:
+        log.warning("elastic_jupyter: the machine's arbiter: %s", message)
+        if self._run is not None:
+            self._run.log.event("warning", message=f"the machine's arbiter: {message}")
 
     async def _stop(self) -> None:
         if self.cluster is None:
@@ -222,6 +426,9 @@ class EnginePool:
         # tell the controller at once), then the tasks finish quickly and report their own errors
         _signal(list(self._removing), psutil.Process.kill)
         await asyncio.gather(*self._stopping, return_exceptions=True)
+        if self._following is not None:
+            self._following.cancel()
+            self._following = None
         # We end every process ourselves, all at once and without blocking the loop:
         # ipyparallel's stop joins each launcher's wait thread in turn, blocking this loop for
         # the SIGTERM grace of each engine, and knows nothing of the engines' nannies, which
@@ -242,6 +449,8 @@ class EnginePool:
                             "failed: %s: %s", type(e).__name__, e)
         finally:
             self._forget_cluster()
+            if self.lease is not None:
+                await self.lease.close()
 
     def _forget_cluster(self) -> None:
         if self._pidfile is not None and os.path.exists(self._pidfile):
@@ -259,6 +468,18 @@ class EnginePool:
     def usable_slots(self) -> int:
         return self.max_size - len(self.excluded_slots)
 
+    def startable(self) -> int:
+        """How many engines could start now: on free slots (lease mode: leased slots that no
+        engine uses and the arbiter does not want back)."""
+        if self.lease is None:
+            return self.usable_slots - self.size
+        return len(self._free_leased())
+
+    def _free_leased(self) -> list[int]:
+        used = {e.slot for e in self.engines} | self._busy_slots | set(self.excluded_slots)
+        leaving = self.leaving_slots()
+        return [s for s in self.lease.leased if s not in used and s not in leaving]
+
     def exclude_slot(self, slot: int, reason: str) -> None:
         """Leave `slot` out of future engine starts (it keeps failing)."""
         self.excluded_slots[slot] = reason
@@ -271,6 +492,12 @@ class EnginePool:
             return None
 
     def _free_slots(self, k: int) -> list[int]:
+        if self.lease is not None:
+            free = self._free_leased()
+            if len(free) < k:
+                raise UsageError(f"no free slot: the machine's arbiter leased this pool "
+                                 f"{len(self.lease.leased)} slot(s), {len(free)} free")
+            return free[:k]
         return free_slots(self.max_size, {e.slot for e in self.engines},
                           set(self.excluded_slots), k)
 
@@ -279,10 +506,20 @@ class EnginePool:
         if k <= 0:
             return []
         slots = self._free_slots(k)
+        self._busy_slots.update(slots)
+        try:
+            return await self._start_engines(slots)
+        finally:
+            self._busy_slots.difference_update(slots)
+
+    async def _start_engines(self, slots: list[int]) -> list[Engine]:
+        k = len(slots)
         known = set(self.client.ids)
         set_ids = {}
         for slot in slots:
-            gpu = self.config.gpus[slot] if self.config.gpus else None
+            gpu = None
+            if self.config.gpus:  # in lease mode a slot is the machine's GPU index
+                gpu = slot if self.lease is not None else self.config.gpus[slot]
             threads = self.config.threads_per_engine
             # a fresh dict each time: start_engines mutates the one it is given
             set_ids[slot] = await self.cluster.start_engines(
@@ -317,6 +554,7 @@ class EnginePool:
         # the processes now (psutil then checks that a pid was not reused before signalling)
         procs = _processes([e.pid for e in engines])
         self._removing.update(procs)
+        self._busy_slots.update(e.slot for e in engines)
         task = asyncio.ensure_future(self._stop_engines(engines, procs))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
@@ -332,6 +570,7 @@ class EnginePool:
                         ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
         finally:
             self._removing.difference_update(procs)
+            self._busy_slots.difference_update(e.slot for e in engines)
 
     async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
         nannies = [c for p in procs for c in _children(p)]

@@ -21,7 +21,9 @@ from .cellsetup import CellSetup, RunSetupError, pickle_by_value, prepare_checkp
 from .config import COMMIT_EVERY_NOTICE, RunConfig, UsageError
 from .driver import Driver
 from .engine import checkpoint as ckpt
+from .lease import LeasePolicy
 from .membership import Membership
+from .owner import background
 from .runlog import RunLog, describe_event
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
 from .snapshot import ACTIVE_STATES, RunSnapshot, of_run
@@ -92,6 +94,7 @@ class TrainingRun:
                                pickle_by_value(setup) if setup is not None else None,
                                dict(push or {}), self.workdir)
         self._membership = Membership(pool, self.log, self._cell)
+        self._scheduled = bool(schedule)
         self._driver = Driver(pool, calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
                               self._membership, self._cell, config, self.checkpoint_dir,
@@ -198,21 +201,29 @@ class TrainingRun:
         checkpoint folder problems) or RunSetupError (the cell failed on an engine, with its
         traceback); either way the pool stays usable.
         """
-        self.pool.owner.call(self._start())
+        self.pool.wait_printing_queue(self.pool.owner.submit(self._start()))
         return self
 
     def resize(self, n: int, at_step: int | None = None) -> None:
         """Request world size `n`, now (the newest immediate request wins) or exactly after
         step `at_step`. Returns at once; ``events`` records when the resize took effect.
 
-        Raises UsageError if `n` is outside the pool's bounds, or the run is not training, or
-        `at_step` has already passed.
+        On a pool that takes its slots from the machine's arbiter, the request goes to the
+        arbiter (and ends auto mode); the run resizes once the slots are granted.
+
+        Raises UsageError if `n` is outside the pool's bounds (or beyond what the arbiter can
+        grant), or the run is not training, or `at_step` has already passed (or is given on
+        a pool in lease mode, whose size the arbiter decides).
         """
         n = self.pool.check_size(n)
         if self.state not in ("training", "resizing"):
             hint = ("resize once it trains" if self.state in ("created", "starting") else
                     "to resize the idle pool use pool.resize(n) or %elastic_pool resize N")
             raise UsageError(f"run {self.name!r} is {self.state}: {hint}")
+        if self.pool.lease is not None:
+            if at_step is not None:
+                raise UsageError(_LEASED_SCHEDULE)
+            return self._on_owner(self._ask_arbiter, n)
         if at_step is not None:
             if isinstance(at_step, bool) or not isinstance(at_step, int):
                 raise UsageError(f"at_step must be an integer step, got {at_step!r}")
@@ -220,6 +231,18 @@ class TrainingRun:
                 raise UsageError(f"at_step={at_step} must be after the current step {self.step} "
                                  f"and before the last step {self.total_steps}")
         self._on_owner(self._request, SizeRequest(n, at_step, time.time()))
+
+    def auto(self, on: bool = True, weight: float | None = None) -> None:
+        """Turn auto mode on or off: in auto mode the machine's arbiter sizes the run between
+        the pool's --min and --max by weighted fair share (docs/arbiter.md); off, the run keeps
+        its slots and changes size only when asked. Returns at once. Raises UsageError when the
+        pool does not take its slots from the arbiter, or for a weight outside (0, 1e6]."""
+        self.pool.set_auto(on, weight)
+
+    def _ask_arbiter(self, n: int) -> None:
+        self.log.log(f"resize request size={n} from user, to the machine's arbiter")
+        background(self.pool.lease.update(wanted=n, auto=False),
+                   lambda e: self.log.event("warning", message=f"resize to {n}: {e}"))
 
     def stop(self) -> None:
         """Stop after the current step (a checkpoint is written). Returns at once."""
@@ -362,7 +385,10 @@ class TrainingRun:
         pool.claim(self)
         try:
             await pool.ensure_started()
-            size = pool.check_size(self.engines_at_start or pool.size)
+            if pool.lease is not None:
+                size = await self._lease_slots()
+            else:
+                size = pool.check_size(self.engines_at_start or pool.size)
             if self.config.global_batch < size:
                 raise UsageError(
                     f"--global-batch {self.config.global_batch} is smaller than the world size "
@@ -376,6 +402,22 @@ class TrainingRun:
             pool.release(self)
             raise
 
+    async def _lease_slots(self) -> int:
+        """Lease mode: tell the arbiter about the run, wait in the machine's queue for the
+        pool's min, and start at the slots kept (the rest is grown into when granted)."""
+        pool = self.pool
+        if self._scheduled:
+            raise UsageError(_LEASED_SCHEDULE)
+        auto = pool.lease.demand["auto"]
+        wanted = self.engines_at_start or pool.lease.demand["wanted"]
+        wanted = pool.check_size(wanted) if not auto else wanted  # auto: the arbiter decides
+        await pool.lease.update(name=self.name, notebook=self.notebook or "", wanted=wanted,
+                                standby=self.config.standby)
+        await pool.admitted()
+        size = pool.lease.kept if auto else min(wanted, pool.lease.kept)
+        self._driver.policies.append(LeasePolicy(pool.lease, size))
+        return size
+
     def _release_folder(self) -> None:
         if self._folder_lock is not None:
             self._folder_lock.release()
@@ -386,3 +428,8 @@ class TrainingRun:
         self._release_folder()
         self.pool.release(self)
         registry.update(self._registration, self)
+
+
+_LEASED_SCHEDULE = ("this pool takes its slots from the machine's arbiter, which decides when "
+                    "it changes size: resize it now (run.resize(n)), or start a pool with "
+                    "arbiter=False for resizes at given steps")

@@ -211,3 +211,23 @@ def test_a_standby_slot_taken_from_outside_is_revoked_not_joined():
     t.set_outside({1: "pid 99 (eve)"})
     grant = t.register(1, "alice", 11, 1.0, "A", min=1, max=4, wanted=2, standby=1)
     assert 1 not in grant["slots"] and grant["revoke"] == [1]
+
+
+def test_an_auto_run_that_does_not_train_wants_only_its_min():
+    t = table()
+    t.register(0, "u", 1, 0.0, "A", min=1, max=4, auto=True, now=0)
+    t.register(0, "u", 2, 0.0, "B", min=1, max=4, auto=True, active=False, now=0)
+    assert (t.grant("A", 0)["target"], t.grant("B", 0)["target"]) == (3, 1)
+    t.poll(0, "B", active=True, now=1)
+    assert (t.grant("A", 1)["target"], t.grant("B", 1)["target"]) == (2, 2)
+    t.poll(0, "A", active=False, now=2)  # its run ended: the pool keeps its min
+    assert (t.grant("A", 2)["target"], t.grant("B", 2)["target"]) == (1, 3)
+
+
+def test_a_runs_new_name_outlives_a_new_table(tmp_path):
+    path = str(tmp_path / "state.json")
+    first = SlotTable([0, 1, 2, 3], path, hold_s=0)
+    first.register(1, "alice", 11, 1.0, "P", name="pool", max=2, wanted=1)
+    first.register(1, "alice", 11, 1.0, "P", name="mnist", notebook="a.ipynb", max=2, wanted=1)
+    again = SlotTable([0, 1, 2, 3], path, hold_s=0)
+    assert (again.runs["P"].name, again.runs["P"].notebook) == ("mnist", "a.ipynb")

@@ -144,13 +144,15 @@ def find_reaper(pidfile: str):
 
 
 class Kernel:
-    """A real Jupyter kernel in `cwd`, with its own Jupyter runtime folder (pid files, registry)."""
+    """A real Jupyter kernel in `cwd`, with its own Jupyter runtime folder (pid files, registry)
+    and `env` added to its environment."""
 
-    def __init__(self, cwd):
+    def __init__(self, cwd, env: dict | None = None):
         self.cwd = str(cwd)
         self.km = KernelManager(kernel_name="python3")
         self.km.shutdown_wait_time = 60  # generous: the machine may be loaded
-        env = dict(os.environ, JUPYTER_RUNTIME_DIR=os.path.join(self.cwd, "runtime"))
+        env = dict(os.environ, JUPYTER_RUNTIME_DIR=os.path.join(self.cwd, "runtime"),
+                   **(env or {}))
         self.km.start_kernel(cwd=self.cwd, env=env)
         self.pid = self.km.provisioner.process.pid
         self.ident = _ident(self.pid)

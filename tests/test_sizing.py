@@ -160,3 +160,22 @@ def test_the_owner_side_touches_no_other_objects_private_state():
                           "--enable=protected-access", "elastic_jupyter"],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stdout
+
+
+def test_shrink_stops_members_on_slots_the_arbiter_wants_back_whatever_their_age():
+    r0, r1, r2, r3 = (Slot(s) for s in (5, 1, 7, 2))
+    members = [r0, r1, r2, r3]
+    # slot 5 (rank 0's) and slot 2 go back: never kept as spares, even when spares are wanted
+    assert plan_shrink(members, target=2, wanted=3, spares=0, leaving_slots=frozenset({5, 2})) \
+        == ([r1, r2], [], [r0, r3])
+    # one slot back, a shrink by two: the youngest of the rest leaves too (kept as a spare)
+    assert plan_shrink(members, target=2, wanted=3, spares=0, leaving_slots=frozenset({1})) \
+        == ([r0, r2], [r3], [r1])
+
+
+class Slot:
+    def __init__(self, slot):
+        self.slot = slot
+
+    def __repr__(self):
+        return f"engine on slot {self.slot}"

@@ -23,7 +23,7 @@ import time
 
 from ..host import own_folder
 from .service import SOCKET
-from .table import ArbiterError
+from .table import ArbiterError, UnknownRun
 
 SYSTEM_DIR = "/run/elastic-jupyter"
 START_TIMEOUT = 15.0  # seconds for an arbiter started on demand to answer (a Python start)
@@ -33,6 +33,13 @@ LINGER_S = 600.0  # an arbiter started on demand exits after this long without r
 def arbiter_dir() -> str:
     """The folder of the arbiter this process should use (see the module's docstring)."""
     return _locate()[0]
+
+
+def arbiter_configured() -> bool:
+    """Whether this machine has an arbiter every pool should use: one the admin runs for
+    everyone, or one ``$ELASTIC_JUPYTER_ARBITER`` names. (A private one serves only pools
+    that ask for it: ``--auto``.)"""
+    return not _locate()[1]
 
 
 def _locate() -> tuple[str, bool]:
@@ -94,7 +101,8 @@ class ArbiterClient:
                     self._start()
                 time.sleep(0.05)
         if not reply.pop("ok", False):
-            raise ArbiterError(reply.get("error", "the arbiter refused the request"))
+            error = UnknownRun if reply.get("code") == UnknownRun.code else ArbiterError
+            raise error(reply.get("error", "the arbiter refused the request"))
         return reply
 
     def register(self, run: str, **demand) -> dict:

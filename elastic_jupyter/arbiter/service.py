@@ -170,7 +170,7 @@ class Arbiter:
                 raise ArbiterError("a request is a JSON object with an \"op\"")
             return {"ok": True, **(self.dispatch(pid, uid, request) or {})}
         except ArbiterError as e:
-            return {"ok": False, "error": str(e)}
+            return {"ok": False, "error": str(e), "code": getattr(e, "code", None)}
         except json.JSONDecodeError as e:
             return {"ok": False, "error": f"not JSON: {e}"}
         except Exception as e:  # noqa: BLE001 -- a request must never end the arbiter
@@ -215,7 +215,7 @@ class Arbiter:
 ARGUMENTS = {
     "register": {"run": str, "name": str, "notebook": str, "min": int, "max": int,
                  "weight": (int, float), "auto": bool, "wanted": (int, type(None)),
-                 "standby": int},
+                 "standby": int, "active": bool},
     "poll": {"run": str, "active": bool, "engines": dict},
     "release": {"run": str, "slots": list},
     "unregister": {"run": str},

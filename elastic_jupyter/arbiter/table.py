@@ -34,6 +34,13 @@ class ArbiterError(ValueError):
     """A request the arbiter refuses; the message says why and what to do."""
 
 
+class UnknownRun(ArbiterError):
+    """The run is not registered (the arbiter lost its state, or the run ended): register
+    it again."""
+
+    code = "unknown_run"  # how the reply tells the client, which raises this class again
+
+
 @dataclass
 class Run:
     """A run as the arbiter knows it (see :class:`~.fairshare.Demand` for the bounds)."""
@@ -56,6 +63,7 @@ class Run:
     active: float  # wall time it last said it trains (or registered)
     engines: dict = field(default_factory=dict)  # slot (str) -> engine pid, as reported
     events: list = field(default_factory=list)  # not yet delivered
+    training: bool = True  # as of its last poll: an auto run that does not train wants its min
 
 
 @dataclass
@@ -104,8 +112,9 @@ class SlotTable:
     def register(self, uid: int, user: str, pid: int, start_time: float, run: str, *,
                  name: str = "", notebook: str = "", min: int = 1, max: int = 1,
                  weight: float = 1.0, auto: bool = False, wanted: int | None = None,
-                 standby: int = 0, now: float | None = None) -> dict:
-        """A run states (or restates) its demand. Returns its grant (:meth:`grant`).
+                 standby: int = 0, active: bool = True, now: float | None = None) -> dict:
+        """A run states (or restates) its demand, and whether it trains (`active`, as in
+        :meth:`poll`). Returns its grant (:meth:`grant`).
         Raises ArbiterError for bounds that do not fit, or a run of another user."""
         now = time.time() if now is None else now
         _check_demand(min, max, weight, wanted, standby)
@@ -126,7 +135,7 @@ class SlotTable:
         entry.min, entry.max, entry.weight, entry.auto = min, max, float(weight), bool(auto)
         entry.wanted = min if wanted is None else wanted
         entry.standby = standby
-        entry.active = now
+        entry.active, entry.training = now, bool(active)
         self._changed(now)
         return self.grant(run, now)
 
@@ -138,6 +147,7 @@ class SlotTable:
         entry = self._run(run, uid)
         if active:
             entry.active = now
+        entry.training = active
         if engines is not None:
             entry.engines = {str(k): int(v) for k, v in engines.items()}
         self._changed(now)
@@ -239,8 +249,8 @@ class SlotTable:
 
     def _fingerprint(self) -> tuple:
         return (tuple(sorted((x.slot, x.run, x.standby) for x in self.leases.values())),
-                tuple(sorted((r.id, r.pid, r.min, r.max, r.weight, r.auto, r.wanted, r.standby)
-                             for r in self.runs.values())))
+                tuple(sorted((r.id, r.pid, r.name, r.notebook, r.min, r.max, r.weight, r.auto,
+                              r.wanted, r.standby) for r in self.runs.values())))
 
     def _capacity(self) -> int:
         return len([s for s in self.slots if s not in self.outside])
@@ -251,9 +261,10 @@ class SlotTable:
             training = [x for x in self.leases.values() if x.run == r.id and not x.standby
                         and x.slot not in self.outside]
             idle = now - r.active > self.idle_s  # its pool gives every slot back
+            ceiling = r.max if r.training or not r.auto else r.min  # nothing to train on more
             demands.append(Demand(
                 run=r.id, user=r.user, arrival=r.arrival, min=0 if idle else r.min,
-                max=0 if idle else r.max, weight=r.weight, auto=r.auto or idle,
+                max=0 if idle else ceiling, weight=r.weight, auto=r.auto or idle,
                 wanted=r.wanted, held=len(training),
                 pinned=sum(1 for x in training if now - x.since < self.hold_s)))
         return demands
@@ -325,7 +336,7 @@ class SlotTable:
     def _run(self, run: str, uid: int) -> Run:
         entry = self.runs.get(run)
         if entry is None:
-            raise ArbiterError(f"no run {run!r} is known to the arbiter: register it first "
+            raise UnknownRun(f"no run {run!r} is known to the arbiter: register it first "
                                "(its kernel may have been restarted)")
         self._owned(entry, uid)
         return entry
@@ -397,10 +408,15 @@ def _check_demand(min, max, weight, wanted, standby) -> None:
                                f" integer, got {v!r}")
     if min > max:
         raise ArbiterError(f"min {min} exceeds max {max}")
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
-            0 < weight <= MAX_WEIGHT):  # (NaN fails too)
-        raise ArbiterError(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")
+    check_weight(weight)
     if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int)
                                or not min <= wanted <= max):
         raise ArbiterError(f"the size asked for must be an integer in [{min}, {max}], "
                            f"got {wanted!r}")
+
+
+def check_weight(weight) -> None:
+    """Raises ArbiterError unless `weight` is a number in (0, MAX_WEIGHT]."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (
+            0 < weight <= MAX_WEIGHT):  # (NaN fails too)
+        raise ArbiterError(f"weight must be a number in (0, {MAX_WEIGHT:g}], got {weight!r}")

@@ -1,0 +1,185 @@
+"""Auto mode: three real kernels train with auto runs on a machine of 4 CPU slots, sharing them
+through a real arbiter process, while a process outside takes a slot and gives it back.
+
+The timeline (each step waits for the world sizes the arbiter's fair share implies):
+
+1. A (auto, min 1, max 4) alone grows to 4.
+2. B (auto) starts: A shrinks to 2 at a step boundary, B trains on the 2 freed slots.
+3. C (manual, 1 engine) starts: it takes a slot from an auto run; A + B hold 3.
+4. B stops its run (its idle auto pool keeps only its min), then its pool: A grows to 3;
+   C's slot is never taken.
+5. A process outside takes one of A's slots: A gives it up; once free, A grows back into it.
+
+Every run is then stopped, and its float64 parameters must equal those of a run of as many
+steps at a fixed size (elastic resizes change nothing in what is learned).
+"""
+import json
+import os
+import time
+
+import torch
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.arbiter.client import ArbiterClient
+from test_arbiter import start_arbiter, stop
+from test_kernel_lifecycle import Kernel
+
+BODY = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+def loss_fn(model, batch):
+    time.sleep(DELAY)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+OPTIONS = "--steps 100000 --global-batch 64 --seed 7 --checkpoint-every 0 --no-dashboard"
+STATE = ('import json; _s = run.pool.status()["lease"]; print("@@" + json.dumps({"w": '
+         'run.world_size, "step": run.step, "state": run.state, "slots": sorted(m.slot for m '
+         'in run.members), "leased": _s["slots"], "events": [e.get("message") for e in '
+         'run.events if e["kind"] == "slot"]}))')
+PARAMS = ('import json; print("@@" + json.dumps({"step": run.step, "state": run.state, '
+          '"params": {k: v.tolist() for k, v in run.state_dict().items()}}))')
+
+
+def start(kernel: Kernel, name: str, pool_options: str) -> None:
+    kernel.execute(f"%load_ext elastic_jupyter\nDELAY = 0.02\n"
+                   f"%elastic_pool start {pool_options} --gpus none")
+    kernel.execute(f"%%elastic_train --name {name} --push DELAY {OPTIONS}\n{BODY}")
+
+
+def state(kernel: Kernel) -> dict:
+    return kernel.execute(STATE)[0]
+
+
+def wait_for(what: str, check, timeout: float = 120.0) -> float:
+    """Seconds until check() holds; fails with the last states seen after `timeout`."""
+    t0 = time.monotonic()
+    while True:
+        seen = check()
+        if seen is True:
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout:.0f} s; {seen}"
+        time.sleep(0.5)
+
+
+def sizes(**kernels):
+    """A check: the world sizes of the kernels' runs are as given (else what they are)."""
+    def check():
+        seen = {name: state(k) for name, (k, _) in kernels.items()}
+        return True if all(seen[n]["w"] == w for n, (_, w) in kernels.items()) else seen
+    return check
+
+
+def reference(pool, steps: int, tmp_path) -> dict:
+    """The same run at a fixed size (2 engines, no arbiter), `steps` steps long."""
+    config = RunConfig(name="fixed", steps=steps, global_batch=64, seed=7, checkpoint_every=0)
+    run = TrainingRun(pool, config, source=BODY, push={"DELAY": 0}, engines=2,
+                      workspace=str(tmp_path)).start()
+    assert run.wait(timeout=600) == "finished", run.logs()
+    return run.state_dict()
+
+
+def test_auto_runs_share_the_machine_and_learn_what_fixed_runs_learn(tmp_path, idle_pool):
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    arbiter = start_arbiter(str(folder), {"hold_s": 2, "outside_file": str(outside)})
+    env = {"ELASTIC_JUPYTER_ARBITER": str(folder)}
+    kernels = {}
+    try:
+        for name in "abc":
+            (tmp_path / name).mkdir()
+        a = kernels["a"] = Kernel(tmp_path / "a", env)
+        start(a, "a", "--auto --min 1 --max 4")
+        wait_for("A alone grows to 4", sizes(a=(a, 4)))
+
+        b = kernels["b"] = Kernel(tmp_path / "b", env)
+        start(b, "b", "--auto --min 1 --max 4")
+        took = wait_for("B's fair share", sizes(a=(a, 2), b=(b, 2)))
+        print(f"A shrank and B grew into the freed slots {took:.1f} s after B's start")
+        assert any("gave slot" in e for e in state(a)["events"])
+
+        c = kernels["c"] = Kernel(tmp_path / "c", env)
+        start(c, "c", "-n 1 --min 1 --max 2")
+        wait_for("C's manual slot", lambda: sizes(c=(c, 1))() is True and (
+            state(a)["w"] + state(b)["w"] == 3 or "A + B still hold 4"))
+
+        final = {"b": b.execute("%elastic_stop\n" + PARAMS)[0]}
+        b.execute("%elastic_pool stop")
+        wait_for("A grows into B's slots", sizes(a=(a, 3), c=(c, 1)))
+
+        taken = max(state(a)["slots"])
+        outside.write_text(json.dumps({str(taken): "pid 4242 (someone else's job)"}))
+        wait_for("A gives the slot taken outside", lambda: (
+            state(a)["w"] == 2 and taken not in state(a)["leased"]) or state(a))
+        view = ArbiterClient(str(folder)).view()
+        assert view["slots"][taken]["holder"] is None, view
+        assert view["slots"][taken]["outside"] == "pid 4242 (someone else's job)"
+        assert sizes(c=(c, 1))() is True  # a manual run's slot is never taken
+        outside.write_text("{}")
+        wait_for("A grows back once the slot is free", sizes(a=(a, 3)))
+
+        for name in "ac":
+            final[name] = kernels[name].execute("%elastic_stop\n" + PARAMS)[0]
+    finally:
+        for kernel in kernels.values():
+            kernel.close()
+        stop(arbiter)
+    for name, result in final.items():
+        assert result["state"] == "stopped", (name, result["state"])
+        expected = reference(idle_pool, result["step"], tmp_path / f"fixed-{name}")
+        for key, value in expected.items():
+            got = torch.tensor(result["params"][key], dtype=torch.float64)
+            assert torch.allclose(got, value, rtol=1e-7, atol=1e-9), \
+                f"run {name}, {key}: max diff {(got - value).abs().max().item():.3e}"
+
+
+def test_an_arbiter_killed_and_restarted_mid_run_costs_no_slot(tmp_path, monkeypatch):
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    arbiter = start_arbiter(str(folder), {"hold_s": 0})
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))
+    client = ArbiterClient(str(folder))
+    pools, runs = [], []
+    try:
+        pools.append(EnginePool(min_size=1, max_size=4, gpus="none", auto=True).start())
+        pools.append(EnginePool(n=1, min_size=1, max_size=2, gpus="none").start())  # manual
+        for name, pool in zip("ab", pools):
+            config = RunConfig(name=name, steps=100000, global_batch=64, seed=7,
+                               checkpoint_every=0)
+            runs.append(TrainingRun(pool, config, source=BODY, push={"DELAY": 0.02},
+                                    workspace=str(tmp_path)).start())
+        wait_for("A grows into the 3 slots B does not hold",
+                 lambda: [r.world_size for r in runs] == [3, 1] or [r.world_size for r in runs])
+        before = holders(client)
+        assert sorted(before.values()).count("a") == 3, before
+
+        stop(arbiter)  # SIGKILL: it saves nothing more
+        steps = [r.step for r in runs]
+        time.sleep(3)  # the pools' looks fail meanwhile: they keep what they hold
+        assert [r.world_size for r in runs] == [3, 1]
+        assert all(r.step > s for r, s in zip(runs, steps)), "a run stopped training"
+        arbiter = start_arbiter(str(folder), {"hold_s": 0})
+        time.sleep(2)  # a few looks at the restarted arbiter
+        assert holders(client) == before
+        assert [r.world_size for r in runs] == [3, 1] and all(r.active for r in runs)
+        engines = [e.slot for p in pools for e in p.engines]
+        assert len(engines) == len(set(engines)) == 4, engines  # no slot twice
+
+        pools[1].stop()  # the restarted arbiter goes on deciding: A grows into B's slot
+        wait_for("A grows into B's slot", lambda: runs[0].world_size == 4 or runs[0].world_size)
+    finally:
+        for pool in pools:
+            pool.stop()
+        stop(arbiter)
+
+
+def holders(client) -> dict:
+    """slot -> the name of the run (pool) leasing it."""
+    return {s["slot"]: s["holder"]["name"] for s in client.view()["slots"] if s["holder"]}
