@@ -10,6 +10,8 @@ per line:
     {"op": "status"}                     -> the run's snapshot (snapshot.RunSnapshot.as_dict)
     {"op": "resize", "world_size": n}    -> {"ok": true} or {"error": "...", "code": 400|409}
     {"op": "stop"}                       -> {"ok": true} or {"error": ..., "code": 409}
+    {"op": "auto", "auto": bool, "weight": w (optional)}
+                                         -> auto mode on/off (lease mode), as "resize"
     {"op": "history", "since": step}     -> {"records": [...records after step...]}
     {"op": "events", "since": n}         -> {"events": [...events from index n...]}
 
@@ -37,13 +39,17 @@ def answer(run, request: dict) -> dict:
         return {"records": run.records_since(int(request.get("since", 0)))}
     if op == "events":
         return {"events": run.events[int(request.get("since", 0)):]}
-    if op not in ("resize", "stop"):
+    if op not in ("resize", "stop", "auto"):
         return {"error": f"unknown op {op!r}", "code": 400}
     if not run.active:
         return {"error": f"run {run.name!r} is {run.state}", "code": 409}
     try:
         if op == "resize":
             run.resize(request.get("world_size"))
+        elif op == "auto":
+            if not isinstance(request.get("auto"), bool):
+                raise UsageError(f'"auto" must be true or false, got {request.get("auto")!r}')
+            run.auto(request["auto"], request.get("weight"))
         else:
             run.stop()
     except UsageError as e:

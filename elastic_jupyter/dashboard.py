@@ -10,7 +10,7 @@ trait holds a decimated copy of the whole run (at most ``SNAPSHOT_POINTS`` rows)
 most once a second, from which a new view or a reloaded page starts; ``range`` requests return
 full-resolution rows for a zoomed span.
 
-Front end -> kernel: ``resize`` (slider), ``stop``, ``hello`` (a new view asks for the rows after
+Front end -> kernel: ``resize`` (slider), ``stop``, ``auto`` (the auto toggle), ``hello`` (a new view asks for the rows after
 its snapshot), ``range`` and ``logs``. Slider moves within ``COALESCE_S`` of each other become
 one resize request with the last value. Where the server extension answers, the view sends
 resize and stop over its REST API instead (never through the kernel's shell); this comm path is
@@ -36,7 +36,7 @@ SNAPSHOT_POINTS = 2000
 RANGE_POINTS = 50_000
 COALESCE_S = 0.15
 MARKER_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed", "warning",
-                "error", "finished", "stopped")
+                "error", "finished", "stopped", "slot")
 
 
 class Dashboard(anywidget.AnyWidget):
@@ -193,6 +193,8 @@ class Dashboard(anywidget.AnyWidget):
             self.request_resize(content.get("world_size"))
         elif kind == "stop":
             self.run.stop()
+        elif kind == "auto":
+            self.run.auto(bool(content.get("auto")))
         elif kind == "hello":  # a view holding steps up to `after` asks for the rest
             after = int(content.get("after", 0))
             rows = [r for r in self.run.records_since(after) if r["step"] <= self._sent_upto]

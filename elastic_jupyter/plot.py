@@ -12,6 +12,7 @@ MARKER_STYLE = {  # kind: (colour, line style, legend label)
     "resized": ("tab:green", "--", "resize"),
     "fault": ("tab:red", "-", "fault"),
     "checkpoint": ("0.55", ":", "checkpoint"),
+    "slot": ("tab:purple", ":", "slot moved (the machine's arbiter)"),
 }
 
 

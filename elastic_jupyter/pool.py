@@ -268,20 +268,24 @@ class EnginePool:
             self.run.wait(timeout=60)
         self.owner.call(self._stop())
 
+    def lease_status(self) -> dict | None:
+        """The pool's lease as views show it (None outside lease mode): auto, weight, the
+        training and standby slots, target, queue place, grantable."""
+        if self.lease is None:
+            return None
+        g = self.lease.grant
+        return {"auto": self.lease.demand["auto"], "weight": self.lease.demand["weight"],
+                "slots": g.get("slots", []), "standby": g.get("standby", []),
+                "target": g.get("target", 0), "queued": g.get("queued"),
+                "grantable": g.get("grantable", 0)}
+
     def status(self) -> dict:
-        lease = None
-        if self.lease is not None:
-            g = self.lease.grant
-            lease = {"auto": self.lease.demand["auto"], "weight": self.lease.demand["weight"],
-                     "slots": g.get("slots", []), "standby": g.get("standby", []),
-                     "target": g.get("target", 0), "queued": g.get("queued"),
-                     "grantable": g.get("grantable", 0)}
         return {"running": self.running, "size": self.size, "min": self.min_size,
                 "max": self.max_size, "backend": self.backend,
                 "excluded_slots": dict(self.excluded_slots),
                 "engines": [vars(e).copy() for e in self.engines],
                 "run": self.run.name if self.run is not None and self.run.active else None,
-                "lease": lease}
+                "lease": self.lease_status()}
 
     def __repr__(self) -> str:
         return (f"<EnginePool size={self.size} bounds=[{self.min_size}, {self.max_size}] "

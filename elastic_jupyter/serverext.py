@@ -2,7 +2,12 @@
 
     GET    {base}elastic/api/runs                    {"runs": [snapshot, ...]}
     GET    {base}elastic/api/runs/<id>               snapshot
-    PATCH  {base}elastic/api/runs/<id>               {"world_size": n} -> 202 snapshot (pending)
+    PATCH  {base}elastic/api/runs/<id>               {"world_size": n} -> 202 snapshot (pending);
+                                                     {"auto": bool[, "weight": w]}: auto mode
+    GET    {base}elastic/api/machine                 the machine's slots and runs from its
+                                                     arbiter (arbiter.table.SlotTable.view plus
+                                                     kind, util, memory_mib), or
+                                                     {"available": false, "message"}
     DELETE {base}elastic/api/runs/<id>               stop after the current step -> 202 snapshot
     POST   {base}elastic/api/runs/<id>/dismiss       forget an ended run -> 204 (409 if active)
     GET    {base}elastic/api/runs/<id>/history?since=STEP&events_since=N
@@ -35,6 +40,8 @@ from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
 from . import control, registry, series
+from .arbiter.client import ArbiterClient, arbiter_dir
+from .arbiter.table import ArbiterError
 from .snapshot import ACTIVE_STATES, of_entry
 
 ID_PATTERN = r"(?P<run_id>[^/]+)"
@@ -116,6 +123,9 @@ class RunHandler(_RunsBase):
             body = json.loads(self.request.body or b"")
         except ValueError:
             return self._write_error(400, 'the body must be JSON, like {"world_size": 3}')
+        if isinstance(body, dict) and "auto" in body:
+            return await self._forward(entry, {"op": "auto", "auto": body["auto"],
+                                               "weight": body.get("weight")})
         size = body.get("world_size") if isinstance(body, dict) else None
         if isinstance(size, bool) or not isinstance(size, int):
             return self._write_error(400, f'"world_size" must be an integer, got {size!r}')
@@ -202,6 +212,26 @@ class LogsHandler(_RunsBase):
         self.finish({"text": text or "(no logs yet)"})
 
 
+class MachineHandler(APIHandler):
+    """The machine's slots from its arbiter; never starts one (a pool with --auto does)."""
+
+    auth_resource = "elastic"
+
+    @web.authenticated
+    @authorized
+    async def get(self):
+        try:
+            view = await asyncio.get_running_loop().run_in_executor(None, _machine)
+        except (ArbiterError, OSError) as e:
+            view = {"available": False, "message": f"no slot arbiter answers on this machine "
+                    f"({e}); pools started with --auto start one"}
+        self.finish(view)
+
+
+def _machine() -> dict:
+    return {"available": True, **ArbiterClient(arbiter_dir(), timeout=1.0).view()}
+
+
 def _tails(folder: str, lines: int = 200, window: int = 64 * 1024) -> str:
     """The last `lines` lines of each log file in `folder` (read from the end, not whole)."""
     parts = []
@@ -225,5 +255,7 @@ def _load_jupyter_server_extension(serverapp) -> None:
         (url_path_join(base, ID_PATTERN, "dismiss"), DismissHandler),
         (url_path_join(base, ID_PATTERN, "history"), HistoryHandler),
         (url_path_join(base, ID_PATTERN, "logs"), LogsHandler),
+        (url_path_join(serverapp.web_app.settings["base_url"], "elastic", "api", "machine"),
+         MachineHandler),
     ])
     serverapp.log.info("elastic-jupyter: runs API at %s", base)

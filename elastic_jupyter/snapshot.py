@@ -21,6 +21,8 @@ checkpoint_dir     folder of its checkpoints; checkpoints: [{file, path, step, b
 last_checkpoint    path of the newest checkpoint written by this run, else None
 log_dir            folder of the run's and engines' logs
 slots              devices of the members ("cpu", "cuda:<id>")
+lease              None, or the pool's lease from the machine's arbiter: {auto, weight, slots,
+                   standby, target, queued, grantable} (EnginePool.lease_status)
 resize             the latest resize's life: {from, to, step, requested_time, pending,
                    latency_s}; pending until the first completed step at the new size (the
                    one "done" for the chart, the widget and the panel), None before any
@@ -67,6 +69,7 @@ class RunSnapshot:
     last_checkpoint: str | None = None
     log_dir: str | None = None
     slots: list = field(default_factory=list)
+    lease: dict | None = None
     resize: dict | None = None
     kernel_id: str | None = None
     started: float | None = None
@@ -113,7 +116,8 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
                        if recent else None),
         eta_s=eta, error=run.error, checkpoint_dir=run.checkpoint_dir,
         checkpoints=run.checkpoints, last_checkpoint=checkpoint["path"] if checkpoint else None,
-        log_dir=run.log_dir, slots=[m.device for m in run.members], resize=log.resize)
+        log_dir=run.log_dir, slots=[m.device for m in run.members],
+        lease=run.pool.lease_status(), resize=log.resize)
 
 
 def last_snapshot(entry: dict) -> dict:

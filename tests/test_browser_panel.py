@@ -1,16 +1,21 @@
 """End to end in a real browser: the "Elastic training" side panel of JupyterLab (served under a
 non-root base URL, as on JupyterHub) lists the quick-start run; its slider, dragged with the
 mouse while the notebook's kernel executes another cell, resizes the run; checkpoints open in
-the file browser; Stop asks for confirmation. Screenshots go to artifacts/.
+the file browser; Stop asks for confirmation. Its machine view shows the slots of a machine
+shared by three runs and a process outside, and its Auto toggle takes effect. Screenshots go
+to artifacts/.
 """
+import json
 import os
 import shutil
 
 import pytest
 
-from elastic_jupyter import control, registry
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun, control, registry
+from elastic_jupyter.arbiter.client import ArbiterClient
 from lab_harness import (ARTIFACTS, JupyterLab, browser_page, drag_slider, live_run,
                          open_and_run_all, quickstart_copy, screenshot, wait_for)
+from test_arbiter import start_arbiter, stop
 
 
 @pytest.fixture
@@ -88,3 +93,74 @@ def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab
              "the run to stop")
     wait_for(lambda: detail.locator(".ejp-controls").is_hidden(), 15, "the slider to go away")
     assert "stopped" in detail.locator(".ejp-reason").inner_text()
+
+
+MACHINE_BODY = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, torch.tensor(y))
+model = torch.nn.Linear(64, 10)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+def loss_fn(model, batch):
+    time.sleep(0.02)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+
+
+def test_panel_shows_the_machine_and_its_auto_toggle_takes_effect(tmp_path, monkeypatch):
+    """Three runs share a machine of 4 CPU slots, one of them busy outside: the panel's machine
+    view shows every holder, and ticking Auto on the manual run turns its auto mode on."""
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    outside = tmp_path / "outside.json"
+    outside.write_text(json.dumps({"3": "pid 4242 (a job outside)"}))
+    arbiter = start_arbiter(str(folder), {"hold_s": 0, "outside_file": str(outside)})
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))  # the runs' and the server's
+    pools = []
+    try:
+        for name, options in (("alpha", {"auto": True}), ("beta", {"auto": True}),
+                              ("gamma", {"n": 1})):
+            pool = EnginePool(min_size=1, max_size=2, gpus="none", **options).start()
+            pools.append(pool)
+            TrainingRun(pool, RunConfig(name=name, steps=100000, global_batch=32,
+                                        checkpoint_every=0),
+                        source=MACHINE_BODY, workspace=str(tmp_path),
+                        notebook=f"{name}.ipynb").start()
+        wait_for(lambda: [p.size for p in pools] == [1, 1, 1], 120, "one slot each")
+        with JupyterLab(str(tmp_path), str(tmp_path / "lab.log")) as lab, \
+                browser_page("panel-machine-last.png") as page:
+            page.goto(lab.page_url("lab"))
+            tab = page.locator(".jp-SideBar .lm-TabBar-tab[title='Elastic training']")
+            tab.wait_for(timeout=60_000)
+            tab.click()
+            panel = page.locator("#elastic-jupyter-panel")
+            slots = panel.locator(".ejp-machine .ejp-slot")
+
+            def holders():
+                return [slots.nth(i).get_attribute("data-holder") for i in range(slots.count())]
+            wait_for(lambda: sorted(holders()) == ["alpha", "beta", "gamma", "outside"], 60,
+                     "every holder in the machine view")
+            assert "pid 4242" in slots.nth(3).inner_text()
+            assert "gamma.ipynb" in panel.locator(".ejp-slot[data-holder='gamma']").inner_text()
+
+            panel.locator(".ejp-run", has_text="gamma").first.click()
+            chart = panel.locator(".ejp-detail-box .ej-chart")
+            wait_for(lambda: int(chart.get_attribute("data-markers-slot") or 0) >= 1, 30,
+                     "the slot gamma grew into, marked on its chart")
+            auto = panel.locator(".ejp-detail-box .ejp-auto")
+            auto.wait_for(timeout=30_000)
+            assert not auto.is_checked()
+            auto.click()
+            wait_for(lambda: pools[2].lease.demand["auto"], 15, "gamma's pool in auto mode")
+            wait_for(lambda: panel.locator(".ejp-machine-run[data-run='gamma']")
+                     .get_attribute("data-auto") == "true", 15, "auto shown in the machine view")
+            screenshot(page, "panel-machine.png")
+        view = ArbiterClient(str(folder)).view()
+        assert [r["auto"] for r in view["runs"]] == [True, True, True]
+    finally:
+        for pool in pools:
+            pool.stop()
+        stop(arbiter)

@@ -6,8 +6,8 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import { History, ema } from '../src/chart/history';
-import { isEnded } from '../src/common/snapshot';
-import { HistoryCursor, RunList, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
+import { isEnded, sliderMax } from '../src/common/snapshot';
+import { HistoryCursor, RunList, describeLease, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
 import { life, run } from './fixtures';
 
 test('fingerprint changes with step and sizes only', () => {
@@ -107,4 +107,16 @@ test('slots and sparkline read well', () => {
   const pts = sparklinePoints([3, 2, 1], 80, 20).split(' ');
   assert.equal(pts.length, 3);
   assert.equal(pts[0], '0.0,1.0'); // the highest loss at the top
+});
+
+test('in lease mode the slider reaches what the arbiter can grant, never below the world size', () => {
+  const lease = { auto: false, weight: 1, slots: [0, 2], standby: [], target: 2, queued: null, grantable: 3 };
+  assert.equal(sliderMax(run({ max_size: 4, world_size: 2 })), 4); // no arbiter: the pool's bounds
+  assert.equal(sliderMax(run({ max_size: 4, world_size: 2, lease })), 3);
+  assert.equal(sliderMax(run({ max_size: 4, world_size: 2, lease: { ...lease, grantable: 1 } })), 2);
+  assert.equal(sliderMax(run({ max_size: 2, world_size: 2, lease: { ...lease, grantable: 4 } })), 2);
+  assert.equal(describeLease(lease), 'manual · slots 0, 2 · up to 3 now');
+  assert.equal(describeLease({ ...lease, auto: true, weight: 2, slots: [], queued: 1 }),
+    'auto ×2 · slots none · up to 3 now · queued #1');
+  assert.notEqual(fingerprint([run({ lease })]), fingerprint([run({ lease: { ...lease, auto: true } })]));
 });

@@ -28,7 +28,8 @@ export interface ChartOptions {
 const MARKER_STYLE: Record<string, { colour: string; dash: number[] }> = {
   resized: { colour: '#2ca02c', dash: [6, 3] },
   fault: { colour: '#d62728', dash: [] },
-  checkpoint: { colour: '#8c8c8c', dash: [2, 3] }
+  checkpoint: { colour: '#8c8c8c', dash: [2, 3] },
+  slot: { colour: '#9467bd', dash: [1, 2] } // the machine's arbiter moved a slot: labelled
 };
 const MAX_EPOCH_LINES = 50;
 const LOSS = '31, 119, 180';
@@ -218,9 +219,14 @@ export class LossChart {
       line(step, epochColour, [], 1); // beyond MAX_EPOCH_LINES they would grey the plot out
     }
     ctx.globalAlpha = 0.9;
+    ctx.font = `${10 * devicePixelRatio}px sans-serif`;
+    ctx.fillStyle = MARKER_STYLE.slot.colour;
     for (const m of this.markers) {
       const { colour, dash } = MARKER_STYLE[m.kind];
       line(m.step, colour, dash, 1.5 * devicePixelRatio);
+      if (m.kind === 'slot' && typeof m.message === 'string') { // "grew into GPU 3 (freed by run b)"
+        ctx.fillText(m.message, Math.round(u.valToPos(m.step, 'x', true)) + 3, top + 12 * devicePixelRatio);
+      }
     }
     ctx.restore();
   }

@@ -5,7 +5,7 @@
  * panel; a fetch with the page's token and XSRF cookie in the widget, whose bundle must stay
  * free of @jupyterlab packages).
  */
-import { RunSnapshot, toSnapshot } from './snapshot';
+import { MachineView, RunSnapshot, toSnapshot } from './snapshot';
 
 /** Sends a request to `path`, relative to the Jupyter server's base URL. */
 export type Requester = (path: string, init: RequestInit) => Promise<Response>;
@@ -49,6 +49,16 @@ export class RunsClient {
   /** 202: the run has the request; the returned snapshot shows it as requested_size. */
   async resize(id: string, worldSize: number): Promise<RunSnapshot> {
     return toSnapshot(await this.request<object>(path(id), { method: 'PATCH', body: JSON.stringify({ world_size: worldSize }) }));
+  }
+
+  /** Auto mode on or off: the machine's arbiter sizes the run (pools in lease mode only). */
+  async setAuto(id: string, auto: boolean): Promise<RunSnapshot> {
+    return toSnapshot(await this.request<object>(path(id), { method: 'PATCH', body: JSON.stringify({ auto }) }));
+  }
+
+  /** The machine's slots and runs, from its arbiter (`available` false when none answers). */
+  machine(): Promise<MachineView> {
+    return this.request('elastic/api/machine');
   }
 
   /** Stop after the current step (a checkpoint is written first). */

@@ -34,6 +34,33 @@ export interface ResizeLife {
   latency_s: number | null;
 }
 
+/** The pool's lease from the machine's arbiter (pools in lease mode; else the snapshot has null). */
+export interface LeaseState {
+  auto: boolean;
+  weight: number;
+  slots: number[]; // training slots leased
+  standby: number[];
+  target: number;
+  queued: number | null; // place in the machine's queue, 1 next
+  grantable: number; // the most slots the arbiter could grant now: the slider's range
+}
+
+/** The machine as its arbiter sees it (GET elastic/api/machine). */
+export interface MachineView {
+  available: boolean;
+  message?: string;
+  kind?: string; // "gpu" or "cpu"
+  time?: number;
+  slots?: {
+    slot: number;
+    holder: { run: string; name: string; user: string; notebook: string; since: number; standby: boolean } | null;
+    outside: string | null;
+    util?: number;
+    memory_mib?: number;
+  }[];
+  runs?: { run: string; name: string; user: string; notebook: string; auto: boolean; weight: number; min: number; max: number; held: number; target: number; queued: number | null }[];
+}
+
 export interface RunSnapshot {
   id: string | null;
   name: string;
@@ -59,6 +86,7 @@ export interface RunSnapshot {
   last_checkpoint: string | null;
   log_dir: string | null;
   slots: string[];
+  lease: LeaseState | null;
   resize: ResizeLife | null;
 }
 
@@ -66,7 +94,7 @@ const BLANK: RunSnapshot = {
   id: null, name: '', notebook: null, state: 'starting', step: 0, total_steps: null, epoch: null,
   world_size: 0, requested_size: 0, min_size: null, max_size: null, backend: null, loss: null,
   recent_loss: [], samples_per_s: null, eta_s: null, error: null, checkpoint_dir: '', checkpoints: [],
-  last_checkpoint: null, log_dir: null, slots: [], resize: null
+  last_checkpoint: null, log_dir: null, slots: [], lease: null, resize: null
 };
 
 /**
@@ -80,6 +108,12 @@ export function toSnapshot(raw: object, known: Partial<RunSnapshot> = {}): RunSn
 
 function defined<T extends object>(fields: T): Partial<T> {
   return Object.fromEntries(Object.entries(fields).filter(([, v]) => v !== undefined)) as Partial<T>;
+}
+
+/** The slider's top: the pool's bound, and in lease mode what the arbiter can grant now. */
+export function sliderMax(run: RunSnapshot): number {
+  const max = run.max_size ?? run.world_size;
+  return run.lease ? Math.max(Math.min(max, run.lease.grantable), run.world_size, 1) : max;
 }
 
 export function isActive(run: Pick<RunSnapshot, 'state'>): boolean {

@@ -4,7 +4,7 @@
  */
 import { History } from '../chart/history';
 import { HistoryPage } from '../common/api';
-import { RunSnapshot } from '../common/snapshot';
+import { LeaseState, RunSnapshot } from '../common/snapshot';
 
 /** "2 CPU slots", "GPU 0, 1": what the run occupies. */
 export function describeSlots(slots: string[]): string {
@@ -20,10 +20,25 @@ export function describeSlots(slots: string[]): string {
   return parts.join(' + ') || 'no slots';
 }
 
+/** "auto ×1 · slots 0, 2 · up to 3 now · queued #1": the pool's lease in one line. */
+export function describeLease(lease: LeaseState | null): string {
+  if (!lease) {
+    return '';
+  }
+  return [
+    lease.auto ? `auto ×${lease.weight}` : 'manual',
+    `slots ${lease.slots.join(', ') || 'none'}`,
+    lease.standby.length ? `standby ${lease.standby.join(', ')}` : '',
+    `up to ${lease.grantable} now`,
+    lease.queued ? `queued #${lease.queued}` : ''
+  ].filter(Boolean).join(' · ');
+}
+
 /** The fields whose change is worth a faster poll and a redraw. */
 export function fingerprint(runs: RunSnapshot[]): string {
   return JSON.stringify(runs.map(r => [
-    r.id, r.state, r.step, r.world_size, r.requested_size, r.resize?.pending, r.checkpoints.length
+    r.id, r.state, r.step, r.world_size, r.requested_size, r.resize?.pending, r.checkpoints.length,
+    r.lease?.auto, r.lease?.slots
   ]));
 }
 

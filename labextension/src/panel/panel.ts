@@ -10,9 +10,10 @@ import { ApiError, RunsClient } from '../common/api';
 import { h } from '../common/dom';
 import { ResizeTracker } from '../common/resize';
 import { RunSnapshot, isActive, isEnded } from '../common/snapshot';
-import { HistoryCursor, RunList } from './model';
+import { MachineView, sliderMax } from '../common/snapshot';
+import { HistoryCursor, RunList, describeLease } from './model';
 import { ChangePoll } from './poller';
-import { buildDetail, renderCheckpoints, renderRow } from './view';
+import { buildDetail, renderCheckpoints, renderMachine, renderRow } from './view';
 
 export interface PanelActions {
   openPath(path: string): Promise<void>; // show a file in the file browser
@@ -31,6 +32,8 @@ export class ElasticPanel extends Widget {
   private resizeTimer = 0;
   private listEl: HTMLElement;
   private detailEl: HTMLElement;
+  private machineEl: HTMLElement;
+  private machine: MachineView | null = null;
   private messageEl: HTMLElement;
   private detail: ReturnType<typeof buildDetail> | null = null;
 
@@ -41,7 +44,9 @@ export class ElasticPanel extends Widget {
     this.messageEl = h('div', { class: 'ejp-message' });
     this.listEl = h('ul', { class: 'ejp-runs' });
     this.detailEl = h('div', { class: 'ejp-detail' });
-    this.node.append(h('div', { class: 'ejp-header' }, 'Elastic training'), this.messageEl, this.listEl, this.detailEl);
+    this.machineEl = h('div', { class: 'ejp-machine-body' });
+    const machine = h('details', { class: 'ejp-machine', open: true }, h('summary', { class: 'ejp-dim' }, 'Machine'), this.machineEl);
+    this.node.append(h('div', { class: 'ejp-header' }, 'Elastic training'), this.messageEl, this.listEl, this.detailEl, machine);
   }
 
   set pollInterval(ms: number) {
@@ -83,6 +88,16 @@ export class ElasticPanel extends Widget {
       this.list.upsert(await this.api.resize(id, size));
     } catch (error) {
       tracker.fail(error instanceof ApiError ? error.message : String(error));
+    }
+    this.render();
+    this.refresh();
+  }
+
+  async setAuto(id: string, auto: boolean): Promise<void> {
+    try {
+      this.list.upsert(await this.api.setAuto(id, auto));
+    } catch (error) {
+      this.showMessage(error instanceof ApiError ? error.message : String(error));
     }
     this.render();
     this.refresh();
@@ -144,6 +159,7 @@ export class ElasticPanel extends Widget {
       const token = this.list.begin();
       changed = this.list.apply(await this.api.runs(), token);
       changed = (await this.pollHistory()) || changed;
+      changed = (await this.pollMachine()) || changed;
       this.showMessage('');
     } catch (error) {
       this.showMessage(`Cannot reach the elastic-jupyter server extension: ${error instanceof Error ? error.message : error}`);
@@ -163,6 +179,15 @@ export class ElasticPanel extends Widget {
     const page = await this.api.history(run.id, cursor.since, cursor.eventsSince);
     // another run may have been selected meanwhile: its cursor must not get these rows
     return this.cursor === cursor && this.selected === run.id && cursor.apply(page);
+  }
+
+  /** The machine's view; whether it changed (its slots' holders and the runs' shares). */
+  private async pollMachine(): Promise<boolean> {
+    const view = await this.api.machine();
+    const print = (v: MachineView | null) => JSON.stringify([v?.available, v?.slots?.map(s => [s.holder?.run, s.outside]), v?.runs?.map(r => [r.held, r.target, r.auto, r.queued])]);
+    const changed = print(view) !== print(this.machine);
+    this.machine = view;
+    return changed;
   }
 
   private tracker(id: string): ResizeTracker {
@@ -189,6 +214,9 @@ export class ElasticPanel extends Widget {
     if (!runs.length) {
       this.listEl.append(h('li', { class: 'ejp-empty' }, 'No runs yet: start one with %%elastic_train in a notebook.'));
     }
+    if (this.machine) {
+      this.machineEl.replaceChildren(...renderMachine(this.machine, Date.now() / 1000));
+    }
     const run = this.list.find(this.selected);
     if (!run) {
       this.detailEl.replaceChildren();
@@ -209,6 +237,7 @@ export class ElasticPanel extends Widget {
       this.resizeTimer = window.setTimeout(() => void this.resize(id, size), COALESCE_MS);
     });
     d.stop.addEventListener('click', () => void this.stop(id));
+    d.auto.addEventListener('change', () => void this.setAuto(id, d.auto.checked));
     d.logsButton.addEventListener('click', async () => {
       d.logs.hidden = !d.logs.hidden;
       if (!d.logs.hidden) {
@@ -226,7 +255,10 @@ export class ElasticPanel extends Widget {
     d.title.textContent = run.name;
     d.controls.hidden = !active;
     d.slider.min = String(run.min_size ?? 1);
-    d.slider.max = String(run.max_size ?? run.world_size);
+    d.slider.max = String(sliderMax(run));
+    d.autoLabel.hidden = !run.lease;
+    d.auto.checked = run.lease?.auto ?? false;
+    d.leaseInfo.textContent = describeLease(run.lease);
     if (document.activeElement !== d.slider) {
       d.slider.value = String(tracker.pending ?? (run.requested_size || run.world_size));
       d.value.textContent = d.slider.value;

@@ -3,7 +3,7 @@
  * checkpoint links. Built once per row or selection; panel.ts updates the detail in place.
  */
 import { h, svg } from '../common/dom';
-import { RunSnapshot, isActive } from '../common/snapshot';
+import { MachineView, RunSnapshot, isActive } from '../common/snapshot';
 import { describeSlots, sparklinePoints } from './model';
 
 export interface RowActions {
@@ -37,7 +37,10 @@ export function buildDetail() {
   const slider = h('input', { class: 'ejp-slider', type: 'range', step: '1', 'aria-label': 'pool size' });
   const value = h('span', { class: 'ejp-value' });
   const stop = h('button', { class: 'jp-Button jp-mod-styled jp-mod-warn ejp-stop' }, 'Stop');
-  const controls = h('div', { class: 'ejp-controls' }, h('span', { class: 'ejp-dim' }, 'Pool size'), slider, value, stop);
+  const auto = h('input', { class: 'ejp-auto', type: 'checkbox', 'aria-label': 'auto mode' });
+  const autoLabel = h('label', { class: 'ejp-auto-label', title: "Auto mode: the machine's arbiter grows the run into free slots and takes slots back for other runs' fair share" }, auto, ' Auto');
+  const leaseInfo = h('div', { class: 'ejp-dim ejp-lease' });
+  const controls = h('div', { class: 'ejp-controls' }, h('span', { class: 'ejp-dim' }, 'Pool size'), slider, value, autoLabel, stop);
   const feedback = h('div', { class: 'ejp-feedback' });
   const reason = h('div', { class: 'ejp-reason' });
   const chart = h('div', { class: 'ejp-chart' });
@@ -45,8 +48,8 @@ export function buildDetail() {
   const logsButton = h('button', { class: 'jp-Button jp-mod-styled ejp-logs-button' }, 'Logs');
   const logs = h('pre', { class: 'ejp-logs', hidden: true });
   const root = h('div', { class: 'ejp-detail-box' },
-    title, controls, feedback, reason, chart, h('div', { class: 'ejp-dim' }, 'Checkpoints'), checkpoints, logsButton, logs);
-  return { root, title, slider, value, stop, controls, feedback, reason, chart, checkpoints, logsButton, logs };
+    title, controls, leaseInfo, feedback, reason, chart, h('div', { class: 'ejp-dim' }, 'Checkpoints'), checkpoints, logsButton, logs);
+  return { root, title, slider, value, stop, auto, autoLabel, leaseInfo, controls, feedback, reason, chart, checkpoints, logsButton, logs };
 }
 
 /** Newest first; those under the server root open in the file browser (`open`). */
@@ -62,6 +65,32 @@ export function renderCheckpoints(run: RunSnapshot, open: (browserPath: string) 
     }, label);
     return h('li', {}, link || `${label} · ${c.path}`);
   });
+}
+
+/** The machine's slots (holder, for how long, use) and runs, as its arbiter sees them. */
+export function renderMachine(view: MachineView, now: number): HTMLElement[] {
+  if (!view.available) {
+    return [h('div', { class: 'ejp-dim' }, view.message ?? 'No slot arbiter on this machine.')];
+  }
+  const kind = view.kind === 'gpu' ? 'GPU' : 'slot';
+  const slots = (view.slots ?? []).map(s => {
+    const holder = s.holder
+      ? `${s.holder.name}${s.holder.standby ? ' (standby)' : ''} · ${s.holder.user}${s.holder.notebook ? ' · ' + basename(s.holder.notebook) : ''} · ${formatAge(now - s.holder.since)}`
+      : s.outside ? `outside: ${s.outside}` : 'free';
+    const use = [s.util !== undefined ? `${s.util}%` : '', s.memory_mib !== undefined ? `${s.memory_mib} MiB` : ''].filter(Boolean).join(' · ');
+    return h('tr', { class: 'ejp-slot', 'data-slot': String(s.slot), 'data-holder': s.holder?.name ?? (s.outside ? 'outside' : 'free') },
+      h('td', {}, `${kind} ${s.slot}`), h('td', {}, holder), h('td', { class: 'ejp-dim' }, use));
+  });
+  const runs = (view.runs ?? []).map(r => h('tr', { class: 'ejp-machine-run', 'data-run': r.name, 'data-auto': String(r.auto) },
+    h('td', {}, r.name), h('td', { class: 'ejp-dim' }, r.user),
+    h('td', {}, `${r.held}/${r.target} [${r.min}–${r.max}]${r.auto ? ` auto ×${r.weight}` : ''}`),
+    h('td', { class: 'ejp-dim' }, r.queued ? `queued #${r.queued}` : '')));
+  return [h('table', { class: 'ejp-machine-slots' }, ...slots), h('table', { class: 'ejp-machine-runs' }, ...runs)];
+}
+
+function formatAge(seconds: number): string {
+  const s = Math.max(0, Math.round(seconds));
+  return s < 120 ? `${s} s` : s < 7200 ? `${Math.round(s / 60)} min` : `${Math.round(s / 3600)} h`;
 }
 
 function basename(path: string | null): string {

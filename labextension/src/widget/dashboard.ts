@@ -12,7 +12,7 @@ import { History } from '../chart/history';
 import { LossChart, Marker } from '../chart/lossChart';
 import { ApiError, RunsClient } from '../common/api';
 import { ResizeTracker } from '../common/resize';
-import { RunSnapshot, isActive, toSnapshot } from '../common/snapshot';
+import { RunSnapshot, isActive, sliderMax, toSnapshot } from '../common/snapshot';
 import { pageRequester, readPageConfig } from './pageRequester';
 import { buildDom, reason, sizeText, statusLine } from './view';
 import './dashboard.css';
@@ -142,7 +142,8 @@ class DashboardView {
   }
 
   private wireControls(): void {
-    const { slider, stop, logsButton, smoothing, log, metric } = this.ui;
+    const { slider, stop, auto, logsButton, smoothing, log, metric } = this.ui;
+    auto.addEventListener('change', () => void this.request('auto', undefined, auto.checked));
     slider.addEventListener('input', () => this.showSize(Number(slider.value)));
     slider.addEventListener('change', () => {
       const size = Number(slider.value);
@@ -179,25 +180,25 @@ class DashboardView {
    * Over the server extension, so the request never waits for the kernel's shell; over the
    * comm where the server cannot carry it out (no extension, VS Code, run unreachable).
    */
-  private async request(kind: 'resize' | 'stop', size?: number): Promise<void> {
+  private async request(kind: 'resize' | 'stop' | 'auto', size?: number, on?: boolean): Promise<void> {
     const id = this.model.get('run_id');
     let error: ApiError | null = null;
     try {
       if (!id) {
         throw new ApiError(0, 'no run id');
       }
-      await (kind === 'resize' ? this.client.resize(id, size!) : this.client.stop(id));
+      await (kind === 'resize' ? this.client.resize(id, size!) : kind === 'auto' ? this.client.setAuto(id, on!) : this.client.stop(id));
     } catch (e) {
       error = e instanceof ApiError ? e : new ApiError(0, String(e));
     }
     this.ui.root.dataset.requestPath = error?.fallback ? 'comm' : 'server';
     if (error?.fallback) {
-      this.model.send(kind === 'resize' ? { type: 'resize', world_size: size } : { type: 'stop' });
+      this.model.send(kind === 'resize' ? { type: 'resize', world_size: size } : kind === 'auto' ? { type: 'auto', auto: on } : { type: 'stop' });
     } else if (error && kind === 'resize') {
       this.tracker.fail(`resize refused: ${error.message}`);
       this.showStatus();
     } else if (error) {
-      this.ui.notice.textContent = `stop refused: ${error.message}`;
+      this.ui.notice.textContent = `${kind} refused: ${error.message}`;
     }
   }
 
@@ -228,7 +229,10 @@ class DashboardView {
     const { slider, size, state, stop } = this.ui;
     const active = isActive(s);
     slider.min = String(s.min_size ?? 1);
-    slider.max = String(s.max_size ?? s.world_size);
+    slider.max = String(sliderMax(s));
+    this.ui.autoLabel.hidden = !s.lease;
+    this.ui.auto.checked = s.lease?.auto ?? false;
+    this.ui.auto.disabled = !active;
     const feedback = this.tracker.update(s, Date.now());
     if (document.activeElement !== slider) {
       slider.value = String(this.tracker.pending ?? (s.requested_size || s.world_size));

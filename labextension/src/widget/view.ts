@@ -14,6 +14,8 @@ export function buildDom(el: HTMLElement) {
   const sliderValue = h('span', { class: 'ej-slider-value' });
   const size = h('span', { class: 'ej-size' });
   const stop = h('button', { class: 'ej-button' }, 'Stop');
+  const auto = h('input', { class: 'ej-auto', type: 'checkbox', 'aria-label': 'auto mode' });
+  const autoLabel = h('label', { class: 'ej-auto-label', title: "Auto mode: the machine's arbiter grows the run into free slots and takes slots back for other runs' fair share" }, auto, ' Auto');
   const logsButton = h('button', { class: 'ej-button' }, 'Logs');
   const smoothing = h('input', { class: 'ej-smoothing', type: 'range', min: '0', max: '0.99', step: '0.01', value: '0.6' });
   const log = h('input', { type: 'checkbox' });
@@ -24,7 +26,7 @@ export function buildDom(el: HTMLElement) {
   const logs = h('pre', { class: 'ej-logs', hidden: true });
   const root = h('div', { class: 'ej-dashboard' },
     h('div', { class: 'ej-row' }, title, state, line),
-    h('div', { class: 'ej-row' }, h('span', { class: 'ej-label' }, 'Pool size'), slider, sliderValue, size, stop, logsButton),
+    h('div', { class: 'ej-row' }, h('span', { class: 'ej-label' }, 'Pool size'), slider, sliderValue, size, autoLabel, stop, logsButton),
     reason,
     notice,
     h('div', { class: 'ej-row ej-options' },
@@ -33,7 +35,7 @@ export function buildDom(el: HTMLElement) {
     chart,
     logs);
   el.append(root);
-  return { root, title, state, line, slider, sliderValue, size, stop, logsButton, smoothing, log, metric, chart, reason, notice, logs };
+  return { root, title, state, line, slider, sliderValue, size, stop, auto, autoLabel, logsButton, smoothing, log, metric, chart, reason, notice, logs };
 }
 
 function legend(): HTMLElement {
