@@ -72,6 +72,11 @@ class PoolConfig:
     engine_timeout: float = 60.0
     threads_per_engine: int = 1
 
+    @staticmethod
+    def gpu_count() -> int:
+        """The GPUs this process sees."""
+        return len(_gpu_ids("all"))
+
     @classmethod
     def resolve(cls, n, min_size, max_size, gpus, engine_timeout) -> "PoolConfig":
         ids = _gpu_ids(gpus)

@@ -63,12 +63,6 @@ class Driver:
     def _wanted(self) -> int:
         return self.sizer.engines_wanted(self.config.standby)
 
-    def _leaving(self) -> frozenset:
-        """Slots the machine's arbiter wants back (lease mode; see lease.py)."""
-        if self.pool.lease is None:
-            return frozenset()
-        return frozenset(self.pool.leaving_slots())
-
     # ---------------------------------------------------------------- lifecycle
 
     async def setup(self, size: int, resume_from: str | None) -> str | None:
@@ -148,7 +142,8 @@ class Driver:
     # ---------------------------------------------------------------- one generation
 
     def _end_at(self) -> int | None:
-        return self.sizer.end_at(len(self.members), len(self.membership.spares))
+        end_at = self.sizer.end_at(len(self.members), len(self.membership.spares))
+        return 0 if end_at is None and self.membership.swappable() else end_at
 
     async def _run_generation(self, generation: int, newcomers: set, broadcast: bool) -> dict:
         """Run one generation to its end; returns rank 0's result, or {"reason": "fault"}."""
@@ -202,7 +197,7 @@ class Driver:
                          f"from {request.source}")
         if self.membership.gave_up:
             self.sizer.settle(len(self.members))
-        if leaving := self._leaving():  # standby slots the machine's arbiter revoked
+        if leaving := self.membership.leaving():  # slots the machine's arbiter wants back
             self.membership.stop_spares(leaving)
         if self.sizer.settled(now) and self.state in ("training", "resizing"):
             self.membership.boot(self._wanted())
@@ -214,14 +209,19 @@ class Driver:
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
         W = len(self.members)
         if change.target == W:
+            newcomers = self.membership.swap()  # off slots the arbiter wants back
+            if newcomers:
+                self.log.event("slot", message=f"moved {len(newcomers)} rank(s) off slot(s) "
+                               "the machine's arbiter wants back")
             self.membership.trim(self._wanted())
-            return set()
+            return {e.engine_id for e in newcomers}
         self.state = "resizing"
         self.log.resize_started(step, W, change.target, change.requested_time or time.time(),
                                 change.scheduled)
         newcomers = []
         if change.target < W:
-            self.membership.shrink(change.target, self._wanted(), self._leaving())
+            self.membership.shrink(change.target, self._wanted(),
+                                   frozenset(self.membership.leaving()))
         else:
             newcomers = await self.membership.grow(change.target, POLL)
             if len(self.members) < change.target:

@@ -50,6 +50,8 @@ class SlotLease:
         self.client = client or ArbiterClient()
         self.grant: dict = {}
         self.active = False  # whether a run trains on the pool (the pool's claim sets it)
+        self.closed = False  # unregistered: no request registers the pool again
+        self.engines: dict[str, int] = {}  # slot -> engine pid, as last reported
         self.events: list[dict] = []  # "grew"/"gave" events not yet shown
         self._sent = self._taken = 0  # request numbers: a late reply never overwrites a newer
 
@@ -90,7 +92,7 @@ class SlotLease:
     async def register(self) -> dict:
         """State the pool's demand (again); returns the grant. Raises ArbiterError."""
         return await self._call(self.client.register, self.id, active=self.active,
-                                **self.demand)
+                                engines=self.engines, **self.demand)
 
     async def update(self, **changes) -> dict:
         """Change the demand (``auto``, ``weight``, ``wanted``, ``standby``, ``name``...);
@@ -108,9 +110,10 @@ class SlotLease:
         """The regular look: say whether the pool trains (an auto pool that does not wants
         only its min) and which engine (pid) runs on which slot; returns the grant. A pool the arbiter does not know (its state was lost)
         registers again."""
+        self.engines = {str(k): v for k, v in engines.items()}
         try:
             return await self._call(self.client.poll, self.id, active=self.active,
-                                    engines=engines)
+                                    engines=self.engines)
         except UnknownRun:
             return await self.register()
 
@@ -120,12 +123,16 @@ class SlotLease:
 
     async def close(self) -> None:
         """The pool stopped: every lease goes back (a gone arbiter reaps it within 2 s)."""
+        self.closed = True
         try:
             await asyncio.to_thread(self.client.unregister, self.id)
-        except ArbiterError as e:
-            log.warning("elastic_jupyter: could not hand the pool's slots back: %s", e)
+        except Exception as e:  # noqa: BLE001 -- also at interpreter exit (no new threads)
+            log.warning("elastic_jupyter: could not hand the pool's slots back (the arbiter "
+                        "frees them within 2 s of the kernel's exit): %s", e)
 
     async def _call(self, fn, *args, **kwargs) -> dict:
+        if self.closed:  # a late update (a run that ended after its pool stopped)
+            return self.grant
         self._sent += 1
         number = self._sent
         reply = await asyncio.to_thread(fn, *args, **kwargs)

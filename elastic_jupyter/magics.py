@@ -84,7 +84,6 @@ def _status_table(status: dict) -> str:
 
 def _machine_table(view: dict, now: float) -> str:
     """The machine's slots (holder, since, use) and runs, as the arbiter sees them."""
-    runs = {r["run"]: r for r in view["runs"]}
     rows = [("slot", "holder", "user", "notebook", "for", "use")]
     for s in view["slots"]:
         h = s["holder"]
@@ -102,7 +101,7 @@ def _machine_table(view: dict, now: float) -> str:
     rows = [("run", "user", "auto", "weight", "min", "max", "holds", "target", "queue")]
     rows += [(r["name"], r["user"], "on" if r["auto"] else "off", f"{r['weight']:g}",
               str(r["min"]), str(r["max"]), str(r["held"]), str(r["target"]),
-              str(r["queued"] or "-")) for r in runs.values()]
+              str(r["queued"] or "-")) for r in view["runs"]]
     return "\n".join(lines + _columns(rows))
 
 
@@ -122,6 +121,9 @@ def _pool_parser() -> _Parser:
     p.add_argument("--engine-timeout", type=float, default=60.0,
                    help="seconds to wait for an engine to start (default 60)")
     _auto_options(p)
+    p.add_argument("--no-arbiter", action="store_true",
+                   help="do not take slots from the machine's arbiter, even where the admin "
+                        "runs one (for --gpus lists and --schedule)")
     return p
 
 
@@ -237,7 +239,8 @@ class ElasticMagics(Magics):
                 raise UsageError(f"a pool is already running ({self.pool!r}); "
                                  "%elastic_pool stop it first")
             self.pool = EnginePool(args.n, args.min, args.max, args.gpus, args.engine_timeout,
-                                   auto=args.auto, weight=_weight(args.weight)).start()
+                                   auto=args.auto, weight=_weight(args.weight),
+                                   arbiter=False if args.no_arbiter else None).start()
             print(f"Started {self.pool!r}: " + ", ".join(
                 f"slot {e.slot} ({e.device}, pid {e.pid})" for e in self.pool.engines))
             return None

@@ -38,14 +38,17 @@ def plan_shrink(members: list, target: int, wanted: int, spares: int,
                 leaving_slots: frozenset = frozenset()) -> tuple[list, list, list]:
     """Shrink to `target`: members on `leaving_slots` (slots the machine's arbiter wants back)
     leave first, then the youngest ranks (rank order is age order, so rank 0 and the state it
-    broadcasts stay where they can; after a step every member holds that state). Returns
-    (staying, kept as spares, stopped): leavers are kept as spares while the run wants more
-    engines set up (`wanted`, beside `spares` ready ones), except those on leaving slots."""
+    broadcasts stay where they can; after a step every member holds that state); never fewer
+    than `target` stay, on leaving slots if need be. Returns (staying, kept as spares,
+    stopped): leavers are kept as spares while the run wants more engines set up (`wanted`,
+    beside `spares` ready ones), except those on leaving slots."""
     must = [m for m in members if leaving_slots and m.slot in leaving_slots]
     rest = [m for m in members if m not in must]
-    staying, leaving = rest[:target], rest[target:]
+    kept = rest[:target] + must[:max(0, target - len(rest))]
+    staying = [m for m in members if m in kept]  # rank order
+    leaving = rest[target:]
     room = max(0, wanted - target - spares)
-    return staying, leaving[:room], must + leaving[room:]
+    return staying, leaving[:room], [m for m in must if m not in kept] + leaving[room:]
 
 
 def plan_trim(spares: list, wanted: int, members: int) -> tuple[list, list]:
@@ -113,16 +116,41 @@ class Membership:
         if self._booting is not None and not self._booting.done():
             return
         self._booting = None
-        missing = min(wanted - len(self.members) - len(self.spares), self.pool.startable())
+        staying = [m for m in self.members if m.slot not in self.leaving()]  # others get swapped
+        missing = min(wanted - len(staying) - len(self.spares), self.pool.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
                                        lambda e: self.log.event("warning", message=f"boot: {e}"))
 
     def trim(self, wanted: int) -> None:
         """Stop ready spares that no pending request or standby needs any more."""
-        self.spares, extra = plan_trim(self.spares, wanted, len(self.members))
+        staying = [m for m in self.members if m.slot not in self.leaving()]
+        self.spares, extra = plan_trim(self.spares, wanted, len(staying))
         if extra:
             self.pool.remove_engines(extra)
+
+    def leaving(self) -> set:
+        """Slots the machine's arbiter wants back (lease mode; else none)."""
+        return self.pool.leaving_slots() if self.pool.lease is not None else set()
+
+    def swappable(self) -> bool:
+        """A member is on a slot to give back and a spare is ready elsewhere: the next step
+        boundary can swap them without changing the size."""
+        leaving = self.leaving()
+        return any(m.slot in leaving for m in self.members) and any(
+            s.slot not in leaving for s in self.spares)
+
+    def swap(self) -> list:
+        """Members on slots to give back leave for ready spares (the newcomers, youngest
+        ranks); returns the newcomers. The leavers left the group already."""
+        leaving = self.leaving()
+        gone = [m for m in self.members if m.slot in leaving]
+        ready = [s for s in self.spares if s.slot not in leaving][:len(gone)]
+        gone = gone[:len(ready)]
+        self.members = [m for m in self.members if m not in gone] + ready
+        self.spares = [s for s in self.spares if s not in ready]
+        self.pool.remove_engines(gone)
+        return ready
 
     def stop_spares(self, slots: set) -> None:
         """Stop the spares on `slots` now (the machine's arbiter wants those slots back)."""

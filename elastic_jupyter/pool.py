@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import logging
 import os
 import time
@@ -59,16 +60,17 @@ class Engine:
     started: float
 
 
-def _engine_env(slot: int, gpu: int | None, threads: int) -> dict:
-    return {
+def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool) -> dict:
+    env = {
         "ELASTIC_JUPYTER_SLOT": str(slot),
-        # NVML (the arbiter) numbers GPUs by PCI bus; CUDA by speed unless told otherwise
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
         "GLOO_SOCKET_IFNAME": "lo",  # single-host pool: gloo stays on loopback
         "PYTHONUNBUFFERED": "1",
     }
+    if leased:  # the arbiter's GPU ids are NVML's, by PCI bus; CUDA's are by speed unless told
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
 
 
 class EnginePool:
@@ -118,13 +120,11 @@ class EnginePool:
             if auto:
                 raise UsageError("auto mode needs the machine's arbiter: leave arbiter unset")
             return None
-        try:
-            check_weight(weight)
-        except ArbiterError as e:
-            raise UsageError(str(e)) from None
-        if gpus not in ("all", "none"):
+        _check_weight(weight)
+        if gpus not in ("all", "none") or (gpus == "none" and PoolConfig.gpu_count()):
             raise UsageError(f"--gpus {gpus}: in lease mode the machine's arbiter places the "
-                             "engines; give --gpus all (or none for CPU slots)")
+                             "engines on its slots; give --gpus all, or start the pool without "
+                             "the arbiter (--no-arbiter, EnginePool(arbiter=False))")
         c = self.config
         return SlotLease(f"pool-{uuid.uuid4().hex}", dict(
             name=name or "pool", notebook=notebook or os.environ.get("JPY_SESSION_NAME", ""),
@@ -208,13 +208,15 @@ class EnginePool:
     def wait_printing_queue(self, future):
         """The result of `future` (of the owner loop), printing the pool's place in the
         machine's queue while it waits for its slots."""
+        if self.owner.in_owner_thread():
+            raise RuntimeError("waiting on the owner thread would deadlock; await instead")
         shown = None
         while True:
             try:
-                return future.result(timeout=POLL_S)
-            except TimeoutError:
-                pass
-            except BaseException:
+                concurrent.futures.wait([future], timeout=POLL_S)
+                if future.done():
+                    return future.result()
+            except BaseException:  # interrupted: the start is cancelled and cleans up
                 future.cancel()
                 raise
             place = self.lease.queued if self.lease is not None else None
@@ -241,12 +243,11 @@ class EnginePool:
                              "start it with --auto (EnginePool(auto=True))")
         changes = {"auto": bool(on)}
         if weight is not None:
-            try:
-                check_weight(weight)
-            except ArbiterError as e:
-                raise UsageError(str(e)) from None
+            _check_weight(weight)
             changes["weight"] = weight
-        if self.owner.in_owner_thread():  # the control channel (the panel's toggle)
+        if self.cluster is None:  # not started (or stopped): the demand it will register
+            self.lease.demand.update(changes)
+        elif self.owner.in_owner_thread():  # the control channel (the panel's toggle)
             background(self.lease.update(**changes), self._lease_warning)
         else:
             self.owner.call(self.lease.update(**changes))
@@ -344,12 +345,24 @@ class EnginePool:
             pass  # the reaper still ends what is left
 
     async def resize_idle(self, n: int) -> None:
-        """Start or stop engines until `n` run (owner loop; no run trains meanwhile)."""
+        """Start or stop engines until `n` run (owner loop; no run trains meanwhile). In lease
+        mode the engines on slots the arbiter wants back stop first, and a grow waits (up to
+        a few seconds) for leased slots whose engines are still stopping."""
         async with self._resizing:
             if n > self.size:
+                await self._wait_startable(n - self.size)
                 await self.add_engines(n - self.size)
             elif n < self.size:
-                await self.remove_engines(self.engines[n:])
+                leaving = self.leaving_slots() if self.lease is not None else set()
+                order = ([e for e in self.engines if e.slot not in leaving]
+                         + [e for e in self.engines if e.slot in leaving])
+                await self.remove_engines(order[n:])
+
+    async def _wait_startable(self, k: int, timeout: float = 5 * STOP_GRACE) -> None:
+        deadline = time.monotonic() + timeout
+        while (self.lease is not None and self.startable() < k and self._busy_slots
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
 
     async def _resize_to(self, n: int) -> None:
         """An idle pool's resize by the user: in lease mode it asks the arbiter first (auto
@@ -426,13 +439,14 @@ class EnginePool:
     async def _stop(self) -> None:
         if self.cluster is None:
             return
+        if self._following is not None:  # first: it must start no engine from now on
+            self._following.cancel()
+            await asyncio.gather(self._following, return_exceptions=True)
+            self._following = None
         # removals in flight: their engines need no grace either (the nannies, still alive,
         # tell the controller at once), then the tasks finish quickly and report their own errors
         _signal(list(self._removing), psutil.Process.kill)
         await asyncio.gather(*self._stopping, return_exceptions=True)
-        if self._following is not None:
-            self._following.cancel()
-            self._following = None
         # We end every process ourselves, all at once and without blocking the loop:
         # ipyparallel's stop joins each launcher's wait thread in turn, blocking this loop for
         # the SIGTERM grace of each engine, and knows nothing of the engines' nannies, which
@@ -527,7 +541,7 @@ class EnginePool:
             threads = self.config.threads_per_engine
             # a fresh dict each time: start_engines mutates the one it is given
             set_ids[slot] = await self.cluster.start_engines(
-                1, environment=_engine_env(slot, gpu, threads))
+                1, environment=_engine_env(slot, gpu, threads, self.lease is not None))
         deadline = time.monotonic() + self.config.engine_timeout
         while len(set(self.client.ids) - known) < k:
             if time.monotonic() > deadline:
@@ -596,6 +610,13 @@ class EnginePool:
         while (self.client is not None and engine_id in self.client.ids
                and time.monotonic() < deadline):
             await asyncio.sleep(0.02)
+
+
+def _check_weight(weight) -> None:
+    try:
+        check_weight(weight)
+    except ArbiterError as e:
+        raise UsageError(str(e)) from None
 
 
 def _processes(pids: list[int]) -> list[psutil.Process]:

@@ -414,7 +414,10 @@ class TrainingRun:
         await pool.lease.update(name=self.name, notebook=self.notebook or "", wanted=wanted,
                                 standby=self.config.standby)
         await pool.admitted()
-        size = pool.lease.kept if auto else min(wanted, pool.lease.kept)
+        # auto: start on the engines already up (at least the min), grow into the rest while
+        # training, as engines become ready, rather than wait for all of them to start
+        size = min(wanted, pool.lease.kept) if not auto else min(
+            pool.lease.kept, max(pool.size, pool.min_size))
         self._driver.policies.append(LeasePolicy(pool.lease, size))
         return size
 

@@ -41,6 +41,7 @@ from traitlets.config import LoggingConfigurable
 
 from . import control, registry, series
 from .arbiter.client import ArbiterClient, arbiter_dir
+from .arbiter.service import SOCKET
 from .arbiter.table import ArbiterError
 from .snapshot import ACTIVE_STATES, of_entry
 
@@ -229,7 +230,10 @@ class MachineHandler(APIHandler):
 
 
 def _machine() -> dict:
-    return {"available": True, **ArbiterClient(arbiter_dir(), timeout=1.0).view()}
+    folder = arbiter_dir()
+    if not os.path.exists(os.path.join(folder, SOCKET)):
+        raise ArbiterError(f"no socket in {folder}")
+    return {"available": True, **ArbiterClient(folder, timeout=1.0).view()}
 
 
 def _tails(folder: str, lines: int = 200, window: int = 64 * 1024) -> str:

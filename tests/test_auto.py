@@ -183,3 +183,33 @@ def test_an_arbiter_killed_and_restarted_mid_run_costs_no_slot(tmp_path, monkeyp
 def holders(client) -> dict:
     """slot -> the name of the run (pool) leasing it."""
     return {s["slot"]: s["holder"]["name"] for s in client.view()["slots"] if s["holder"]}
+
+
+def test_a_slot_taken_outside_is_swapped_for_a_free_one_at_the_same_size(tmp_path,
+                                                                         monkeypatch):
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    arbiter = start_arbiter(str(folder), {"hold_s": 0, "outside_file": str(outside)})
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))
+    pool = EnginePool(min_size=1, max_size=2, gpus="none", auto=True).start()
+    try:
+        run = TrainingRun(pool, RunConfig(name="swap", steps=100000, global_batch=64, seed=7,
+                                          checkpoint_every=0),
+                          source=BODY, push={"DELAY": 0.02}, workspace=str(tmp_path)).start()
+        wait_for("2 ranks", lambda: run.world_size == 2 or run.world_size)
+        taken, step = run.members[-1].slot, run.step
+        outside.write_text(json.dumps({str(taken): "pid 4242 (someone else's job)"}))
+
+        def swapped():
+            slots = sorted(m.slot for m in run.members)
+            return (taken not in slots and len(slots) == 2
+                    and taken not in pool.lease.leased) or slots
+        wait_for("the rank on the taken slot moved to a free one", swapped)
+        sizes = {r["world_size"] for r in run.history if r["step"] > step}
+        assert sizes == {2}, sizes  # the same size throughout: a swap, not a shrink and a grow
+        assert any("moved 1 rank" in e.get("message", "") for e in run.events)
+    finally:
+        pool.stop()
+        stop(arbiter)

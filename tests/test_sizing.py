@@ -171,6 +171,9 @@ def test_shrink_stops_members_on_slots_the_arbiter_wants_back_whatever_their_age
     # one slot back, a shrink by two: the youngest of the rest leaves too (kept as a spare)
     assert plan_shrink(members, target=2, wanted=3, spares=0, leaving_slots=frozenset({1})) \
         == ([r0, r2], [r3], [r1])
+    # more members on leaving slots than the shrink removes: the run never drops below target
+    assert plan_shrink(members, target=3, wanted=3, spares=0,
+                       leaving_slots=frozenset({5, 1, 7})) == ([r0, r1, r3], [], [r2])
 
 
 class Slot:

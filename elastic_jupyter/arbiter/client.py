@@ -39,7 +39,8 @@ def arbiter_configured() -> bool:
     """Whether this machine has an arbiter every pool should use: one the admin runs for
     everyone, or one ``$ELASTIC_JUPYTER_ARBITER`` names. (A private one serves only pools
     that ask for it: ``--auto``.)"""
-    return not _locate()[1]
+    return bool(os.environ.get("ELASTIC_JUPYTER_ARBITER")) or os.path.exists(
+        os.path.join(SYSTEM_DIR, SOCKET))
 
 
 def _locate() -> tuple[str, bool]:
@@ -100,6 +101,10 @@ class ArbiterClient:
                 if self.startable and not self._started:
                     self._start()
                 time.sleep(0.05)
+            except (OSError, ValueError) as e:  # a socket we may not use, a garbled reply
+                raise ArbiterError(f"the slot arbiter at {self.folder} cannot be asked: "
+                                   f"{type(e).__name__}: {e}") from None
+        self._started = False  # it answers: should it die, the next call starts another
         if not reply.pop("ok", False):
             error = UnknownRun if reply.get("code") == UnknownRun.code else ArbiterError
             raise error(reply.get("error", "the arbiter refused the request"))

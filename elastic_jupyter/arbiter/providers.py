@@ -32,8 +32,7 @@ class SlotProvider(abc.ABC):
         """Slots busy with processes the arbiter did not place: slot -> who (a description).
 
         Args:
-            placed: slot -> pids of the engines the arbiter's runs run there (with their
-                child processes).
+            placed: slot -> the pids that may use it (every process its holder started).
         """
 
     def usage(self) -> dict[int, dict]:
@@ -102,10 +101,11 @@ class NvmlSlots(SlotProvider):
             except nvml.NVMLError as e:
                 busy[slot] = f"unreadable ({e})"
                 continue
-            foreign = [p.pid for p in procs if p.pid not in placed.get(slot, ())]
+            ours = placed.get(slot, set())
+            foreign = [p.pid for p in procs if p.pid not in ours]
             if foreign:
                 busy[slot] = "pid " + ", ".join(f"{pid} ({_owner(pid)})" for pid in foreign)
-            elif not placed.get(slot) and used > self._memory:
+            elif not any(p.pid in ours for p in procs) and used > self._memory:
                 busy[slot] = f"{used} MiB in use by processes not visible here"
         return busy
 

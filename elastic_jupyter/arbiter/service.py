@@ -125,20 +125,16 @@ class Arbiter:
                           type(e).__name__, e)
 
     def _placed(self) -> dict[int, set[int]]:
-        """slot -> the processes of the engine its holder runs there: the engine a run
-        reports, only if it is a descendant of the run's process (a run cannot vouch for a
-        process it did not start), with the engine's own children."""
+        """slot -> the processes that may use it: every process its holder's process started
+        (a run cannot vouch for a process it did not start; an engine that opens the GPU
+        before its run reports it is still the holder's own)."""
         placed: dict[int, set[int]] = {}
         started: dict[str, set[int]] = {}  # run -> its process's descendants
         for lease in self.table.leases.values():
             run = self.table.runs[lease.run]
-            pid = run.engines.get(str(lease.slot))
-            if pid is None:
-                continue
             if run.id not in started:
                 started[run.id] = _descendants(run.pid)
-            if pid in started[run.id]:
-                placed[lease.slot] = {pid, *_descendants(pid)}
+            placed[lease.slot] = started[run.id]
         return placed
 
     def _lingered(self, linger_s: float) -> bool:
@@ -215,7 +211,7 @@ class Arbiter:
 ARGUMENTS = {
     "register": {"run": str, "name": str, "notebook": str, "min": int, "max": int,
                  "weight": (int, float), "auto": bool, "wanted": (int, type(None)),
-                 "standby": int, "active": bool},
+                 "standby": int, "active": bool, "engines": dict},
     "poll": {"run": str, "active": bool, "engines": dict},
     "release": {"run": str, "slots": list},
     "unregister": {"run": str},

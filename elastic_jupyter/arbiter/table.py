@@ -112,13 +112,18 @@ class SlotTable:
     def register(self, uid: int, user: str, pid: int, start_time: float, run: str, *,
                  name: str = "", notebook: str = "", min: int = 1, max: int = 1,
                  weight: float = 1.0, auto: bool = False, wanted: int | None = None,
-                 standby: int = 0, active: bool = True, now: float | None = None) -> dict:
-        """A run states (or restates) its demand, and whether it trains (`active`, as in
-        :meth:`poll`). Returns its grant (:meth:`grant`).
+                 standby: int = 0, active: bool = True, engines: dict | None = None,
+                 now: float | None = None) -> dict:
+        """A run states (or restates) its demand, whether it trains and where its engines run
+        (`active`, `engines` as in :meth:`poll`; a run registering again after the arbiter
+        lost its state gets the free slots its engines run on first). Returns its grant
+        (:meth:`grant`).
         Raises ArbiterError for bounds that do not fit, or a run of another user."""
         now = time.time() if now is None else now
         _check_demand(min, max, weight, wanted, standby)
         cap = self.cap(user)
+        if min > len(self.slots):
+            raise ArbiterError(f"min {min} exceeds the machine's {len(self.slots)} slot(s)")
         if cap is not None and min > cap:
             raise ArbiterError(f"min {min} exceeds the {cap} slot(s) the machine's admin allows "
                                f"user {user}: ask for --min {cap} or less")
@@ -136,6 +141,8 @@ class SlotTable:
         entry.wanted = min if wanted is None else wanted
         entry.standby = standby
         entry.active, entry.training = now, bool(active)
+        if engines is not None:
+            entry.engines = {str(k): int(v) for k, v in engines.items()}
         self._changed(now)
         return self.grant(run, now)
 
@@ -281,6 +288,7 @@ class SlotTable:
             for lease in standby[:max(0, target - len(training))]:
                 lease.standby, lease.since = False, now  # a standby engine joins: no move
                 training.append(lease)
+            free.sort(key=lambda s: str(s) not in r.engines)  # where its engines run, first
             while len(training) < target and free:
                 slot = free.pop(0)
                 giver = self._freed.pop(slot, None)

@@ -159,7 +159,11 @@ export class ElasticPanel extends Widget {
       const token = this.list.begin();
       changed = this.list.apply(await this.api.runs(), token);
       changed = (await this.pollHistory()) || changed;
-      changed = (await this.pollMachine()) || changed;
+      changed = (await this.pollMachine().catch(error => {
+        // an older server extension, or one that cannot ask the arbiter: the runs still show
+        this.machine = { available: false, message: `The machine's view is unavailable: ${error instanceof Error ? error.message : error}` };
+        return false;
+      })) || changed;
       this.showMessage('');
     } catch (error) {
       this.showMessage(`Cannot reach the elastic-jupyter server extension: ${error instanceof Error ? error.message : error}`);

@@ -1,0 +1,207 @@
+"""A scripted day on a machine of 4 CPU slots: auto mode against fixed allocations, and how soon
+a run trains on a slot that was freed.
+
+**The day.** Runs arrive on a fixed schedule (``DAY``: arrival, steps of work, min, max), each
+in its own pool, all sharing one real arbiter (4 CPU slots, hold 5 s). Each trains the digits
+model for its steps; its ``loss_fn`` sleeps 3 ms per sample of its micro-batch, a pass whose time
+falls with the world size as a GPU's would, while the machine's 2 cores stay free for the
+engines' own work. Three policies, one day each:
+
+- ``auto``: every pool in auto mode between its min and max (weighted fair share, weight 1);
+- ``fixed at min``: every run at its min, waiting in the arbiter's queue when that does not fit;
+- ``fixed at max``: every run at its max, waiting until all of it is free.
+
+Reported per policy: slot utilisation (slot-seconds of training steps over 4 slots times the
+day, first arrival to last finish), mean and maximum completion time (arrival to last step),
+mean and maximum waiting time (arrival to the run's first step; it includes starting and
+setting up its engines, the same work under every policy).
+
+**A freed slot.** (1) Cold: an auto run trains on 3 slots while a manual pool holds the 4th;
+that pool stops; the time from its slot's release (its pool's ``stop()`` returned) to the auto
+run's first completed step on 4 ranks. (2) With a standby engine: a run at 3 with
+``--standby 1`` holds the 4th slot as standby; ``run.resize(4)``: request to the first step
+on 4 ranks (the arbiter turns the standby lease into a training lease, no engine starts).
+
+Run: ``python benchmarks/auto_day.py``; figures in BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+SLOTS = 4
+DAY = [  # name, arrival (s), steps, min, max
+    ("r1", 0, 600, 1, 4),
+    ("r2", 10, 300, 1, 4),
+    ("r3", 20, 300, 2, 4),
+    ("r4", 30, 150, 1, 2),
+]
+CELL = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float32) / 16, torch.tensor(y))
+model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+def loss_fn(model, batch):
+    x, y = batch
+    time.sleep(0.003 * len(x))
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+POLICIES = {
+    "auto": lambda lo, hi: dict(n=lo, min_size=lo, max_size=hi, auto=True),
+    "fixed at min": lambda lo, hi: dict(n=lo, min_size=lo, max_size=lo),
+    "fixed at max": lambda lo, hi: dict(n=hi, min_size=hi, max_size=hi),
+}
+
+
+def start_arbiter(folder: str) -> subprocess.Popen:
+    settings = os.path.join(folder, "settings.json")
+    with open(settings, "w") as f:
+        json.dump({"slots": "cpu", "cpu_slots": SLOTS, "hold_s": 5}, f)
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_jupyter.arbiter", "--dir", folder,
+                             "--config", settings], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    while not os.path.exists(os.path.join(folder, "arbiter.sock")):
+        time.sleep(0.05)
+    return proc
+
+
+def arbiter(fn):
+    """Run fn() against a fresh arbiter of SLOTS CPU slots; returns what it returns."""
+    folder = tempfile.mkdtemp(prefix="auto-day-")
+    os.chmod(folder, 0o700)
+    os.environ["ELASTIC_JUPYTER_ARBITER"] = folder
+    proc = start_arbiter(folder)
+    try:
+        return fn(folder)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def one_run(name, arrival, steps, lo, hi, policy, t0, workspace, out) -> None:
+    from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+    time.sleep(max(0.0, t0 + arrival - time.time()))
+    arrived = time.time()
+    pool = EnginePool(gpus="none", **POLICIES[policy](lo, hi)).start()
+    try:
+        run = TrainingRun(pool, RunConfig(name=name, steps=steps, global_batch=64,
+                                          checkpoint_every=0), source=CELL,
+                          workspace=workspace).start()
+        assert run.wait(timeout=1800) == "finished", run.logs()
+        history = run.history
+    finally:
+        pool.stop()
+    started = next(e["time"] for e in run.events if e["kind"] == "start")
+    times = [started] + [r["time"] for r in history]
+    slot_s = sum((b - a) * r["world_size"] for a, b, r in zip(times, times[1:], history))
+    out[name] = {"arrived": arrived, "first_step": history[0]["time"],
+                 "finished": history[-1]["time"], "slot_s": slot_s,
+                 "sizes": sorted({r["world_size"] for r in history})}
+
+
+def day(policy: str) -> dict:
+    def go(folder):
+        out, t0 = {}, time.time() + 1.0
+        threads = [threading.Thread(target=one_run, args=(*spec, policy, t0, folder, out))
+                   for spec in DAY]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+    runs = arbiter(go)
+    first = min(r["arrived"] for r in runs.values())
+    last = max(r["finished"] for r in runs.values())
+    done = [r["finished"] - r["arrived"] for r in runs.values()]
+    waits = [r["first_step"] - r["arrived"] for r in runs.values()]
+    return {"utilisation": sum(r["slot_s"] for r in runs.values()) / (SLOTS * (last - first)),
+            "mean_done": statistics.mean(done), "max_done": max(done),
+            "mean_wait": statistics.mean(waits), "max_wait": max(waits), "day": last - first,
+            "sizes": {n: r["sizes"] for n, r in sorted(runs.items())}}
+
+
+def freed_slot(folder) -> dict:
+    """Cold: an auto run grows into the slot a stopped pool released."""
+    from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+    holder = EnginePool(n=1, min_size=1, max_size=1, gpus="none").start()
+    pool = EnginePool(n=3, min_size=1, max_size=4, gpus="none", auto=True).start()
+    try:
+        run = TrainingRun(pool, RunConfig(name="grower", steps=100000, global_batch=64,
+                                          checkpoint_every=0), source=CELL,
+                          workspace=folder).start()
+        wait(lambda: run.world_size == 3 and run.step > 20)
+        holder.stop()
+        freed = time.time()
+        first = first_step_at(run, 4, freed)
+        run.stop()
+        run.wait(60)
+        return {"cold": first - freed}
+    finally:
+        pool.stop()
+
+
+def standby_grow(folder) -> dict:
+    """With a standby engine: the standby lease turns into a training lease."""
+    from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+    pool = EnginePool(n=3, min_size=1, max_size=4, gpus="none", arbiter=True).start()
+    try:
+        run = TrainingRun(pool, RunConfig(name="standby", steps=100000, global_batch=64,
+                                          checkpoint_every=0, standby=1), source=CELL,
+                          workspace=folder).start()
+        wait(lambda: run.step > 20 and len(pool.engines) == 4)
+        asked = time.time()
+        run.resize(4)
+        first = first_step_at(run, 4, asked)
+        run.stop()
+        run.wait(60)
+        return {"standby": first - asked}
+    finally:
+        pool.stop()
+
+
+def first_step_at(run, size: int, since: float) -> float:
+    """When the run's first step on `size` ranks after wall time `since` ended."""
+    def found():
+        return next((r["time"] for r in run.history
+                     if r["world_size"] == size and r["time"] > since), None)
+    wait(lambda: found() is not None)
+    return found()
+
+
+def wait(condition, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the benchmark is stuck")
+        time.sleep(0.05)
+
+
+def main() -> None:
+    latency = {}
+    for _ in range(3):
+        latency.setdefault("cold", []).append(arbiter(freed_slot)["cold"])
+        latency.setdefault("standby", []).append(arbiter(standby_grow)["standby"])
+    for kind, values in latency.items():
+        print(f"freed slot -> training ({kind}): median {statistics.median(values):.2f} s, "
+              f"runs {', '.join(f'{v:.2f}' for v in values)}", flush=True)
+    results = {policy: day(policy) for policy in POLICIES}
+    print(f"A scripted day on {SLOTS} CPU slots: {DAY}")
+    print(f"{'policy':<14}{'utilisation':>12}{'mean done':>11}{'max done':>10}"
+          f"{'mean wait':>11}{'max wait':>10}{'day':>8}  sizes")
+    for policy, r in results.items():
+        print(f"{policy:<14}{r['utilisation']:>11.0%}{r['mean_done']:>10.1f}s"
+              f"{r['max_done']:>9.1f}s{r['mean_wait']:>10.1f}s{r['max_wait']:>9.1f}s"
+              f"{r['day']:>7.0f}s  {r['sizes']}")
+
+
+if __name__ == "__main__":
+    main()
