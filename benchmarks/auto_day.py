@@ -22,10 +22,11 @@ run's first completed step on 4 ranks. (2) With a standby engine: a run at 3 wit
 ``--standby 1`` holds the 4th slot as standby; ``run.resize(4)``: request to the first step
 on 4 ranks (the arbiter turns the standby lease into a training lease, no engine starts).
 
-Run: ``python benchmarks/auto_day.py``; figures in BENCHMARKS.md.
+Run: ``python benchmarks/auto_day.py [--only day|latency]``; figures in BENCHMARKS.md.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -157,7 +158,7 @@ def standby_grow(folder) -> dict:
         run = TrainingRun(pool, RunConfig(name="standby", steps=100000, global_batch=64,
                                           checkpoint_every=0, standby=1), source=CELL,
                           workspace=folder).start()
-        wait(lambda: run.step > 20 and len(pool.engines) == 4)
+        wait(lambda: run.step > 20 and len(run._membership.spares) == 1)  # set up, ready
         asked = time.time()
         run.resize(4)
         first = first_step_at(run, 4, asked)
@@ -186,13 +187,26 @@ def wait(condition, timeout: float = 180.0) -> None:
 
 
 def main() -> None:
-    latency = {}
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", choices=["day", "latency"], help="one part only")
+    parts = parser.parse_args().only or "day latency"
+    if "latency" in parts:
+        latency()
+    if "day" in parts:
+        days()
+
+
+def latency() -> None:
+    figures = {}
     for _ in range(3):
-        latency.setdefault("cold", []).append(arbiter(freed_slot)["cold"])
-        latency.setdefault("standby", []).append(arbiter(standby_grow)["standby"])
-    for kind, values in latency.items():
+        figures.setdefault("cold", []).append(arbiter(freed_slot)["cold"])
+        figures.setdefault("standby", []).append(arbiter(standby_grow)["standby"])
+    for kind, values in figures.items():
         print(f"freed slot -> training ({kind}): median {statistics.median(values):.2f} s, "
               f"runs {', '.join(f'{v:.2f}' for v in values)}", flush=True)
+
+
+def days() -> None:
     results = {policy: day(policy) for policy in POLICIES}
     print(f"A scripted day on {SLOTS} CPU slots: {DAY}")
     print(f"{'policy':<14}{'utilisation':>12}{'mean done':>11}{'max done':>10}"

@@ -26,12 +26,15 @@ rewritten after every check so a run cut short keeps what it measured.
                        ours/plain is the figure (aim <= 1.03), with peak GPU memory of both
   pinned_memory        engine.transfer.to_device's non_blocking copy of a pinned batch arrives
                        equal; whether the engine's batches are pinned at all
+  nvml                 the arbiter's NVML slot provider: with 2 GiB held by this process, the
+                       GPU shows this pid busy outside when nobody is placed there and not
+                       when this pid is; its memory use reads >= 2 GiB (needs nvidia-ml-py)
 
 Training runs only through the engine's public surfaces, ``Worker(objects, config, device)`` and
 ``run_generation(worker, spec, store)``, on a TCPStore hosted here; before each generation the
 script writes ``gen{g}/end_at`` and ``gen{g}/version`` as the owner does
 (elastic_jupyter/rendezvous.py). It imports only torch, the standard library and
-elastic_jupyter.engine.*, and downloads nothing: text is benchmarks/gpt.py's StdlibText.
+elastic_jupyter.engine.* (and, for the nvml check, elastic_jupyter.arbiter.providers and NVML), and downloads nothing: text is benchmarks/gpt.py's StdlibText.
 
 Usage, on the GPU machine (about 1-2 minutes on an H200; no check starts after --budget 210 s):
     python benchmarks/gpu_check.py
@@ -806,6 +809,29 @@ def check_pinned_memory(ctx: Ctx) -> Outcome:
 
 # ------------------------------------------------------------------------------ driver
 
+def check_nvml(ctx: Ctx) -> Outcome:
+    ctx.need_cuda()
+    try:
+        from elastic_jupyter.arbiter.providers import NvmlSlots
+        slots = NvmlSlots(memory_mib=1024)
+    except ImportError as e:  # nvidia-ml-py missing
+        raise Skip(f"no NVML ({e})") from None
+    me = os.getpid()
+    held = torch.empty(2 << 30, dtype=torch.uint8, device=ctx.device)  # 2 GiB in use by us
+    sync(ctx.device)
+    seen = slots.outside({})  # nobody placed: our own process is foreign
+    ours = [s for s, who in seen.items() if f"pid {me} " in who or who.startswith(f"pid {me}")]
+    placed = slots.outside({s: {me} for s in ours})  # placed where it runs: not busy outside
+    usage = slots.usage()
+    del held
+    memory = usage.get(ours[0], {}).get("memory_mib", 0) if ours else 0
+    ok = len(ours) == 1 and ours[0] not in placed and memory >= 2048
+    return Outcome(ok, f"{len(slots.slots())} GPU(s)",
+                   f"our pid seen on GPU {ours} as outside; placed there: "
+                   f"{'busy' if ours and ours[0] in placed else 'not busy'}; {memory} MiB used",
+                   {"outside_unplaced": seen, "outside_placed": placed, "usage": usage})
+
+
 CHECKS = {  # summary order
     "nccl_single_rank": check_nccl_single_rank,
     "bf16": lambda ctx: check_precision(ctx, "bf16"),
@@ -817,10 +843,11 @@ CHECKS = {  # summary order
     "calibration": check_calibration,
     "step_overhead": check_step_overhead,
     "pinned_memory": check_pinned_memory,
+    "nvml": check_nvml,
 }
 # the important figure early, the slow spawned check last: a cut-short run keeps the most
 RUN_ORDER = ["nccl_single_rank", "bf16", "fp16", "sync_batchnorm", "step_overhead",
-             "calibration", "state_transfer", "checkpoint", "pinned_memory",
+             "calibration", "state_transfer", "checkpoint", "pinned_memory", "nvml",
              "gloo_two_ranks_cuda"]
 
 

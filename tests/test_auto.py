@@ -22,26 +22,19 @@ import torch
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 from elastic_jupyter.arbiter.client import ArbiterClient
 from test_arbiter import start_arbiter, stop
-from test_kernel_lifecycle import Kernel
+from test_kernel_lifecycle import BODY as LIFECYCLE_BODY, Kernel
 
-BODY = '''
-import time
-import torch
-from sklearn.datasets import load_digits
-X, y = load_digits(return_X_y=True)
-dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
-model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-def loss_fn(model, batch):
-    time.sleep(DELAY)
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-'''
+# the kernel lifecycle test's float64 model, with DELAY seconds of sleep per pass
+BODY = LIFECYCLE_BODY.replace("time.sleep(0.01)", "time.sleep(DELAY)")
+assert "DELAY" in BODY
 OPTIONS = "--steps 100000 --global-batch 64 --seed 7 --checkpoint-every 0 --no-dashboard"
 STATE = ('import json; _s = run.pool.status()["lease"]; print("@@" + json.dumps({"w": '
          'run.world_size, "step": run.step, "state": run.state, "slots": sorted(m.slot for m '
          'in run.members), "leased": _s["slots"], "events": [e.get("message") for e in '
          'run.events if e["kind"] == "slot"]}))')
+STATUS = ('import io, contextlib, json\n_buf = io.StringIO()\nwith contextlib.redirect_stdout(_buf):'
+          '\n    get_ipython().run_line_magic("elastic_pool", "status")\n'
+          'print("@@" + json.dumps(_buf.getvalue()))')
 PARAMS = ('import json; print("@@" + json.dumps({"step": run.step, "state": run.state, '
           '"params": {k: v.tolist() for k, v in run.state_dict().items()}}))')
 
@@ -122,6 +115,8 @@ def test_auto_runs_share_the_machine_and_learn_what_fixed_runs_learn(tmp_path, i
         assert view["slots"][taken]["holder"] is None, view
         assert view["slots"][taken]["outside"] == "pid 4242 (someone else's job)"
         assert sizes(c=(c, 1))() is True  # a manual run's slot is never taken
+        (table,) = a.execute(STATUS)
+        assert f"outside: pid 4242 (someone else's job)" in table and "c  " in table, table
         outside.write_text("{}")
         wait_for("A grows back once the slot is free", sizes(a=(a, 3)))
 

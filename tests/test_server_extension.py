@@ -120,11 +120,19 @@ def test_history_is_read_with_a_cursor(server, busy_run):
     ({"size": 3}, None, "must be an integer"),
     ({"world_size": 9}, None, "bounds [1, 3]"),
     ({"world_size": 0}, None, "bounds [1, 3]"),
+    ({"auto": "yes"}, None, '"auto" must be true or false'),
+    ({"auto": True}, None, "does not take its slots from the machine's arbiter"),
 ])
 def test_bad_resize_requests_answer_400(server, busy_run, body, raw, message):
     _, run_id = busy_run
     status, reply = call(server, "PATCH", f"elastic/api/runs/{run_id}", body, raw=raw)
     assert status == 400 and message in reply["message"], reply
+
+
+def test_the_machine_view_says_when_no_arbiter_answers(server):
+    status, view = call(server, "GET", "elastic/api/machine")
+    assert status == 200 and view["available"] is False, view
+    assert "no slot arbiter answers" in view["message"]
 
 
 def test_unknown_run_answers_404(server):

@@ -11,8 +11,6 @@ import abc
 import json
 import logging
 
-import psutil
-
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -121,6 +119,10 @@ class NvmlSlots(SlotProvider):
 
 
 def _owner(pid: int) -> str:
+    try:
+        import psutil  # here: the GPU check imports this module where psutil may be missing
+    except ImportError:
+        return "unknown user"
     try:
         return psutil.Process(pid).username()
     except (psutil.Error, KeyError):
