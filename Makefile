@@ -42,6 +42,7 @@ benchmark: setup
 	$(PY) benchmarks/fault_recovery.py
 	$(PY) benchmarks/panel_resize.py
 	$(PY) benchmarks/chart_render.py
+	$(PY) benchmarks/auto_day.py
 
 clean:
 	rm -rf $(VENV) notebooks/elastic-checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts

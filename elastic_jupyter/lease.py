@@ -108,8 +108,8 @@ class SlotLease:
 
     async def poll(self, engines: dict[int, int]) -> dict:
         """The regular look: say whether the pool trains (an auto pool that does not wants
-        only its min) and which engine (pid) runs on which slot; returns the grant. A pool the arbiter does not know (its state was lost)
-        registers again."""
+        only its min) and which engine (pid) runs on which slot; returns the grant. A pool the
+        arbiter does not know (its state was lost) registers again, with its engines' slots."""
         self.engines = {str(k): v for k, v in engines.items()}
         try:
             return await self._call(self.client.poll, self.id, active=self.active,

@@ -202,15 +202,16 @@ class EnginePool:
         """Start the controller and the first ``n`` engines; returns self when all registered.
         In lease mode, waits (printing its place in the machine's queue) until the arbiter
         leased ``min`` slots."""
-        self.wait_printing_queue(self.owner.submit(self.ensure_started()))
+        self.wait_printing_queue(self.ensure_started())
         return self
 
-    def wait_printing_queue(self, future):
-        """The result of `future` (of the owner loop), printing the pool's place in the
-        machine's queue while it waits for its slots."""
+    def wait_printing_queue(self, coro):
+        """Run `coro` on the owner loop and return its result, printing the pool's place in
+        the machine's queue while it waits for its slots (as ``Owner.call`` otherwise)."""
         if self.owner.in_owner_thread():
+            coro.close()
             raise RuntimeError("waiting on the owner thread would deadlock; await instead")
-        shown = None
+        future, shown = self.owner.submit(coro), None
         while True:
             try:
                 concurrent.futures.wait([future], timeout=POLL_S)

@@ -201,7 +201,7 @@ class TrainingRun:
         checkpoint folder problems) or RunSetupError (the cell failed on an engine, with its
         traceback); either way the pool stays usable.
         """
-        self.pool.wait_printing_queue(self.pool.owner.submit(self._start()))
+        self.pool.wait_printing_queue(self._start())
         return self
 
     def resize(self, n: int, at_step: int | None = None) -> None:
