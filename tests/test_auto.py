@@ -208,3 +208,28 @@ def test_a_slot_taken_outside_is_swapped_for_a_free_one_at_the_same_size(tmp_pat
     finally:
         pool.stop()
         stop(arbiter)
+
+
+def test_a_standby_engine_is_the_first_to_go_when_another_run_needs_its_slot(tmp_path,
+                                                                               monkeypatch):
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    arbiter = start_arbiter(str(folder), {"hold_s": 0})
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))
+    client = ArbiterClient(str(folder))
+    pools = [EnginePool(n=2, min_size=1, max_size=3, gpus="none")]
+    try:
+        run = TrainingRun(pools[0], RunConfig(name="a", steps=100000, global_batch=64, seed=7,
+                                              checkpoint_every=0, standby=1),
+                          source=BODY, push={"DELAY": 0.02}, workspace=str(tmp_path)).start()
+        wait_for("a's standby engine", lambda: len(pools[0].engines) == 3 or holders(client))
+        standby = [s["slot"] for s in client.view()["slots"]
+                   if s["holder"] and s["holder"]["standby"]]
+        assert len(standby) == 1, client.view()
+        pools.append(EnginePool(n=2, min_size=2, max_size=2, gpus="none").start())  # needs 2
+        assert standby[0] in {e.slot for e in pools[1].engines}
+        assert run.world_size == 2 and standby[0] not in {e.slot for e in pools[0].engines}
+    finally:
+        for pool in pools:
+            pool.stop()
+        stop(arbiter)
