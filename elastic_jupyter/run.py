@@ -435,4 +435,4 @@ class TrainingRun:
 
 _LEASED_SCHEDULE = ("this pool takes its slots from the machine's arbiter, which decides when "
                     "it changes size: resize it now (run.resize(n)), or start a pool with "
-                    "arbiter=False for resizes at given steps")
+                    "--no-arbiter (EnginePool(arbiter=False)) for resizes at given steps")

@@ -91,8 +91,10 @@ def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab
     page.locator(".jp-Dialog button", has_text="Stop").click()
     wait_for(lambda: control.request(socket_path, {"op": "status"})["state"] == "stopped", 60,
              "the run to stop")
-    wait_for(lambda: detail.locator(".ejp-controls").is_hidden(), 15, "the slider to go away")
-    assert "stopped" in detail.locator(".ejp-reason").inner_text()
+    # both from the same poll's render: wait for them together, not one then the other
+    wait_for(lambda: detail.locator(".ejp-controls").is_hidden()
+             and "stopped" in detail.locator(".ejp-reason").inner_text(), 15,
+             "the slider to go away and the reason to say stopped")
 
 
 MACHINE_BODY = '''
