@@ -132,13 +132,11 @@ def day(policy: str) -> dict:
 
 def freed_slot(folder) -> dict:
     """Cold: an auto run grows into the slot a stopped pool released."""
-    from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+    from elastic_jupyter import EnginePool
     holder = EnginePool(n=1, min_size=1, max_size=1, gpus="none").start()
     pool = EnginePool(n=3, min_size=1, max_size=4, gpus="none", auto=True).start()
     try:
-        run = TrainingRun(pool, RunConfig(name="grower", steps=100000, global_batch=64,
-                                          checkpoint_every=0), source=CELL,
-                          workspace=folder).start()
+        run = endless_run(pool, "grower", folder)
         wait(lambda: run.world_size == 3 and run.step > 20)
         holder.stop()
         freed = time.time()
@@ -152,12 +150,10 @@ def freed_slot(folder) -> dict:
 
 def standby_grow(folder) -> dict:
     """With a standby engine: the standby lease turns into a training lease."""
-    from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+    from elastic_jupyter import EnginePool
     pool = EnginePool(n=3, min_size=1, max_size=4, gpus="none", arbiter=True).start()
     try:
-        run = TrainingRun(pool, RunConfig(name="standby", steps=100000, global_batch=64,
-                                          checkpoint_every=0, standby=1), source=CELL,
-                          workspace=folder).start()
+        run = endless_run(pool, "standby", folder, standby=1)
         wait(lambda: run.step > 20 and len(run._membership.spares) == 1)  # set up, ready
         asked = time.time()
         run.resize(4)
@@ -167,6 +163,13 @@ def standby_grow(folder) -> dict:
         return {"standby": first - asked}
     finally:
         pool.stop()
+
+
+def endless_run(pool, name: str, folder: str, **options):
+    """A run of CELL on `pool` that trains until stopped."""
+    from elastic_jupyter import RunConfig, TrainingRun
+    config = RunConfig(name=name, steps=100000, global_batch=64, checkpoint_every=0, **options)
+    return TrainingRun(pool, config, source=CELL, workspace=folder).start()
 
 
 def first_step_at(run, size: int, since: float) -> float:

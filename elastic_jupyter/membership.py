@@ -116,7 +116,7 @@ class Membership:
         if self._booting is not None and not self._booting.done():
             return
         self._booting = None
-        staying = [m for m in self.members if m.slot not in self.leaving()]  # others get swapped
+        staying = self._staying()  # members on slots to give back get swapped
         missing = min(wanted - len(staying) - len(self.spares), self.pool.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
@@ -124,14 +124,17 @@ class Membership:
 
     def trim(self, wanted: int) -> None:
         """Stop ready spares that no pending request or standby needs any more."""
-        staying = [m for m in self.members if m.slot not in self.leaving()]
-        self.spares, extra = plan_trim(self.spares, wanted, len(staying))
+        self.spares, extra = plan_trim(self.spares, wanted, len(self._staying()))
         if extra:
             self.pool.remove_engines(extra)
 
     def leaving(self) -> set:
         """Slots the machine's arbiter wants back (lease mode; else none)."""
         return self.pool.leaving_slots() if self.pool.lease is not None else set()
+
+    def _staying(self) -> list:
+        leaving = self.leaving()  # once: it is computed from the pool's engines and grant
+        return [m for m in self.members if m.slot not in leaving]
 
     def swappable(self) -> bool:
         """A member is on a slot to give back and a spare is ready elsewhere: the next step

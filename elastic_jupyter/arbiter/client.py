@@ -39,18 +39,22 @@ def arbiter_configured() -> bool:
     """Whether this machine has an arbiter every pool should use: one the admin runs for
     everyone, or one ``$ELASTIC_JUPYTER_ARBITER`` names. (A private one serves only pools
     that ask for it: ``--auto``.)"""
-    return bool(os.environ.get("ELASTIC_JUPYTER_ARBITER")) or os.path.exists(
-        os.path.join(SYSTEM_DIR, SOCKET))
+    return _configured_dir() is not None
+
+
+def _configured_dir() -> str | None:
+    """The folder named by ``$ELASTIC_JUPYTER_ARBITER``, else the system arbiter's when it
+    serves, else None."""
+    named = os.environ.get("ELASTIC_JUPYTER_ARBITER")
+    if named:
+        return named
+    return SYSTEM_DIR if os.path.exists(os.path.join(SYSTEM_DIR, SOCKET)) else None
 
 
 def _locate() -> tuple[str, bool]:
     """(the arbiter's folder, whether it is this user's private one)."""
-    named = os.environ.get("ELASTIC_JUPYTER_ARBITER")
-    if named:
-        return named, False
-    if os.path.exists(os.path.join(SYSTEM_DIR, SOCKET)):
-        return SYSTEM_DIR, False
-    return _private_dir(), True
+    folder = _configured_dir()
+    return (folder, False) if folder else (_private_dir(), True)
 
 
 def _private_dir() -> str:
