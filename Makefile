@@ -4,6 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 BUNDLE := elastic_jupyter/static/dashboard.js
 CHROMIUM ?= $(shell command -v chromium || echo /usr/bin/chromium)
+SLURMD ?= $(shell command -v slurmd || echo /usr/sbin/slurmd)
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup quickstart test benchmark clean
 
@@ -26,15 +28,20 @@ $(BUNDLE): $(wildcard labextension/src/*.ts labextension/src/*/* labextension/st
 
 # The browser tests drive Debian's Chromium (no browser download); install it if missing.
 $(CHROMIUM):
-	$(if $(filter 0,$(shell id -u)),,sudo) apt-get update -qq
-	$(if $(filter 0,$(shell id -u)),,sudo) apt-get install -y -qq chromium
+	$(SUDO) apt-get update -qq
+	$(SUDO) apt-get install -y -qq chromium
+
+# The Slurm tests start a one-machine Slurm of Debian's packages (tests/slurm_cluster.py).
+$(SLURMD):
+	$(SUDO) apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq slurm-wlm munge
 
 # The main job: the quick-start notebook, headless, on scikit-learn's digits; it also writes
 # the loss curve with its resize and checkpoint markers to notebooks/loss.png.
 quickstart: setup
 	cd notebooks && ../$(VENV)/bin/ipython --colors=nocolor 01_quickstart.ipynb
 
-test: setup $(CHROMIUM)
+test: setup $(CHROMIUM) $(SLURMD)
 	$(PY) -m pytest -ra
 
 benchmark: setup

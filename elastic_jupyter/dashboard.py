@@ -36,7 +36,7 @@ SNAPSHOT_POINTS = 2000
 RANGE_POINTS = 50_000
 COALESCE_S = 0.15
 MARKER_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed", "warning",
-                "error", "finished", "stopped", "slot")
+                "error", "finished", "stopped", "slot", "drain")
 
 
 class Dashboard(anywidget.AnyWidget):

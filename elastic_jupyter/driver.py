@@ -4,7 +4,9 @@ A run is a sequence of generations (see engine.generation). Between two of them 
 changes the membership: a shrink stops the youngest engines after they left the group; a grow
 adds engines that membership started and set up in the background while the others trained, so
 training pauses only for forming the new group and one broadcast of the state. A fault ends a
-generation too; recovery brings the members back to one state first.
+generation too; recovery brings the members back to one state first. A rank its scheduler told
+to go (SIGTERM: preemption, a time limit) ends the generation at a step boundary too
+(engine.drain): it is dropped with nothing lost, and a replacement is started.
 
 The driver is the only writer of the run's state, error and final state. Decisions come from
 the Sizer (sizing.py), engines from Membership (membership.py), records and events go to the
@@ -74,7 +76,9 @@ class Driver:
         if size != pool.size:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
-        self.sizer.begin(size, pool.min_size, pool.usable_slots)
+        # a batch job may wait in its queue without bound: grow by the engines that are up
+        self.sizer.begin(size, pool.min_size, pool.usable_slots,
+                         grow_in_parts=not pool.launcher.local)
         self.take_requests()  # a schedule given up front
         try:
             await self.cell.run_cell(self.members)
@@ -119,11 +123,13 @@ class Driver:
                 generation += 1
                 if result.get("reason") == "fault":
                     newcomers = await self.recovery.recover(result["outcome"])
-                elif result["reason"] == "finished" or self.sizer.stop_requested:
-                    return await self._finish(
-                        "finished" if result["reason"] == "finished" else "stopped")
                 else:
-                    newcomers = await self._change_membership(result["progress"]["step"])
+                    await self._drain(result["drained"])
+                    if result["reason"] == "finished" or self.sizer.stop_requested:
+                        return await self._finish(
+                            "finished" if result["reason"] == "finished" else "stopped")
+                    newcomers = await (self._after_drain() if result["drained"] else
+                                       self._change_membership(result["progress"]["step"]))
                 broadcast = bool(newcomers)
         except BelowMinimum as e:
             await self._end_safely(self._stop_below_minimum(str(e)))
@@ -163,8 +169,8 @@ class Driver:
             self.log.merge(tasks[0].live_data())
             failed = [(e, t.error()) for e, t in zip(self.members, tasks) if t.error()]
             for engine, error in failed:
-                if not faults.alive(engine.pid) or faults.is_engine_death(error):
-                    faults.kill(engine.pid)  # a zombie's sockets may still hold peers
+                if not faults.alive(engine) or faults.is_engine_death(error):
+                    faults.kill(engine)  # a zombie's sockets may still hold peers
                     died = True
             if failed and first_failure is None:
                 first_failure = time.monotonic()
@@ -185,6 +191,9 @@ class Driver:
             raise GenerationError(*outcome.errors[0])
         result = outcome.results[self.members[0].engine_id]
         self.log.merge(result, complete=True)
+        # (engine, wall time of its SIGTERM) for the ranks that left because they were told to
+        result["drained"] = [(e, outcome.results[e.engine_id]["drained"]) for e in self.members
+                             if outcome.results[e.engine_id].get("drained")]
         return result
 
     def take_requests(self) -> None:
@@ -207,8 +216,10 @@ class Driver:
         """Apply the size due after `step`; returns the engine ids that join."""
         self.take_requests()
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
-        W = len(self.members)
-        if change.target == W:
+        W, target = len(self.members), change.target
+        if self.sizer.grow_in_parts and not change.scheduled and target > W:
+            target = min(target, W + len(self.membership.spares))  # the rest when they are up
+        if target == W:
             newcomers = self.membership.swap()  # off slots the arbiter wants back
             if newcomers:
                 self.log.event("slot", message=f"moved {len(newcomers)} rank(s) off slot(s) "
@@ -216,17 +227,16 @@ class Driver:
             self.membership.trim(self._wanted())
             return {e.engine_id for e in newcomers}
         self.state = "resizing"
-        self.log.resize_started(step, W, change.target, change.requested_time or time.time(),
+        self.log.resize_started(step, W, target, change.requested_time or time.time(),
                                 change.scheduled)
         newcomers = []
-        if change.target < W:
-            self.membership.shrink(change.target, self._wanted(),
-                                   frozenset(self.membership.leaving()))
+        if target < W:
+            self.membership.shrink(target, self._wanted(), frozenset(self.membership.leaving()))
         else:
-            newcomers = await self.membership.grow(change.target, POLL)
-            if len(self.members) < change.target:
+            newcomers = await self.membership.grow(target, POLL)
+            if len(self.members) < target:
                 self.sizer.settle(len(self.members))
-                self.log.event("warning", message=f"could not grow to {change.target} engines "
+                self.log.event("warning", message=f"could not grow to {target} engines "
                                f"after {self.membership.boot_failures} failed starts; training "
                                f"goes on with {len(self.members)}")
             self.log.resize_settled(len(self.members))
@@ -235,12 +245,39 @@ class Driver:
         self.state = "training"
         return {e.engine_id for e in newcomers}
 
+    async def _drain(self, drained: list) -> None:
+        """Ranks told to go (`drained`: (engine, wall time of its SIGTERM)) left the group
+        after the last step, with every other rank: drop them and end their engines (their
+        jobs). Should every rank go, the state is first written to a checkpoint, from which
+        the replacements start. Replacements are started at once (the sizer still wants the
+        size)."""
+        if not drained:
+            return
+        if len(drained) == len(self.members):
+            await self._write_checkpoint(await self.calls.training_state(self.members[0]))
+        self.membership.drain([engine for engine, _ in drained])
+        now = time.time()
+        for engine, asked in drained:
+            self.log.event("drain", slot=engine.slot, world_size=len(self.members),
+                           drain_s=round(now - asked, 3),
+                           message=f"slot {engine.slot} drained (told to go by its scheduler)"
+                           f" {now - asked:.2f} s after the signal; world size "
+                           f"{len(self.members)}, a replacement is on its way")
+        self.membership.boot(self._wanted())
+
+    async def _after_drain(self) -> set:
+        """After a drain: train on at the smaller size (a grow follows once replacements are
+        up), or below --min wait for them. Returns the engine ids that receive the state."""
+        await self.recovery.wait_for_minimum()
+        _, _, newcomers = await self.recovery.roll_back()  # survivors' state, or a checkpoint's
+        return newcomers
+
     # ---------------------------------------------------------------- end states
 
     async def _finish(self, state: str) -> None:
         self.final_state = await self._last_state()
         if state == "stopped":
-            await self._final_checkpoint()
+            await self._write_checkpoint(self.final_state)
         self.state = state
         self.log.event(state, world_size=len(self.members))
         await self._release()
@@ -258,12 +295,13 @@ class Driver:
                 pass
         return await self.calls.training_state(self.members[0])
 
-    async def _final_checkpoint(self) -> None:
-        """Write the stopped run's state (off the owner loop: the disk may be slow)."""
-        step = self.final_state["progress"]["step"]
+    async def _write_checkpoint(self, state: dict) -> None:
+        """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
+        slow)."""
+        step = state["progress"]["step"]
         if any(c["step"] == step for c in ckpt.list_checkpoints(self.checkpoint_dir)):
             return
-        args = (self.checkpoint_dir, self.final_state, self.config.keep)
+        args = (self.checkpoint_dir, state, self.config.keep)
         try:
             try:
                 record = await asyncio.get_running_loop().run_in_executor(

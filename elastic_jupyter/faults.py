@@ -37,18 +37,25 @@ def is_peer_failure(error: BaseException) -> bool:
     return (getattr(error, "ename", None) or type(error).__name__) == "PeerFailure"
 
 
-def alive(pid: int) -> bool:
+def alive(engine) -> bool:
+    """Whether `engine`'s process runs. Another host's engine counts as alive: its death
+    reaches us as ipyparallel's ``EngineError`` (its nanny tells the controller)."""
+    if not engine.local:
+        return True
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(engine.pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
 
 
-def kill(pid: int) -> None:
+def kill(engine) -> None:
     """SIGKILL a lost or hung engine: also closes its sockets, so peers blocked in a collective
-    with it fail now instead of at the group timeout."""
+    with it fail now instead of at the group timeout. Another host's engine ends with its
+    job when the pool removes it."""
+    if not engine.local:
+        return
     try:
-        os.kill(pid, signal.SIGKILL)
+        os.kill(engine.pid, signal.SIGKILL)
     except OSError:
         pass
 
@@ -82,7 +89,7 @@ def classify(members, futures) -> Outcome:
         error = fut.exception()
         if error is None:
             out.results[engine.engine_id] = fut.result()
-        elif is_engine_death(error) or not alive(engine.pid):
+        elif is_engine_death(error) or not alive(engine):
             out.lost.append(engine)
         elif is_peer_failure(error):
             out.collective.append((engine, error))

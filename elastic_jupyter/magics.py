@@ -15,6 +15,7 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
 from .config import RunConfig, UsageError
+from .launchers import make_launcher
 from .pool import EnginePool
 from .run import RunSetupError, TrainingRun
 
@@ -67,10 +68,13 @@ class _PoolStatus(dict):
 def _status_table(status: dict) -> str:
     """The pool's status as lines of text: size and bounds, the engines, excluded slots."""
     lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
-             f"backend {status['backend']}, run: {status['run'] or 'none'}"]
-    lines += _columns([("slot", "device", "pid", "engine id")] + [
-        (str(e["slot"]), e["device"], str(e["pid"]), str(e["engine_id"]))
+             f"backend {status['backend']}, on {status['launcher']}, "
+             f"run: {status['run'] or 'none'}"]
+    lines += _columns([("slot", "host", "device", "pid", "engine id")] + [
+        (str(e["slot"]), e["host"], e["device"], str(e["pid"]), str(e["engine_id"]))
         for e in status["engines"]])
+    for slot, job in status["queued"].items():
+        lines.append(f"Slot {slot}: waiting in the queue, {job}")
     for slot, reason in sorted(status["excluded_slots"].items()):
         lines.append(f"Excluded slot {slot}: {reason}")
     lease = status.get("lease")
@@ -124,7 +128,35 @@ def _pool_parser() -> _Parser:
     p.add_argument("--no-arbiter", action="store_true",
                    help="do not take slots from the machine's arbiter, even where the admin "
                         "runs one (for --gpus lists and --schedule)")
+    g = p.add_argument_group("where the engines run")
+    g.add_argument("--launcher", choices=["local", "slurm"], default="local",
+                   help="local: processes of this host (default); slurm: one batch job each")
+    g.add_argument("--partition", help="slurm: the partition (default: Slurm's)")
+    g.add_argument("--account", help="slurm: the account to charge")
+    g.add_argument("--time", help="slurm: each job's time limit, like 60 or 1-00:00:00")
+    g.add_argument("--gpus-per-engine", type=int,
+                   help="slurm: GPUs per engine job (default 0: CPU engines, gloo)")
+    g.add_argument("--cpus-per-engine", type=int, help="slurm: CPUs per engine job (default 1)")
+    g.add_argument("--grace", type=int,
+                   help="slurm: seconds before the time limit when Slurm signals the engine to "
+                        "drain, and a replacement is queued (default 60)")
+    g.add_argument("--interface",
+                   help="the network interface the engines' hosts reach this kernel on "
+                        "(default: the one on the route to slurmctld). The rendezvous store "
+                        "has no authentication: never all interfaces")
     return p
+
+
+def _launcher(args):
+    """The pool's Launcher from ``%elastic_pool start`` options."""
+    slurm = {k: getattr(args, k) for k in ("partition", "account", "time", "gpus_per_engine",
+                                             "cpus_per_engine", "grace", "interface")}
+    if args.launcher == "local":
+        given = [f"--{k.replace('_', '-')}" for k, v in slurm.items() if v is not None]
+        if given:
+            raise UsageError(f"{', '.join(given)}: options of --launcher slurm")
+        return None
+    return make_launcher(args.launcher, **slurm)
 
 
 def _auto_options(p: _Parser) -> None:
@@ -240,9 +272,11 @@ class ElasticMagics(Magics):
                                  "%elastic_pool stop it first")
             self.pool = EnginePool(args.n, args.min, args.max, args.gpus, args.engine_timeout,
                                    auto=args.auto, weight=_weight(args.weight),
-                                   arbiter=False if args.no_arbiter else None).start()
-            print(f"Started {self.pool!r}: " + ", ".join(
-                f"slot {e.slot} ({e.device}, pid {e.pid})" for e in self.pool.engines))
+                                   arbiter=False if args.no_arbiter else None,
+                                   launcher=_launcher(args)).start()
+            print(f"Started {self.pool!r} on {self.pool.launcher.describe()}: " + ", ".join(
+                f"slot {e.slot} ({e.device} on {e.host}, pid {e.pid})"
+                for e in self.pool.engines))
             return None
         if self.pool is None or not self.pool.running:
             raise UsageError("no pool is running: start one with %elastic_pool start")

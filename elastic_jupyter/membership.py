@@ -163,6 +163,12 @@ class Membership:
             self.pool.remove_engines(gone)
 
     async def _boot(self, k: int) -> None:
+        if self.pool.launcher.local:
+            await self._boot_together(k)
+        else:  # a batch job starts when its scheduler says: each engine is ready when it is
+            await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
+
+    async def _boot_together(self, k: int) -> None:
         await asyncio.sleep(self.health.delay(self.pool.next_free_slot()))  # back off a bad slot
         t0 = time.time()
         try:
@@ -207,13 +213,19 @@ class Membership:
         self.members += newcomers
         return newcomers
 
+    def drain(self, engines: list) -> None:
+        """Members their scheduler told to go left the group with the others: forget them and
+        end their engines (a batch job ends). Not a fault: their slots count none."""
+        self.members = [m for m in self.members if m not in engines]
+        self.pool.remove_engines(engines)
+
     # ---------------------------------------------------------------- faults
 
     def drop(self, lost: list) -> None:
         """Forget lost engines (dead or hung: they are killed), count their slots' faults and
         leave out a slot that keeps failing."""
         for engine in lost:
-            faults.kill(engine.pid)
+            faults.kill(engine)
         self.members = [m for m in self.members if m not in lost]
         self.pool.remove_engines(lost)
         for engine in lost:
@@ -224,7 +236,7 @@ class Membership:
 
     def drop_dead(self) -> bool:
         """Drop members whose process died (a fault during recovery); True if any did."""
-        dead = [m for m in self.members if not faults.alive(m.pid)]
+        dead = [m for m in self.members if not faults.alive(m)]
         if dead:
             self.members = [m for m in self.members if m not in dead]
             self.pool.remove_engines(dead)

@@ -13,6 +13,7 @@ MARKER_STYLE = {  # kind: (colour, line style, legend label)
     "fault": ("tab:red", "-", "fault"),
     "checkpoint": ("0.55", ":", "checkpoint"),
     "slot": ("tab:purple", ":", "slot moved (the machine's arbiter)"),
+    "drain": ("tab:orange", "-.", "drain (told to go by its scheduler)"),
 }
 
 

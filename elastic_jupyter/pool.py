@@ -2,7 +2,8 @@
 
 Each slot's engine is its own engine set of one, because ipyparallel cannot stop a single engine
 of a larger set (``Cluster.stop_engine`` raises) and forgets per-set environments on restart.
-CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot change.
+CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot change. Where the
+engines run (this host, Slurm jobs) is the pool's :class:`~.launchers.Launcher`.
 
 In lease mode (``auto=True``, or a machine whose admin runs a shared arbiter) the slots are the
 machine's, leased by its arbiter: engines start only on leased slots, and the pool follows the
@@ -16,6 +17,7 @@ import atexit
 import concurrent.futures
 import logging
 import os
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,11 +27,14 @@ import psutil
 from .arbiter.client import arbiter_configured
 from .arbiter.table import ArbiterError, check_weight
 from .config import PoolConfig, UsageError
+from .engine.entrypoints import versions
 from .engine_calls import EngineCalls
+from .launchers import Launcher, LocalLauncher, Queued
 from .lease import POLL_S, SlotLease, describe_slot_event
 from .membership import free_slots
 from .owner import background, get_owner
 from .reaper import start_reaper, write_pidfile
+from .host import own_folder
 from .registry import registry_dir
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
@@ -49,7 +54,9 @@ class Engine:
         slot: slot number (with GPUs, the index into the pool's GPU list).
         device: "cpu" or "cuda:<physical GPU id>".
         engine_id: ipyparallel engine id; set_id: its engine set.
-        pid: process id; started: wall time (s since the epoch) it registered.
+        pid: process id on `host`; started: wall time (s since the epoch) it registered.
+        host: the host it runs on; local: whether it is this user's process on this host
+            (the pool signals it itself; other engines end with their job).
     """
 
     slot: int
@@ -58,16 +65,19 @@ class Engine:
     set_id: str
     pid: int
     started: float
+    host: str = ""
+    local: bool = True
 
 
-def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool) -> dict:
+def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool,
+                launcher: Launcher) -> dict:
     env = {
         "ELASTIC_JUPYTER_SLOT": str(slot),
         "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-        "GLOO_SOCKET_IFNAME": "lo",  # single-host pool: gloo stays on loopback
         "PYTHONUNBUFFERED": "1",
     }
+    env.update(launcher.engine_env())
     if leased:  # the arbiter's GPU ids are NVML's, by PCI bus; CUDA's are by speed unless told
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
     return env
@@ -87,16 +97,27 @@ class EnginePool:
         arbiter: take slots from the machine's arbiter (default: with ``auto``, or when the
             admin runs a shared one or ``$ELASTIC_JUPYTER_ARBITER`` names one).
         name, notebook: how the machine's view shows the pool (a run on it renames it).
+        launcher: where the engines run (:mod:`.launchers`; default: this host). Slots of a
+            Slurm pool are its engine jobs; the machine's arbiter does not place them.
     Raises:
         UsageError: bounds that do not fit (n outside [min, max], more engines than GPUs),
-            ``auto`` without the arbiter, or a GPU list in lease mode (the arbiter places).
+            ``auto`` without the arbiter, a GPU list in lease mode (the arbiter places), or
+            ``auto``/a GPU list with a launcher other than this host's.
     """
 
     def __init__(self, n: int | None = None, min_size: int | None = None,
                  max_size: int | None = None, gpus: str = "all", engine_timeout: float = 60.0,
                  auto: bool = False, weight: float = 1.0, arbiter: bool | None = None,
-                 name: str = "", notebook: str | None = None):
+                 name: str = "", notebook: str | None = None, launcher: Launcher | None = None):
+        self.launcher = launcher or LocalLauncher()
+        if not self.launcher.local:
+            if auto or gpus not in ("all", "none"):
+                raise UsageError(f"--launcher {self.launcher.kind} places each engine itself: "
+                                 "--auto and --gpus apply to pools on this host only")
+            gpus, arbiter = "none", False  # this host's GPUs are not the engines'
         self.config = PoolConfig.resolve(n, min_size, max_size, gpus, engine_timeout)
+        if not self.launcher.local:
+            self.config.threads_per_engine = self.launcher.cpus_per_engine
         self.lease = self._lease(auto, weight, arbiter, gpus, name, notebook)
         self.owner = get_owner()
         self.engines: list[Engine] = []  # oldest first
@@ -108,10 +129,14 @@ class EnginePool:
         self._removing: set[psutil.Process] = set()  # the engines those tasks stop
         self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
         self._pidfile = None
+        self._folder = None  # the pool's private folder (batch scripts)
         self._reaper = None  # subprocess.Popen of the reaper
         self._busy_slots: set[int] = set()  # slots of engines starting or stopping
         self._resizing = asyncio.Lock()  # an idle resize and the lease's following
         self._following: asyncio.Task | None = None  # lease mode: _follow_lease
+        self.queued: dict[int, Queued] = {}  # slot -> its engine's batch job, not running yet
+        self._slot_of: dict[int, int | None] = {}  # engine id -> slot, asked once (_arrivals)
+        self._asking: dict = {}  # engine id -> its reply to that question, not in yet
 
     def _lease(self, auto, weight, arbiter, gpus, name, notebook) -> SlotLease | None:
         if arbiter is None:
@@ -146,7 +171,8 @@ class EnginePool:
 
     @property
     def backend(self) -> str:
-        return "nccl" if self.config.gpus else "gloo"
+        gpus = self.config.gpus or getattr(self.launcher, "gpus_per_engine", 0)
+        return "nccl" if gpus else "gloo"
 
     @property
     def running(self) -> bool:
@@ -286,6 +312,8 @@ class EnginePool:
                 "max": self.max_size, "backend": self.backend,
                 "excluded_slots": dict(self.excluded_slots),
                 "engines": [vars(e).copy() for e in self.engines],
+                "launcher": self.launcher.describe(),
+                "queued": {slot: str(q) for slot, q in sorted(self.queued.items())},
                 "run": self.run.name if self.run is not None and self.run.active else None,
                 "lease": self.lease_status()}
 
@@ -300,8 +328,11 @@ class EnginePool:
         if self.cluster is not None:
             return
         import ipyparallel as ipp
-        self.cluster = ipp.Cluster(n=0, cluster_id=f"elastic-{uuid.uuid4().hex[:8]}",
-                                   controller_args=list(CONTROLLER_ARGS), log_level=40)
+        cluster_id = f"elastic-{uuid.uuid4().hex[:8]}"
+        self._folder = own_folder(os.path.join(registry_dir(), f"pool-{cluster_id}"))
+        self.cluster = ipp.Cluster(n=0, cluster_id=cluster_id,
+                                   controller_args=list(CONTROLLER_ARGS), log_level=40,
+                                   **self.launcher.cluster_options(self._folder))
         await self.cluster.start_controller()
         self._pidfile = os.path.join(registry_dir(), f"pool-{self.cluster.cluster_id}.pids")
         self._update_pidfile()
@@ -335,7 +366,12 @@ class EnginePool:
         """Tell the reaper which processes to end if this process dies without stopping us."""
         if self._pidfile is not None:
             write_pidfile(self._pidfile, [self.cluster.controller.pid] +
-                          [e.pid for e in self.engines])
+                          [e.pid for e in self.engines if e.local], self._jobs())
+
+    def _jobs(self) -> list[str]:
+        """Batch jobs of this pool's engines (running or queued): the reaper cancels them."""
+        sets = self.cluster.engines.values() if self.cluster is not None else []
+        return [s.job_id for s in sets if getattr(s, "job_id", "")]
 
     def _shutdown_at_exit(self) -> None:
         """Graceful kernel shutdown: stop the run (it writes a checkpoint), then the pool."""
@@ -454,7 +490,8 @@ class EnginePool:
         # outlive their engine by seconds once the controller is gone. Engines get SIGKILL at
         # once: they hold nothing by now (the run has stopped and drained its checkpoint
         # writes) and their graceful exit takes a second of kernel and socket teardown.
-        engines = _with_descendants([e.pid for e in self.engines])  # with their nannies
+        # with their nannies; other hosts' engines end with their jobs (stop_cluster below)
+        engines = _with_descendants([e.pid for e in self.engines if e.local])
         _signal(engines, psutil.Process.kill)
         others = [self.cluster.controller.pid]  # with its schedulers
         if self._reaper is not None:
@@ -475,6 +512,9 @@ class EnginePool:
         if self._pidfile is not None and os.path.exists(self._pidfile):
             os.unlink(self._pidfile)  # a reaper still running exits
         self._pidfile = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
         if self._reaper is not None and self._reaper.poll() is None:
             self._reaper.terminate()
         self._reaper = None  # Popen reaps it: no zombie is left behind
@@ -482,6 +522,7 @@ class EnginePool:
             self.client.close()
         self.cluster = self.client = None
         self.engines = []
+        self._slot_of, self._asking = {}, {}
 
     @property
     def usable_slots(self) -> int:
@@ -532,8 +573,6 @@ class EnginePool:
             self._busy_slots.difference_update(slots)
 
     async def _start_engines(self, slots: list[int]) -> list[Engine]:
-        k = len(slots)
-        known = set(self.client.ids)
         set_ids = {}
         for slot in slots:
             gpu = None
@@ -541,37 +580,90 @@ class EnginePool:
                 gpu = slot if self.lease is not None else self.config.gpus[slot]
             threads = self.config.threads_per_engine
             # a fresh dict each time: start_engines mutates the one it is given
-            set_ids[slot] = await self.cluster.start_engines(
-                1, environment=_engine_env(slot, gpu, threads, self.lease is not None))
-        deadline = time.monotonic() + self.config.engine_timeout
-        while len(set(self.client.ids) - known) < k:
-            if time.monotonic() > deadline:
-                await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
-                                     return_exceptions=True)
-                raise RuntimeError(f"{k} engine(s) did not register within "
-                                   f"{self.config.engine_timeout:.0f} s; the machine may be "
-                                   "overloaded (raise engine_timeout)")
-            await asyncio.sleep(0.05)
-        new = sorted(set(self.client.ids) - known)
+            set_ids[slot] = await self.cluster.start_engines(1, environment=_engine_env(
+                slot, gpu, threads, self.lease is not None, self.launcher))
+        self._update_pidfile()  # batch jobs: cancelled should this process die meanwhile
+        try:
+            new = await self._wait_registered(set_ids)
+        except BaseException:
+            await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
+                                 return_exceptions=True)
+            raise
+        finally:
+            for slot in slots:
+                self.queued.pop(slot, None)
         infos = await self.calls.init_engines(new)
+        try:
+            _check_versions(infos)
+        except RuntimeError:
+            await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
+                                 return_exceptions=True)
+            raise
         engines = []
         for engine_id, info in zip(new, infos):
             device = info["device"]
             engines.append(Engine(slot=info["slot"], device=device, engine_id=engine_id,
                                   set_id=set_ids[info["slot"]], pid=info["pid"],
-                                  started=time.time()))
+                                  started=time.time(), host=info["host"],
+                                  local=self.launcher.local))
         self.engines.extend(sorted(engines, key=lambda e: e.slot))
         self._update_pidfile()
         return engines
+
+    async def _wait_registered(self, set_ids: dict) -> list[int]:
+        """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
+        their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
+        the scheduler's queue. Raises RuntimeError when one timed out or its job ended."""
+        k, timeout = len(set_ids), self.config.engine_timeout
+        deadline, next_look = time.monotonic() + timeout, 0.0
+        while len(mine := [i for i, slot in self._arrivals().items() if slot in set_ids]) < k:
+            now = time.monotonic()
+            if not self.launcher.local and now >= next_look:  # a batch system: ask it
+                next_look = now + 1.0
+                sets = {s: self.cluster.engines[s] for s in set_ids.values()}
+                if ended := await self.launcher.ended(sets):
+                    raise RuntimeError("; ".join(ended.values()))
+                queued = await self.launcher.queued(sets)
+                for slot, set_id in set_ids.items():
+                    if set_id in queued:
+                        self.queued[slot] = queued[set_id]
+                    else:
+                        self.queued.pop(slot, None)
+                if queued:
+                    deadline = now + timeout
+            if now > deadline:
+                raise RuntimeError(f"{k} engine(s) did not register within {timeout:.0f} s; "
+                                   "the machine may be overloaded (raise engine_timeout)")
+            await asyncio.sleep(0.05)
+        return sorted(mine)
+
+    def _arrivals(self) -> dict[int, int]:
+        """engine id -> slot of the registered engines not in the pool yet, as far as known:
+        each is asked its slot (in its environment) once. Starts under way at once (a run's
+        boots of batch jobs) tell their engines apart by it."""
+        known = {e.engine_id for e in self.engines}
+        for i in self.client.ids:
+            if i not in known and i not in self._slot_of and i not in self._asking:
+                self._asking[i] = self.client[i].apply_async(_slot_from_env)
+        for i, reply in list(self._asking.items()):
+            if reply.ready():
+                del self._asking[i]
+                try:
+                    self._slot_of[i] = reply.get()
+                except Exception:  # noqa: BLE001 -- it went away: not one of ours to wait for
+                    self._slot_of[i] = None
+        return {i: self._slot_of.get(i) for i in self.client.ids
+                if i not in known and i in self._slot_of}
 
     def remove_engines(self, engines: list[Engine]) -> asyncio.Task:
         """Forget these engines now and stop them (each is its own engine set) in the
         background; await the returned task to wait until they are gone."""
         for e in engines:
             self.engines.remove(e)
+            self._slot_of[e.engine_id] = None  # still registered a while: no new arrival
         self._update_pidfile()
         # the processes now (psutil then checks that a pid was not reused before signalling)
-        procs = _processes([e.pid for e in engines])
+        procs = _processes([e.pid for e in engines if e.local])
         self._removing.update(procs)
         self._busy_slots.update(e.slot for e in engines)
         task = asyncio.ensure_future(self._stop_engines(engines, procs))
@@ -611,6 +703,24 @@ class EnginePool:
         while (self.client is not None and engine_id in self.client.ids
                and time.monotonic() < deadline):
             await asyncio.sleep(0.02)
+
+
+def _check_versions(infos: list[dict]) -> None:
+    """Refuse engines whose Python, torch or elastic-jupyter differ from this kernel's: they
+    would fail later in a state transfer or a pickled call, far from the cause."""
+    mine = versions()
+    for info in infos:
+        theirs = info["versions"]
+        diff = [f"{k} {theirs[k]} (this kernel: {mine[k]})" for k in mine if theirs[k] != mine[k]]
+        if diff:
+            raise RuntimeError(f"the engine on {info['host']} runs {', '.join(diff)}: install "
+                               "the same versions where the engines run (a shared environment "
+                               "is simplest)")
+
+
+def _slot_from_env() -> int:
+    import os
+    return int(os.environ["ELASTIC_JUPYTER_SLOT"])
 
 
 def _check_weight(weight) -> None:

@@ -4,8 +4,8 @@ A graceful kernel shutdown stops the pool itself (atexit), but a kernel killed b
 out-of-memory killer runs no code, and its ipyparallel processes would linger as orphans holding
 memory and GPUs. Each pool starts one small reaper process in its own session; it watches the
 owner (pid and start time, so a reused pid is not mistaken for it) and, once the owner is gone,
-kills every process listed in the pool's pid file. A pool that stops normally deletes the file,
-and the reaper exits.
+kills every process listed in the pool's pid file and cancels its engines' batch jobs (Slurm). A
+pool that stops normally deletes the file, and the reaper exits.
 
     python .../elastic_jupyter/reaper.py OWNER_PID OWNER_START_TIME PIDFILE
 
@@ -39,7 +39,13 @@ def _kill_listed(pidfile: str) -> None:
             listed = json.load(f)
     except (OSError, ValueError):
         return
-    for pid, start_time in listed:
+    if listed["jobs"]:
+        try:
+            subprocess.run(["scancel", *listed["jobs"]], timeout=60,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    for pid, start_time in listed["pids"]:
         try:
             proc = psutil.Process(pid)
             if abs(proc.create_time() - start_time) < 1.0:
@@ -62,8 +68,9 @@ def main(owner_pid: int, owner_start: float, pidfile: str) -> None:
         time.sleep(POLL)
 
 
-def write_pidfile(pidfile: str, pids: list[int]) -> None:
-    """Record the processes the reaper must end (with their start times), atomically."""
+def write_pidfile(pidfile: str, pids: list[int], jobs: list[str] = ()) -> None:
+    """Record the processes the reaper must end (with their start times) and the Slurm jobs it
+    must cancel, atomically."""
     listed = []
     for pid in pids:
         try:
@@ -72,7 +79,7 @@ def write_pidfile(pidfile: str, pids: list[int]) -> None:
             pass
     tmp = f"{pidfile}.tmp"
     with open(tmp, "w") as f:
-        json.dump(listed, f)
+        json.dump({"pids": listed, "jobs": list(jobs)}, f)
     os.replace(tmp, pidfile)
 
 

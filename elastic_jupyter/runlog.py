@@ -153,7 +153,8 @@ def describe_event(event: dict) -> str | None:
         return f"[step {step}] checkpoint {event['path']} ({event['bytes'] / 1e6:.2f} MB)"
     if kind == "checkpoint_failed":
         return f"[step {step}] WARNING checkpoint not written: {event['message']}"
-    if kind in ("error", "warning", "finished", "stopped", "start", "micro_batches", "slot"):
+    if kind in ("error", "warning", "finished", "stopped", "start", "micro_batches", "slot",
+                "drain"):
         extra = event.get("message") or f"world size {event.get('world_size')}"
         return f"[step {step}] {kind}: {extra}"
     return None

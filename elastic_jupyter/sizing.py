@@ -101,9 +101,13 @@ class Sizer:
 
     # ------------------------------------------------------------------ inputs
 
-    def begin(self, size: int, min_size: int, usable: int) -> None:
-        """The run starts at `size` within [min_size, usable] (once its pool is known)."""
+    def begin(self, size: int, min_size: int, usable: int, grow_in_parts: bool = False) -> None:
+        """The run starts at `size` within [min_size, usable] (once its pool is known).
+        `grow_in_parts`: a grow takes the engines that are ready as they come (engines whose
+        start may wait without bound, such as batch jobs in a scheduler's queue) rather than
+        all at once."""
         self.requested, self.min_size, self.usable = size, min_size, usable
+        self.grow_in_parts = grow_in_parts
 
     def submit(self, request: SizeRequest, now: float) -> None:
         """Take a request (`now`: monotonic seconds, for coalescing). An immediate request
@@ -153,10 +157,13 @@ class Sizer:
     def end_at(self, world_size: int, ready_spares: int) -> int | None:
         """The step after which the running generation should end: 0 for "after the current
         step" (stop, a shrink, or a grow whose engines are ready), the next scheduled step,
-        or None (keep training)."""
+        or None (keep training). A grow waits until all its engines are ready, unless the run
+        grows in parts."""
         if self.stop_requested:
             return 0
-        if self.requested < world_size or 0 < self.requested - world_size <= ready_spares:
+        missing = self.requested - world_size
+        if missing < 0 or 0 < missing <= ready_spares or (
+                missing > 0 and ready_spares and self.grow_in_parts):
             return 0
         return self._schedule[0][0] if self._schedule else None
 

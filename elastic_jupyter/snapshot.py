@@ -23,6 +23,8 @@ log_dir            folder of the run's and engines' logs
 slots              devices of the members ("cpu", "cuda:<id>")
 lease              None, or the pool's lease from the machine's arbiter: {auto, weight, slots,
                    standby, target, queued, grantable} (EnginePool.lease_status)
+queued             engines waiting in a scheduler's queue, one line each, such as
+                   "slot 2: job 41 pending (Resources)" (Slurm's state and reason)
 resize             the latest resize's life: {from, to, step, requested_time, pending,
                    latency_s}; pending until the first completed step at the new size (the
                    one "done" for the chart, the widget and the panel), None before any
@@ -70,6 +72,7 @@ class RunSnapshot:
     log_dir: str | None = None
     slots: list = field(default_factory=list)
     lease: dict | None = None
+    queued: list = field(default_factory=list)
     resize: dict | None = None
     kernel_id: str | None = None
     started: float | None = None
@@ -117,7 +120,8 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
         eta_s=eta, error=run.error, checkpoint_dir=run.checkpoint_dir,
         checkpoints=run.checkpoints, last_checkpoint=checkpoint["path"] if checkpoint else None,
         log_dir=run.log_dir, slots=[m.device for m in run.members],
-        lease=run.pool.lease_status(), resize=log.resize)
+        lease=run.pool.lease_status(), resize=log.resize,
+        queued=[f"slot {slot}: {job}" for slot, job in sorted(run.pool.queued.items())])
 
 
 def last_snapshot(entry: dict) -> dict:

@@ -94,7 +94,7 @@ def test_crash_in_each_phase_changes_the_time_not_the_result(idle_pool, tmp_path
     # the checkpoint writer runs on rank 0; the other phases are hit on rank 1
     victim = run.members[0 if phase == "checkpoint" else 1]
     hit_step, killed_at = kill_in_phase(run, phase, victim.slot)
-    wait_for(lambda: not faults.alive(victim.pid), timeout=10, what="the kill")
+    wait_for(lambda: not faults.alive(victim), timeout=10, what="the kill")
     wait_for(lambda: fault_events(run), timeout=30, what="the fault to be handled")
     wait_for(lambda: run.step >= hit_step or not run.active, timeout=30, what="recovery")
     print(f"{phase}: back at step {hit_step} {time.monotonic() - killed_at:.2f} s after the kill")
@@ -192,7 +192,7 @@ def test_hung_engine_is_detected_killed_and_replaced(idle_pool, tmp_path, expect
     wait_for(lambda: fault_events(run), timeout=30, what="the hang to be detected")
     detected = time.monotonic() - stopped_at
     assert detected < run.config.collective_timeout + faults.HANG_GRACE + 5, detected
-    wait_for(lambda: not faults.alive(victim.pid), timeout=10, what="the kill")
+    wait_for(lambda: not faults.alive(victim), timeout=10, what="the kill")
     assert_same_result(run, expected)
 
 

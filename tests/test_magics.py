@@ -3,6 +3,7 @@
 The magics resolve the checkpoint folder against the current folder, so every test runs in its
 own tmp_path. Errors must reach the user as IPython UsageErrors: a message, no traceback.
 """
+import os
 import time
 import uuid
 
@@ -291,11 +292,12 @@ def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell,
     result, out, err = cell("%elastic_pool status\nx = 1")  # not the cell's last line
     assert result.success, err
     lines = out.splitlines()
-    assert lines[0] == f"Pool: {POOL_SIZE} engine(s), bounds [1, 4], backend gloo, run: none"
-    assert lines[1].split() == ["slot", "device", "pid", "engine", "id"]
+    assert lines[0] == (f"Pool: {POOL_SIZE} engine(s), bounds [1, 4], backend gloo, on this "
+                        "host, run: none")
+    assert lines[1].split() == ["slot", "host", "device", "pid", "engine", "id"]
     for line, engine in zip(lines[2:], magics.pool.engines):
-        assert line.split() == [str(engine.slot), engine.device, str(engine.pid),
-                                str(engine.engine_id)]
+        assert line.split() == [str(engine.slot), os.uname().nodename, engine.device,
+                                str(engine.pid), str(engine.engine_id)]
     assert lines[2 + POOL_SIZE:] == ["Excluded slot 3: failed 3 times in a row"]
     # as the last line: the same table once, not followed by the raw dict (a terminal shell
     # still writes its bare output prompt; a notebook shows nothing more)

@@ -57,6 +57,15 @@ def test_end_at_shrink_at_once_grow_only_when_engines_are_ready_stop_wins():
     assert s.end_at(world_size=2, ready_spares=0) == 0
 
 
+def test_a_run_of_batch_jobs_grows_by_the_engines_that_are_up():
+    s = sizer(size=2)
+    s.begin(2, 1, 4, grow_in_parts=True)  # jobs may wait in a scheduler's queue without bound
+    s.submit(SizeRequest(4), now=0)
+    assert s.end_at(world_size=2, ready_spares=0) is None
+    assert s.end_at(world_size=2, ready_spares=1) == 0  # one job runs: it joins now
+    assert s.end_at(world_size=3, ready_spares=1) == 0
+
+
 def test_engines_wanted_counts_the_largest_wish_the_minimum_and_standby_within_bounds():
     s = sizer(size=2, min_size=1, usable=4)
     assert s.engines_wanted(standby=0) == 2

@@ -31,6 +31,7 @@ class FakeEngine:
     engine_id: int
     slot: int
     pid: int = os.getpid()  # alive
+    local: bool = True
 
 
 def finished_with(error):

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import importlib.metadata
 import os
+import platform
 import random
 import sys
 import traceback
@@ -23,12 +25,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import schedulers
+from . import drain, schedulers
 from . import state as state_mod
 from . import workdir as workdir_mod
 from .checkpoint import CheckpointError, load_latest, unloadable
 from .fingerprint import dataset_fingerprint
 from .generation import run_generation
+from .interface import use_interface_towards
 from .worker import SetupError, Worker
 
 
@@ -79,16 +82,31 @@ def _cell_file(source: str, log_path: str | None) -> str:
     return path
 
 
+def versions() -> dict:
+    """{"python", "torch", "elastic_jupyter"}: what an engine and its owner must share (the
+    state they exchange is pickled, the engine code is this package's)."""
+    try:
+        ours = importlib.metadata.version("elastic-jupyter")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree
+        ours = "not installed"
+    return {"python": platform.python_version(), "torch": torch.__version__,
+            "elastic_jupyter": ours}
+
+
 def init_engine(slot: int, device: str, threads: int) -> dict:
     """Called once by the pool right after the engine registered: bind it to its slot.
 
-    Returns {"pid", "slot", "device", "host"}.
+    Returns {"pid", "slot", "device", "host", "versions"} (see :func:`versions`).
     """
     torch.set_num_threads(threads)
+    drain.install()  # a scheduler's SIGTERM: leave the run at a step boundary, then stop
+    if owner := os.environ.get("ELASTIC_JUPYTER_OWNER_ADDRESS"):  # a pool across hosts
+        use_interface_towards(owner)
     if device.startswith("cuda"):
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds exactly this slot's GPU
     _state.slot, _state.device = slot, device
-    return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename}
+    return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename,
+            "versions": versions()}
 
 
 def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,

@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import drain
 from . import state as state_mod
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
@@ -57,8 +58,9 @@ def run_generation(worker: Worker, spec: dict, store) -> dict:
             a newcomer), broadcast (some rank is), end_at (leave after this step, or None).
         store: the rendezvous store; keys are read under the generation's prefix.
     Returns:
-        {"reason": "finished" | "left", "progress", "records", "events"}; records and
-        events are complete only on rank 0.
+        {"reason": "finished" | "left", "progress", "records", "events", "drained"};
+        records and events are complete only on rank 0; "drained" is the wall time of the
+        SIGTERM this rank left for (engine.drain), else None.
     """
     return Generation(worker, spec, store).run()
 
@@ -99,6 +101,10 @@ class Generation:
         self.events: list[dict] = []  # rank 0's, for the owner's run log
 
     def run(self) -> dict:
+        with drain.training():  # from here a SIGTERM waits for the next step boundary
+            return self._run()
+
+    def _run(self) -> dict:
         spec, w = self.spec, self.worker
         # a rank sent the state holds none until it is loaded (a transfer that fails leaves
         # part of it in the model); the others are the driver's holders
@@ -165,7 +171,9 @@ class Generation:
         if w.pending is not None:  # a fault hit the evaluation of the last committed step
             self._finish_step(w.pending)
         while p.step < cfg["total_steps"]:
-            record, leave = w.train_step(rank, world_size, self.vote, self._leave_flag())
+            # a rank told to go (SIGTERM) votes to leave like rank 0 does for the owner
+            flag = max(self._leave_flag(), float(drain.requested()))
+            record, leave = w.train_step(rank, world_size, self.vote, flag)
             self._finish_step(record)
             if rank == 0:
                 if w.writer:
@@ -186,7 +194,8 @@ class Generation:
         if rank == 0 and w.writer:
             events += w.writer.drain()
         return {"reason": reason, "progress": p.as_dict(),
-                "records": w.history[first:] if rank == 0 else [], "events": events}
+                "records": w.history[first:] if rank == 0 else [], "events": events,
+                "drained": drain.served()}
 
     def _finish_step(self, record: dict) -> None:
         """After a committed step, on every rank: its evaluation when one is due, its history

@@ -6,7 +6,8 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import { History, ema } from '../src/chart/history';
-import { isEnded, sliderMax } from '../src/common/snapshot';
+import { describeQueued, isEnded, sliderMax } from '../src/common/snapshot';
+import { statusLine } from '../src/widget/view';
 import { HistoryCursor, RunList, describeLease, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
 import { life, run } from './fixtures';
 
@@ -119,4 +120,12 @@ test('in lease mode the slider reaches what the arbiter can grant, never below t
   assert.equal(describeLease({ ...lease, auto: true, weight: 2, slots: [], queued: 1 }),
     'auto ×2 · slots none · up to 3 now · queued #1');
   assert.notEqual(fingerprint([run({ lease })]), fingerprint([run({ lease: { ...lease, auto: true } })]));
+});
+
+test('engines waiting in a scheduler\'s queue show with its reason, and redraw the panel', () => {
+  const queued = ['slot 2: job 41 pending (Resources)'];
+  assert.equal(describeQueued(run({})), '');
+  assert.equal(describeQueued(run({ queued })), 'in the queue: slot 2: job 41 pending (Resources)');
+  assert.ok(statusLine(run({ queued })).endsWith(' · in the queue: slot 2: job 41 pending (Resources)'));
+  assert.notEqual(fingerprint([run({})]), fingerprint([run({ queued })]));
 });

@@ -29,8 +29,10 @@ const MARKER_STYLE: Record<string, { colour: string; dash: number[] }> = {
   resized: { colour: '#2ca02c', dash: [6, 3] },
   fault: { colour: '#d62728', dash: [] },
   checkpoint: { colour: '#8c8c8c', dash: [2, 3] },
-  slot: { colour: '#9467bd', dash: [1, 2] } // the machine's arbiter moved a slot: labelled
+  slot: { colour: '#9467bd', dash: [1, 2] }, // the machine's arbiter moved a slot: labelled
+  drain: { colour: '#ff7f0e', dash: [4, 2, 1, 2] } // a scheduler told a rank to go: labelled
 };
+const LABELLED = new Set(['slot', 'drain']);
 const MAX_EPOCH_LINES = 50;
 const LOSS = '31, 119, 180';
 const VAL = '#ff7f0e';
@@ -220,11 +222,11 @@ export class LossChart {
     }
     ctx.globalAlpha = 0.9;
     ctx.font = `${10 * devicePixelRatio}px sans-serif`;
-    ctx.fillStyle = MARKER_STYLE.slot.colour;
     for (const m of this.markers) {
       const { colour, dash } = MARKER_STYLE[m.kind];
       line(m.step, colour, dash, 1.5 * devicePixelRatio);
-      if (m.kind === 'slot' && typeof m.message === 'string') { // "grew into GPU 3 (freed by run b)"
+      if (LABELLED.has(m.kind) && typeof m.message === 'string') { // "grew into GPU 3 (freed by run b)"
+        ctx.fillStyle = colour;
         ctx.fillText(m.message, Math.round(u.valToPos(m.step, 'x', true)) + 3, top + 12 * devicePixelRatio);
       }
     }

@@ -87,6 +87,7 @@ export interface RunSnapshot {
   log_dir: string | null;
   slots: string[];
   lease: LeaseState | null;
+  queued?: string[]; // engines waiting in a scheduler's queue: "slot 2: job 41 pending (Resources)"
   resize: ResizeLife | null;
 }
 
@@ -94,8 +95,13 @@ const BLANK: RunSnapshot = {
   id: null, name: '', notebook: null, state: 'starting', step: 0, total_steps: null, epoch: null,
   world_size: 0, requested_size: 0, min_size: null, max_size: null, backend: null, loss: null,
   recent_loss: [], samples_per_s: null, eta_s: null, error: null, checkpoint_dir: '', checkpoints: [],
-  last_checkpoint: null, log_dir: null, slots: [], lease: null, resize: null
+  last_checkpoint: null, log_dir: null, slots: [], lease: null, queued: [], resize: null
 };
+
+/** "in the queue: slot 2: job 41 pending (Resources)", or '' when no engine waits. */
+export function describeQueued(run: RunSnapshot): string {
+  return run.queued?.length ? `in the queue: ${run.queued.join('; ')}` : '';
+}
 
 /**
  * A complete snapshot from what a server sent. Older Python sides send fewer fields (no

@@ -4,7 +4,7 @@
  */
 import { h } from '../common/dom';
 import { Feedback } from '../common/resize';
-import { RunSnapshot } from '../common/snapshot';
+import { RunSnapshot, describeQueued } from '../common/snapshot';
 
 export function buildDom(el: HTMLElement) {
   const title = h('span', { class: 'ej-title' });
@@ -72,6 +72,10 @@ export function statusLine(s: RunSnapshot): string {
     parts.push(`ETA ${formatSeconds(s.eta_s)}`);
   }
   parts.push(s.last_checkpoint ? `checkpoint ${s.last_checkpoint}` : 'no checkpoint yet');
+  const queued = describeQueued(s);
+  if (queued) {
+    parts.push(queued);
+  }
   return parts.join(' · ');
 }
 

@@ -1,0 +1,260 @@
+"""Launchers: where a pool's engines run — this host, or jobs of a Slurm cluster.
+
+The seam between :class:`~.pool.EnginePool` and ipyparallel's own launcher classes: the pool
+starts each slot's engine as an engine set of one (pool.py says why), and a :class:`Launcher`
+says which ipyparallel engine-set launcher starts it and what differs by place: the address
+the controller and the rendezvous store bind to (loopback for this host; the interface that
+reaches the other hosts otherwise, never all interfaces), the engines' environment, how long a
+start may wait (a batch job may wait in the scheduler's queue for as long as it takes) and
+whether the pool can end an engine's process itself.
+
+Slurm (:class:`SlurmLauncher`): one batch job per engine, through ipyparallel's
+``SlurmEngineSetLauncher`` with our batch template. A grow submits jobs and the run grows when
+Slurm starts them; a shrink cancels the jobs of ranks that left. Slurm's SIGTERM ahead of a
+kill (``scancel --signal=TERM``, preemption with a grace time, the time limit through
+``--signal=TERM@grace``) drains the engine at the next step boundary (engine.drain).
+"""
+from __future__ import annotations
+
+import abc
+import asyncio
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+from .config import UsageError
+from .engine.interface import address_of, address_towards, interface_of
+
+LOOPBACK = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Queued:
+    """An engine's batch job not running yet: Slurm's job id, state and reason (such as
+    ``PENDING``, ``Resources``)."""
+
+    job_id: str
+    state: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"job {self.job_id} {self.state.lower()} ({self.reason})"
+
+
+class Launcher(abc.ABC):
+    """Where a pool's engines run. Subclasses set ``kind`` and ``local``.
+
+    Attributes:
+        kind: "local" or "slurm", as ``--launcher`` names it.
+        local: engines are this user's processes on this host: the pool signals them itself.
+        address: the IPv4 address the controller and the rendezvous store listen on.
+    """
+
+    kind: str
+    local: bool
+    address: str = LOOPBACK
+
+    def cluster_options(self, folder: str) -> dict:
+        """Keyword arguments for ``ipyparallel.Cluster`` (`folder`: the pool's private folder,
+        for batch scripts)."""
+        return {}
+
+    def engine_env(self) -> dict:
+        """Environment every engine gets besides its slot's."""
+        return {"GLOO_SOCKET_IFNAME": "lo"}  # single host: gloo stays on loopback
+
+    async def queued(self, engine_sets: dict) -> dict[str, Queued]:
+        """The engine sets (id -> ipyparallel launcher) that wait in a scheduler's queue; an
+        engine's start timeout counts only once it left the queue."""
+        return {}
+
+    async def ended(self, engine_sets: dict) -> dict[str, str]:
+        """Engine sets whose job ended before their engine registered, with why (its output's
+        last lines): the start failed."""
+        return {}
+
+    def describe(self) -> str:
+        return "this host"
+
+
+class LocalLauncher(Launcher):
+    """Engines are processes of this host (ipyparallel's ``LocalEngineSetLauncher``)."""
+
+    kind, local = "local", True
+
+
+SLURM_TEMPLATE = """#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name=ipengine-{{cluster_id}}
+#SBATCH --ntasks=1
+#SBATCH --output={{output_file}}
+{options}
+# Slurm's SIGTERM (preemption, the time limit) reaches the engine, which drains at its next
+# step boundary; the batch shell must outlive it, or the job would end with the shell.
+trap : TERM
+srun {{program_and_args}}
+"""
+
+
+class SlurmLauncher(Launcher):
+    """Engines are Slurm batch jobs, one per slot.
+
+    Args:
+        partition, account, time: ``sbatch --partition --account --time`` (unset: Slurm's
+            defaults). `time` in Slurm's formats, such as ``30`` (minutes) or ``1-00:00:00``.
+        gpus_per_engine: GPUs each engine's job asks for (``--gpus-per-task``); 0 for CPU
+            engines (gloo), else the pool uses nccl.
+        cpus_per_engine: ``--cpus-per-task`` (also the engine's torch threads).
+        grace: seconds before the time limit when Slurm sends SIGTERM (``--signal``): the
+            engine drains and a replacement job is queued.
+        interface: the network interface the controller and the rendezvous listen on (the
+            engines' hosts must reach it). Default: the one on the route to slurmctld.
+        options: more ``#SBATCH`` options, one per item, such as ``--qos=debug``.
+    Raises:
+        UsageError: no Slurm commands on PATH, an unknown interface, one without an IPv4
+            address, or ``0.0.0.0`` (every interface).
+    """
+
+    kind, local = "slurm", False
+
+    def __init__(self, partition: str | None = None, account: str | None = None,
+                 time: str | None = None, gpus_per_engine: int = 0, cpus_per_engine: int = 1,
+                 grace: int = 60, interface: str | None = None, options: tuple = ()):
+        for command in ("sbatch", "squeue", "scancel", "scontrol"):
+            if shutil.which(command) is None:
+                raise UsageError(f"--launcher slurm needs Slurm's {command} on PATH: run on a "
+                                 "Slurm login node, or load Slurm's module first")
+        for label, value in (("--gpus-per-engine", gpus_per_engine),
+                             ("--cpus-per-engine", cpus_per_engine), ("--grace", grace)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise UsageError(f"{label} must be an integer >= 0, got {value!r}")
+        self.partition, self.account, self.time = partition, account, time
+        self.gpus_per_engine, self.cpus_per_engine = gpus_per_engine, max(1, cpus_per_engine)
+        self.grace, self.options = grace, tuple(options)
+        self.address = _listen_address(interface, _slurmctld_host)
+
+    def batch_options(self) -> list[str]:
+        """The ``#SBATCH`` lines of an engine's job."""
+        opts = [f"--cpus-per-task={self.cpus_per_engine}", f"--signal=TERM@{self.grace}"]
+        for flag, value in (("--partition", self.partition), ("--account", self.account),
+                            ("--time", self.time)):
+            if value:
+                opts.append(f"{flag}={value}")
+        if self.gpus_per_engine:
+            opts.append(f"--gpus-per-task={self.gpus_per_engine}")
+        return [f"#SBATCH {o}" for o in opts + list(self.options)]
+
+    def cluster_options(self, folder: str) -> dict:
+        from traitlets.config import Config
+        # braces are the template's fields: any in an option are literal
+        options = "\n".join(self.batch_options()).replace("{", "{{").replace("}", "}}")
+        config = Config()
+        config.SlurmEngineSetLauncher.batch_template = SLURM_TEMPLATE.format(options=options)
+        # ipyparallel writes the script into the kernel's folder (the notebook's) by default
+        config.SlurmEngineSetLauncher.batch_file_name = f"{folder}/slurm_engine.sbatch"
+        return {"engine_launcher_class": "slurm", "controller_ip": self.address,
+                "config": config}
+
+    def engine_env(self) -> dict:
+        env = {"ELASTIC_JUPYTER_OWNER_ADDRESS": self.address}
+        if not self.gpus_per_engine:  # Slurm sets it for a job with GPUs
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    async def queued(self, engine_sets: dict) -> dict[str, Queued]:
+        jobs = await _squeue([s.job_id for s in engine_sets.values() if s.job_id])
+        out = {}
+        for set_id, launcher in engine_sets.items():
+            state, reason = jobs.get(launcher.job_id, ("", ""))
+            if state in ("PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED"):
+                out[set_id] = Queued(launcher.job_id, state, reason)
+        return out
+
+    async def ended(self, engine_sets: dict) -> dict[str, str]:
+        jobs = await _squeue([s.job_id for s in engine_sets.values() if s.job_id])
+        out = {}
+        for set_id, launcher in engine_sets.items():
+            state, _ = jobs.get(launcher.job_id, ("", ""))
+            if state not in ("PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED", "RUNNING",
+                             "COMPLETING"):
+                out[set_id] = (f"Slurm job {launcher.job_id} ended ({state or 'gone'}) before "
+                               f"its engine registered: {_tail(launcher.output_file)}")
+        return out
+
+    def describe(self) -> str:
+        where = f"partition {self.partition}" if self.partition else "the default partition"
+        return f"Slurm jobs in {where}"
+
+
+def make_launcher(kind: str = "local", **options) -> Launcher:
+    """The launcher ``--launcher KIND`` names, with its options (see each class). Raises
+    UsageError for an unknown kind or options a kind does not take."""
+    classes = {"local": LocalLauncher, "slurm": SlurmLauncher}
+    if kind not in classes:
+        raise UsageError(f"--launcher takes {' or '.join(classes)}, got {kind!r}")
+    given = {k: v for k, v in options.items() if v is not None}
+    try:
+        return classes[kind](**given)
+    except TypeError:
+        raise UsageError(f"--launcher {kind} takes none of "
+                         f"{', '.join('--' + k.replace('_', '-') for k in given)}") from None
+
+
+# ---------------------------------------------------------------------- helpers
+
+def _listen_address(interface: str | None, default_peer) -> str:
+    """The IPv4 address to listen on: `interface`'s, or the one on the route to
+    `default_peer()`. Raises UsageError for every interface (0.0.0.0) or an unknown one."""
+    if interface in ("0.0.0.0", "*", "all"):
+        raise UsageError("--interface must name one interface: the rendezvous store has no "
+                         "authentication, so the pool never listens on all of them")
+    if interface:
+        address = address_of(interface) or (interface if interface_of(interface) else None)
+        if address is None:
+            raise UsageError(f"--interface {interface}: no such interface with an IPv4 "
+                             "address on this host (`ip -4 addr` lists them)")
+        return address
+    peer = default_peer()
+    try:
+        return address_towards(peer)
+    except OSError as e:
+        raise UsageError(f"no route to {peer} ({e}): name the interface the engines' hosts "
+                         "reach with --interface") from None
+
+
+def _slurmctld_host() -> str:
+    """The address (or name) of the first slurmctld in Slurm's configuration."""
+    out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                         timeout=30)
+    if out.returncode:
+        raise UsageError(f"Slurm does not answer (scontrol show config: "
+                         f"{out.stderr.strip() or out.returncode})")
+    m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out.stdout, re.M)
+    if not m:
+        raise UsageError("Slurm's configuration names no SlurmctldHost: give --interface")
+    return m.group(2) or m.group(1)
+
+
+async def _squeue(job_ids: list[str]) -> dict[str, tuple[str, str]]:
+    """job id -> (state, reason) for those Slurm still knows."""
+    if not job_ids:
+        return {}
+    proc = await asyncio.create_subprocess_exec(
+        "squeue", "-h", "-t", "all", "-o", "%i|%T|%r", "-j", ",".join(job_ids),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    out, _ = await proc.communicate()
+    jobs = {}
+    for line in out.decode().splitlines():
+        job_id, state, reason = (line.split("|") + ["", ""])[:3]
+        jobs[job_id.strip()] = (state.strip(), reason.strip())
+    return jobs
+
+
+def _tail(path: str, lines: int = 5) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            text = f.read()[-4000:]
+    except OSError:
+        return "(no output)"
+    return " | ".join(text.strip().splitlines()[-lines:]) or "(no output)"

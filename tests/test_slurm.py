@@ -1,0 +1,141 @@
+"""Pools of Slurm engine jobs on a real Slurm (tests/slurm_cluster.py: slurmctld, slurmd and
+munged of this machine, 3 CPUs, so a third engine job can be made to wait in the queue).
+
+A run grows by submitting a job, which shows as pending while Slurm holds it and joins at a
+step boundary once it runs; ``scancel --signal=TERM`` and a preemption by a job of a higher
+partition each drain one engine at a step boundary (no lost step, no fault) and a replacement
+job is queued. Every run is stopped at the end and its float64 parameters must equal those
+of a single-host run of as many steps.
+"""
+import subprocess
+import time
+
+import pytest
+import torch
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.launchers import SlurmLauncher
+from slurm_cluster import SlurmCluster, available
+from test_kernel_lifecycle import BODY as LIFECYCLE_BODY
+
+BODY = LIFECYCLE_BODY.replace("time.sleep(0.01)", "time.sleep(DELAY)")
+assert "DELAY" in BODY
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    with SlurmCluster(cpus=3) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+def slurm_pool(slurm):
+    pool = EnginePool(n=2, min_size=1, max_size=3, launcher=SlurmLauncher()).start()
+    yield pool
+    pool.stop()
+    wait_for("every engine job to end", lambda: not [
+        j for j in slurm.jobs() if j["name"].startswith("ipengine") and j["state"] in (
+            "PENDING", "RUNNING")] or slurm.jobs(), timeout=30)
+
+
+def wait_for(what: str, check, timeout: float = 90.0) -> float:
+    t0 = time.monotonic()
+    while (seen := check()) is not True:
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout:.0f} s; {seen}"
+        time.sleep(0.2)
+    return time.monotonic() - t0
+
+
+def start_run(pool, tmp_path, name: str) -> TrainingRun:
+    config = RunConfig(name=name, steps=100_000, global_batch=64, seed=7, checkpoint_every=0)
+    return TrainingRun(pool, config, source=BODY, push={"DELAY": 0.01},
+                       workspace=str(tmp_path)).start()
+
+
+def job_of(pool, engine) -> str:
+    return pool.cluster.engines[engine.set_id].job_id
+
+
+def events(run, kind: str) -> list[dict]:
+    return [e for e in run.events if e["kind"] == kind]
+
+
+def stop_and_compare(run, pool, tmp_path) -> None:
+    """Stop the run; its parameters must be a single-host run's of as many steps."""
+    run.stop()
+    assert run.wait(timeout=120) == "stopped", run.logs()
+    assert not events(run, "fault"), events(run, "fault")
+    steps = run.step
+    assert [r["step"] for r in run.history] == list(range(1, steps + 1))  # no step lost
+    config = RunConfig(name="single-host", steps=steps, global_batch=64, seed=7,
+                       checkpoint_every=0)
+    fixed = TrainingRun(pool, config, source=BODY, push={"DELAY": 0}, engines=2,
+                        workspace=str(tmp_path / "fixed")).start()
+    assert fixed.wait(timeout=300) == "finished", fixed.logs()
+    for key, value in fixed.state_dict().items():
+        got = run.state_dict()[key]
+        assert torch.allclose(got, value, rtol=1e-7, atol=1e-9), \
+            f"{key}: max diff {(got - value).abs().max().item():.3e}"
+
+
+def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_learns(
+        slurm, slurm_pool, idle_pool, tmp_path):
+    pool = slurm_pool
+    jobs = {j["id"]: j for j in slurm.jobs("running")}
+    assert {job_of(pool, e) for e in pool.engines} <= set(jobs), jobs
+    assert all(not e.local for e in pool.engines) and pool.backend == "gloo"
+    blocker = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-n", "1", "--wrap", "sleep 600"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    run = start_run(pool, tmp_path, "grow")
+    try:
+        wait_for("the run to train", lambda: run.step > 20 or run.state)
+        run.resize(3)  # Slurm has 3 CPUs, the blocker holds one: the third job waits
+        # Slurm's reason is "None" until its scheduler looked at the job
+        wait_for("the grow's job pending in the queue", lambda: "pending (Resources)" in str(
+            pool.status()["queued"]) or pool.status())
+        step = run.step
+        time.sleep(2)
+        assert run.world_size == 2 and run.step > step  # the run trains on meanwhile
+        subprocess.run(["scancel", blocker], check=True)
+        wait_for("the job to start and join", lambda: run.world_size == 3 or run.world_size)
+        assert not pool.status()["queued"]
+
+        victim = run.members[1]
+        job, drained_at = job_of(pool, victim), time.time()
+        subprocess.run(["scancel", "--signal=TERM", job], check=True)
+        wait_for("the drain", lambda: bool(events(run, "drain")) or run.world_size)
+        (drain,) = events(run, "drain")
+        assert drain["slot"] == victim.slot and drain["world_size"] == 2, drain
+        assert drain["drain_s"] < 2.0 and drain["time"] - drained_at < 3.0, drain
+        wait_for("the replacement job to join", lambda: run.world_size == 3 or run.world_size)
+        assert job not in {job_of(pool, e) for e in pool.engines}
+        wait_for("the drained job to end", lambda: job not in {
+            j["id"] for j in slurm.jobs("running")} or slurm.jobs())
+    finally:
+        subprocess.run(["scancel", blocker], check=False)
+    stop_and_compare(run, idle_pool, tmp_path)
+
+
+def test_a_preempted_engine_job_drains_at_a_step_boundary(slurm, slurm_pool, idle_pool,
+                                                          tmp_path):
+    pool = slurm_pool
+    run = start_run(pool, tmp_path, "preempted")
+    run.resize(3)
+    wait_for("the run at 3 engines, every CPU of Slurm used", lambda: run.world_size == 3 or
+             run.world_size)
+    urgent = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-p", "urgent", "-n", "1", "--wrap",
+                             "sleep 8"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        wait_for("a preempted engine to drain", lambda: bool(events(run, "drain")) or
+                 slurm.jobs())
+        (drain,) = events(run, "drain")
+        assert drain["world_size"] == 2 and drain["drain_s"] < 2.0, drain
+        wait_for("the urgent job to run", lambda: any(
+            j["id"] == urgent and j["state"] in ("RUNNING", "COMPLETED", "COMPLETING")
+            for j in slurm.jobs()) or slurm.jobs())
+        wait_for("the replacement to join once the urgent job ended",
+                 lambda: run.world_size == 3 or slurm.jobs())
+    finally:
+        subprocess.run(["scancel", urgent], check=False)
+    stop_and_compare(run, idle_pool, tmp_path)
