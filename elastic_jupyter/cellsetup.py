@@ -178,8 +178,9 @@ class CellSetup:
         self.log.log(message)
         raise RunSetupError(message)
 
-    def open_rendezvous(self) -> Rendezvous:
-        self.rendezvous = Rendezvous(timeout=self.config["collective_timeout"])
+    def open_rendezvous(self, host: str) -> Rendezvous:
+        """Serve the run's store on `host` (the pool's address: loopback on one host)."""
+        self.rendezvous = Rendezvous(host, timeout=self.config["collective_timeout"])
         return self.rendezvous
 
     def close_rendezvous(self) -> None:

@@ -85,7 +85,7 @@ class Driver:
             self._check_schedule()
             if resume_from:
                 resume_from = await self.cell.resume(self.members[0], self.checkpoint_dir)
-            self.cell.open_rendezvous()
+            self.cell.open_rendezvous(pool.launcher.address)
             await self.cell.connect(self.members)
         except BaseException:
             if pool.client is not None:

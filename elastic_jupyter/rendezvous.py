@@ -1,8 +1,10 @@
-"""The rendezvous store the owner serves to its engines, kept off the network.
+"""The rendezvous store the owner serves to its engines, kept off other networks.
 
 ``torch.distributed.TCPStore(is_master=True)`` listens on every interface even when given
-127.0.0.1 (measured; see shared/DESIGN.md). We bind the listening socket ourselves to loopback
-and hand its descriptor to the store, so a single-host pool is unreachable from the network.
+127.0.0.1 (measured; see shared/DESIGN.md). We bind the listening socket ourselves to one
+address and hand its descriptor to the store: loopback for a single-host pool, unreachable from
+the network; the named interface's address for a pool across hosts (launchers.py). The store
+has no authentication: anyone who reaches that address can write into the rendezvous.
 Each generation reads and writes only under its own prefix ``gen<g>/``: no key of an old
 generation is ever read by a new one.
 """

@@ -53,6 +53,12 @@ def start_run(pool, tmp_path, name: str) -> TrainingRun:
                        workspace=str(tmp_path)).start()
 
 
+def sbatch(*args: str) -> str:
+    """Submit a job of someone else's; returns its id."""
+    return subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", *args],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
 def job_of(pool, engine) -> str:
     return pool.cluster.engines[engine.set_id].job_id
 
@@ -85,8 +91,7 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
     jobs = {j["id"]: j for j in slurm.jobs("running")}
     assert {job_of(pool, e) for e in pool.engines} <= set(jobs), jobs
     assert all(not e.local for e in pool.engines) and pool.backend == "gloo"
-    blocker = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-n", "1", "--wrap", "sleep 600"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    blocker = sbatch("-n", "1", "--wrap", "sleep 600")
     run = start_run(pool, tmp_path, "grow")
     try:
         wait_for("the run to train", lambda: run.step > 20 or run.state)
@@ -124,8 +129,7 @@ def test_a_preempted_engine_job_drains_at_a_step_boundary(slurm, slurm_pool, idl
     run.resize(3)
     wait_for("the run at 3 engines, every CPU of Slurm used", lambda: run.world_size == 3 or
              run.world_size)
-    urgent = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-p", "urgent", "-n", "1", "--wrap",
-                             "sleep 8"], capture_output=True, text=True, check=True).stdout.strip()
+    urgent = sbatch("-p", "urgent", "-n", "1", "--wrap", "sleep 8")
     try:
         wait_for("a preempted engine to drain", lambda: bool(events(run, "drain")) or
                  slurm.jobs())
