@@ -44,12 +44,13 @@ quickstart: setup
 test: setup $(CHROMIUM) $(SLURMD)
 	$(PY) -m pytest -ra
 
-benchmark: setup
+benchmark: setup $(SLURMD)
 	$(PY) benchmarks/resize_and_throughput.py
 	$(PY) benchmarks/fault_recovery.py
 	$(PY) benchmarks/panel_resize.py
 	$(PY) benchmarks/chart_render.py
 	$(PY) benchmarks/auto_day.py
+	$(PY) benchmarks/slurm_drain.py
 
 clean:
 	rm -rf $(VENV) notebooks/elastic-checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts

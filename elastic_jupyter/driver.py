@@ -249,8 +249,7 @@ class Driver:
         """Ranks told to go (`drained`: (engine, wall time of its SIGTERM)) left the group
         after the last step, with every other rank: drop them and end their engines (their
         jobs). Should every rank go, the state is first written to a checkpoint, from which
-        the replacements start. Replacements are started at once (the sizer still wants the
-        size)."""
+        the replacements start."""
         if not drained:
             return
         if len(drained) == len(self.members):
@@ -262,12 +261,13 @@ class Driver:
                            drain_s=round(now - asked, 3),
                            message=f"slot {engine.slot} drained (told to go by its scheduler)"
                            f" {now - asked:.2f} s after the signal; world size "
-                           f"{len(self.members)}, a replacement is on its way")
-        self.membership.boot(self._wanted())
+                           f"{len(self.members)}")
 
     async def _after_drain(self) -> set:
-        """After a drain: train on at the smaller size (a grow follows once replacements are
-        up), or below --min wait for them. Returns the engine ids that receive the state."""
+        """After a drain: start replacements (the sizer still wants the size) and train on at
+        the smaller size until they are up, or below --min wait for them. Returns the engine
+        ids that receive the state."""
+        self.membership.boot(self._wanted())
         await self.recovery.wait_for_minimum()
         _, _, newcomers = await self.recovery.roll_back()  # survivors' state, or a checkpoint's
         return newcomers

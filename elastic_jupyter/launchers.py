@@ -49,11 +49,15 @@ class Launcher(abc.ABC):
         kind: "local" or "slurm", as ``--launcher`` names it.
         local: engines are this user's processes on this host: the pool signals them itself.
         address: the IPv4 address the controller and the rendezvous store listen on.
+        gpus_per_engine: GPUs each engine is given where it runs (0: the pool places GPUs,
+            or none); cpus_per_engine: its CPU threads (None: the pool decides).
     """
 
     kind: str
     local: bool
     address: str = LOOPBACK
+    gpus_per_engine: int = 0
+    cpus_per_engine: int | None = None
 
     def cluster_options(self, folder: str) -> dict:
         """Keyword arguments for ``ipyparallel.Cluster`` (`folder`: the pool's private folder,

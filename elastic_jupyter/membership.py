@@ -178,6 +178,9 @@ class Membership:
             return
         try:
             await self._prepare(engines)
+        except asyncio.CancelledError:  # the run ended meanwhile (release)
+            await self.pool.remove_engines(engines)
+            raise
         except Exception as e:
             await self.pool.remove_engines(engines)
             self._boot_failed(f"new engines failed to set up: {remote_summary(e)}")
@@ -263,8 +266,11 @@ class Membership:
     # ---------------------------------------------------------------- end
 
     async def release(self) -> None:
-        """Stop the spares (waiting for a boot under way first); members stay in the pool."""
+        """Stop the spares (waiting for a boot under way first, or cancelling one whose engine
+        jobs may wait in a scheduler's queue for hours); members stay in the pool."""
         if self._booting is not None:
+            if not self.pool.launcher.local:
+                self._booting.cancel()
             await asyncio.gather(self._booting, return_exceptions=True)
         spares, self.spares = self.spares + self.joining, []
         self.joining = []

@@ -29,12 +29,12 @@ from .arbiter.table import ArbiterError, check_weight
 from .config import PoolConfig, UsageError
 from .engine.entrypoints import versions
 from .engine_calls import EngineCalls
+from .host import own_folder
 from .launchers import Launcher, LocalLauncher, Queued
 from .lease import POLL_S, SlotLease, describe_slot_event
 from .membership import free_slots
 from .owner import background, get_owner
 from .reaper import start_reaper, write_pidfile
-from .host import own_folder
 from .registry import registry_dir
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
@@ -116,7 +116,7 @@ class EnginePool:
                                  "--auto and --gpus apply to pools on this host only")
             gpus, arbiter = "none", False  # this host's GPUs are not the engines'
         self.config = PoolConfig.resolve(n, min_size, max_size, gpus, engine_timeout)
-        if not self.launcher.local:
+        if self.launcher.cpus_per_engine:
             self.config.threads_per_engine = self.launcher.cpus_per_engine
         self.lease = self._lease(auto, weight, arbiter, gpus, name, notebook)
         self.owner = get_owner()
@@ -171,8 +171,7 @@ class EnginePool:
 
     @property
     def backend(self) -> str:
-        gpus = self.config.gpus or getattr(self.launcher, "gpus_per_engine", 0)
-        return "nccl" if gpus else "gloo"
+        return "nccl" if self.config.gpus or self.launcher.gpus_per_engine else "gloo"
 
     @property
     def running(self) -> bool:
@@ -233,11 +232,12 @@ class EnginePool:
 
     def wait_printing_queue(self, coro):
         """Run `coro` on the owner loop and return its result, printing the pool's place in
-        the machine's queue while it waits for its slots (as ``Owner.call`` otherwise)."""
+        the machine's queue while it waits for its slots, and its engine jobs that wait in a
+        scheduler's queue (as ``Owner.call`` otherwise)."""
         if self.owner.in_owner_thread():
             coro.close()
             raise RuntimeError("waiting on the owner thread would deadlock; await instead")
-        future, shown = self.owner.submit(coro), None
+        future, shown, jobs = self.owner.submit(coro), None, {}
         while True:
             try:
                 concurrent.futures.wait([future], timeout=POLL_S)
@@ -251,6 +251,11 @@ class EnginePool:
                 print(f"Waiting for {self.min_size} slot(s): place {place} in the machine's "
                       "queue (%elastic_pool status shows who holds the slots)", flush=True)
             shown = place
+            if self.queued != jobs:
+                jobs = dict(self.queued)
+                if jobs:
+                    print("Waiting in the queue: " + "; ".join(
+                        f"slot {slot}: {job}" for slot, job in sorted(jobs.items())), flush=True)
 
     def resize(self, n: int, at_step: int | None = None):
         """Change the number of engines. During a run this is the run's resize request.

@@ -1,0 +1,149 @@
+"""A pool of Slurm engine jobs on a real one-machine Slurm (tests/slurm_cluster.py, 3 CPUs):
+how long a drain takes and what it costs against a hard kill, and how long a grow takes from
+the engine job's start.
+
+Workload: the float64 digits model of tests/test_kernel_lifecycle.py with SLEEP_S of sleep per
+pass (a step takes ~10-20 ms on 2 cores), global batch 64, 2 engine jobs (gloo on loopback).
+
+* drain: ``scancel --signal=TERM`` on rank 1's job, ROUNDS times. Drain time = the signal (as
+  the engine received it) to the rank gone from the run (its ``drain`` event), and from the
+  ``scancel`` call to that event; steps lost = steps trained twice (0 unless a rollback
+  happened: every step's record is checked once in the history). After each drain the run
+  waits until the replacement job joined.
+* hard kill, side by side in the same run: ``scancel --signal=KILL`` on rank 1's job (what a
+  drain avoids: ipyparallel reports a dead engine, the survivors recover): from the signal to
+  the first step of the re-formed group, and the steps lost (the ``fault`` event).
+* grow: ``run.resize(3)`` submits a job; latency from the job's start (Slurm's StartTime,
+  1 s resolution) and from the request to the first step at 3, with the engine's own start
+  (registered, cell set up) in between.
+
+Run with ``.venv/bin/python benchmarks/slurm_drain.py`` (as root, with Debian's slurm-wlm and
+munge installed: ``make test`` installs them); figures are recorded in BENCHMARKS.md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from slurm_cluster import SlurmCluster  # noqa: E402
+from test_kernel_lifecycle import BODY  # noqa: E402
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun  # noqa: E402
+from elastic_jupyter.launchers import SlurmLauncher  # noqa: E402
+
+SLEEP_S = 0.005
+
+
+def wait_for(check, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def job_of(pool, engine) -> str:
+    return pool.cluster.engines[engine.set_id].job_id
+
+
+def signal_rank1(run, pool, signal: str, kind: str) -> dict:
+    """Send `signal` to rank 1's job; returns the event of `kind` it caused, with the call's
+    time and the step then."""
+    seen = len([e for e in run.events if e["kind"] == kind])
+    victim = run.members[1]
+    sent = time.time()
+    subprocess.run(["scancel", f"--signal={signal}", job_of(pool, victim)], check=True)
+    wait_for(lambda: len([e for e in run.events if e["kind"] == kind]) > seen, what=kind)
+    event = [e for e in run.events if e["kind"] == kind][-1]
+    return dict(event, sent=sent)
+
+
+def first_step_after(run, t: float, world_size: int) -> float:
+    wait_for(lambda: any(r["time"] > t and r["world_size"] == world_size for r in run.history),
+             what=f"a step at world size {world_size}")
+    return min(r["time"] for r in run.history if r["time"] > t and r["world_size"] == world_size)
+
+
+def slurm_start_time(job: str) -> float:
+    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%S"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    return datetime.datetime.fromisoformat(out).timestamp()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5, help="drains and kills each (5)")
+    args = parser.parse_args()
+    with SlurmCluster(cpus=3):
+        pool = EnginePool(n=2, min_size=1, max_size=3, launcher=SlurmLauncher()).start()
+        config = RunConfig(name="slurm-bench", steps=10_000_000, global_batch=64, seed=7,
+                           checkpoint_every=0, collective_timeout=5)
+        run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
+                                                             f"time.sleep({SLEEP_S})"),
+                          workspace=tempfile.mkdtemp()).start()
+        drains, kills, grows = [], [], []
+        try:
+            wait_for(lambda: run.step > 50, what="training")
+            for _ in range(args.rounds):
+                for signal, kind, into in (("TERM", "drain", drains), ("KILL", "fault", kills)):
+                    event = signal_rank1(run, pool, signal, kind)
+                    back = first_step_after(run, event["sent"], 1)
+                    into.append({"to_gone": event["time"] - event["sent"],
+                                 "engine_s": event.get("drain_s"),
+                                 "to_training": back - event["sent"],
+                                 "lost": event.get("lost_steps", 0)})
+                    wait_for(lambda: run.world_size == 2, what="the replacement")
+            for _ in range(args.rounds):
+                known = {job_of(pool, e) for e in pool.engines}
+                asked = time.time()
+                run.resize(3)
+                wait_for(lambda: run.world_size == 3, what="the grow")
+                new = ({job_of(pool, e) for e in pool.engines} - known).pop()
+                started = slurm_start_time(new)
+                at3 = first_step_after(run, asked, 3)
+                ready = max(e.started for e in pool.engines)
+                grows.append({"from_job_start": at3 - started, "from_request": at3 - asked,
+                              "registered_after_request": ready - asked})
+                run.resize(2)
+                wait_for(lambda: run.world_size == 2 and pool.size == 2, what="the shrink")
+            steps = [r["step"] for r in run.history]
+            assert steps == list(range(1, len(steps) + 1)), "a step is missing or repeated"
+        finally:
+            run.stop()
+            run.wait(timeout=120)
+            pool.stop()
+    report(drains, kills, grows)
+
+
+def report(drains, kills, grows) -> None:
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    print(f"rounds: {len(drains)} drains, {len(kills)} hard kills, {len(grows)} grows")
+    print("| | signal to rank gone (s) | signal to training again (s) | steps lost |")
+    print("|---|---|---|---|")
+    print(f"| drain (SIGTERM) | {med(drains, 'to_gone'):.3f} (engine: "
+          f"{med(drains, 'engine_s'):.3f}) | {med(drains, 'to_training'):.3f} | "
+          f"{max(r['lost'] for r in drains)} |")
+    print(f"| hard kill (SIGKILL) | {med(kills, 'to_gone'):.3f} | "
+          f"{med(kills, 'to_training'):.3f} | {statistics.median(r['lost'] for r in kills):g} "
+          f"(max {max(r['lost'] for r in kills)}) |")
+    print(f"| ratio kill / drain | | {med(kills, 'to_training') / med(drains, 'to_training'):.1f}"
+          " | |")
+    print(f"grow (median): job start -> first step at 3: {med(grows, 'from_job_start'):.2f} s "
+          f"(Slurm's start time has 1 s resolution); request -> first step at 3: "
+          f"{med(grows, 'from_request'):.2f} s; request -> engine registered: "
+          f"{med(grows, 'registered_after_request'):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
