@@ -1,4 +1,4 @@
-"""Launchers: where a pool's engines run — this host, or jobs of a Slurm cluster.
+"""Launchers: where a pool's engines run — this host, other hosts over SSH, or Slurm jobs.
 
 The seam between :class:`~.pool.EnginePool` and ipyparallel's own launcher classes: the pool
 starts each slot's engine as an engine set of one (pool.py says why), and a :class:`Launcher`
@@ -7,6 +7,9 @@ the controller and the rendezvous store bind to (loopback for this host; the int
 reaches the other hosts otherwise, never all interfaces), the engines' environment, how long a
 start may wait (a batch job may wait in the scheduler's queue for as long as it takes) and
 whether the pool can end an engine's process itself.
+
+SSH (:class:`SSHLauncher`): a slot is (host, index); each engine is started over ssh by
+ipyparallel's ``SSHEngineSetLauncher``, in the same Python environment (a shared file system).
 
 Slurm (:class:`SlurmLauncher`): one batch job per engine, through ipyparallel's
 ``SlurmEngineSetLauncher`` with our batch template. A grow submits jobs and the run grows when
@@ -18,9 +21,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import inspect
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 
 from .config import UsageError
@@ -51,6 +56,7 @@ class Launcher(abc.ABC):
         address: the IPv4 address the controller and the rendezvous store listen on.
         gpus_per_engine: GPUs each engine is given where it runs (0: the pool places GPUs,
             or none); cpus_per_engine: its CPU threads (None: the pool decides).
+        slot_count: how many slots the launcher has (None: the pool's --max decides).
     """
 
     kind: str
@@ -58,6 +64,7 @@ class Launcher(abc.ABC):
     address: str = LOOPBACK
     gpus_per_engine: int = 0
     cpus_per_engine: int | None = None
+    slot_count: int | None = None
 
     def cluster_options(self, folder: str) -> dict:
         """Keyword arguments for ``ipyparallel.Cluster`` (`folder`: the pool's private folder,
@@ -67,6 +74,15 @@ class Launcher(abc.ABC):
     def engine_env(self) -> dict:
         """Environment every engine gets besides its slot's."""
         return {"GLOO_SOCKET_IFNAME": "lo"}  # single host: gloo stays on loopback
+
+    def start_options(self, slot: int) -> dict:
+        """Keyword arguments of ``Cluster.start_engines`` for `slot`'s engine set, and the
+        slot's own environment under "environment"."""
+        return {}
+
+    def host_of(self, slot: int) -> str | None:
+        """The host `slot`'s engine runs on, when the launcher places it (else None)."""
+        return None
 
     async def queued(self, engine_sets: dict) -> dict[str, Queued]:
         """The engine sets (id -> ipyparallel launcher) that wait in a scheduler's queue; an
@@ -191,18 +207,134 @@ class SlurmLauncher(Launcher):
         return f"Slurm jobs in {where}"
 
 
+class SSHLauncher(Launcher):
+    """Engines are processes of other hosts, started over ssh; a slot is (host, index).
+
+    Args:
+        hosts: "gpu1:4,gpu2:4" (``user@host:slots``; slots default to 1) or a dict host ->
+            slots. Slots are numbered across hosts in this order.
+        python: the Python on the hosts (default: this kernel's, for a shared environment).
+        gpus_per_engine: 0 for CPU engines (gloo), or 1: slot i of a host gets its GPU i.
+        cpus_per_engine: each engine's torch threads (1).
+        interface: as for Slurm; default: the one on the route to the first host.
+        ssh_args: more ssh options, such as ``("-i", "~/.ssh/cluster_key")``.
+    Raises:
+        UsageError: no ssh on PATH, hosts that do not parse, or an interface that cannot be.
+    """
+
+    kind, local = "ssh", False
+
+    def __init__(self, hosts=None, python: str | None = None, gpus_per_engine: int = 0,
+                 cpus_per_engine: int = 1, interface: str | None = None,
+                 ssh_args: tuple = ()):
+        if shutil.which("ssh") is None:
+            raise UsageError("--launcher ssh needs ssh on PATH")
+        if gpus_per_engine not in (0, 1):
+            raise UsageError(f"--gpus-per-engine with --launcher ssh is 0 or 1, got "
+                             f"{gpus_per_engine!r}")
+        self.hosts = _parse_hosts(hosts)
+        self.slots = [(host, i) for host, n in self.hosts.items() for i in range(n)]
+        self.slot_count = len(self.slots)
+        self.python = python or sys.executable
+        self.gpus_per_engine, self.cpus_per_engine = gpus_per_engine, max(1, cpus_per_engine)
+        self.ssh_args = list(ssh_args)
+        first = next(iter(self.hosts)).rsplit("@", 1)[-1]
+        self.address = _listen_address(interface, lambda: first)
+
+    def cluster_options(self, folder: str) -> dict:
+        from traitlets.config import Config
+        config = Config()
+        for cls in (config.SSHEngineSetLauncher, config.SSHEngineLauncher):
+            cls.remote_python = self.python
+            cls.ssh_args = list(self.ssh_args)
+            cls.scp_args = list(self.ssh_args)  # scp fetches an engine's output
+        # the controller's connection info reaches the engine in its environment
+        # ($IPP_CONNECTION_INFO): no connection files are copied to the hosts
+        config.SSHEngineLauncher.to_send = []
+        return {"engine_launcher_class": _threaded_ssh_launcher(),
+                "controller_ip": self.address, "config": config}
+
+    def engine_env(self) -> dict:
+        return {"ELASTIC_JUPYTER_OWNER_ADDRESS": self.address}
+
+    def start_options(self, slot: int) -> dict:
+        host, index = self.slots[slot]
+        gpu = str(index) if self.gpus_per_engine else ""
+        return {"engines": {host: 1}, "environment": {"CUDA_VISIBLE_DEVICES": gpu}}
+
+    def host_of(self, slot: int) -> str:
+        return self.slots[slot][0].rsplit("@", 1)[-1]
+
+    def describe(self) -> str:
+        return "hosts " + ", ".join(f"{h} ({n} slot{'s' * (n > 1)})" for h, n in self.hosts.items())
+
+
+_THREADED_SSH = None
+
+
+def _threaded_ssh_launcher():
+    """ipyparallel's SSH engine-set launcher, with its start in a worker thread: a start is
+    several ssh round trips and remote Python starts (seconds), which would freeze the owner
+    loop, and with it the training the loop watches. Its engines' watcher threads end quietly
+    when their host cannot be reached any more (a lost host is the pool's fault to handle, not
+    an exception in a thread)."""
+    global _THREADED_SSH
+    if _THREADED_SSH is None:
+        from ipyparallel.cluster.launcher import SSHEngineLauncher, SSHEngineSetLauncher
+
+        class QuietSSHEngineLauncher(SSHEngineLauncher):
+            def __init__(self, **kwargs):
+                super().__init__(**kwargs)
+                self.loop = self.parent.loop  # the owner's, not the worker thread's
+
+            def wait_one(self, timeout):
+                try:
+                    return super().wait_one(timeout)
+                except TimeoutError:  # still running
+                    raise
+                except Exception:  # noqa: BLE001 -- ssh failed: nothing left to wait for
+                    return None
+
+        class ThreadedSSHEngineSetLauncher(SSHEngineSetLauncher):
+            launcher_class = QuietSSHEngineLauncher
+
+            def start(self, n):
+                self.loop  # noqa: B018 -- resolved here, on the owner loop's thread
+                return asyncio.get_running_loop().run_in_executor(None, super().start, n)
+
+        _THREADED_SSH = ThreadedSSHEngineSetLauncher
+    return _THREADED_SSH
+
+
+def _parse_hosts(hosts) -> dict[str, int]:
+    if isinstance(hosts, dict):
+        parsed = dict(hosts)
+    else:
+        parsed = {}
+        for item in filter(None, (h.strip() for h in str(hosts or "").split(","))):
+            host, _, count = item.rpartition(":") if ":" in item else (item, "", "1")
+            try:
+                parsed[host] = int(count)
+            except ValueError:
+                parsed = {}
+                break
+    if not parsed or any(not h or not isinstance(n, int) or n < 1 for h, n in parsed.items()):
+        raise UsageError(f"--hosts takes host:slots pairs like gpu1:4,gpu2:4; got {hosts!r}")
+    return parsed
+
+
 def make_launcher(kind: str = "local", **options) -> Launcher:
     """The launcher ``--launcher KIND`` names, with its options (see each class). Raises
     UsageError for an unknown kind or options a kind does not take."""
-    classes = {"local": LocalLauncher, "slurm": SlurmLauncher}
+    classes = {"local": LocalLauncher, "ssh": SSHLauncher, "slurm": SlurmLauncher}
     if kind not in classes:
-        raise UsageError(f"--launcher takes {' or '.join(classes)}, got {kind!r}")
+        raise UsageError(f"--launcher takes local, ssh or slurm, got {kind!r}")
     given = {k: v for k, v in options.items() if v is not None}
-    try:
-        return classes[kind](**given)
-    except TypeError:
+    unknown = set(given) - set(inspect.signature(classes[kind]).parameters)
+    if unknown:
         raise UsageError(f"--launcher {kind} takes none of "
-                         f"{', '.join('--' + k.replace('_', '-') for k in given)}") from None
+                         f"{', '.join('--' + k.replace('_', '-') for k in sorted(unknown))}")
+    return classes[kind](**given)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -129,34 +129,46 @@ def _pool_parser() -> _Parser:
                    help="do not take slots from the machine's arbiter, even where the admin "
                         "runs one (for --gpus lists and --schedule)")
     g = p.add_argument_group("where the engines run")
-    g.add_argument("--launcher", choices=["local", "slurm"], default="local",
-                   help="local: processes of this host (default); slurm: one batch job each")
+    g.add_argument("--launcher", choices=["local", "ssh", "slurm"], default="local",
+                   help="local: processes of this host (default); ssh: processes of --hosts, "
+                        "started over ssh; slurm: one batch job each")
+    g.add_argument("--hosts", help="ssh: hosts and their slots, like gpu1:4,gpu2:4")
     g.add_argument("--partition", help="slurm: the partition (default: Slurm's)")
     g.add_argument("--account", help="slurm: the account to charge")
     g.add_argument("--time", help="slurm: each job's time limit, like 60 or 1-00:00:00")
     g.add_argument("--gpus-per-engine", type=int,
-                   help="slurm: GPUs per engine job (default 0: CPU engines, gloo)")
-    g.add_argument("--cpus-per-engine", type=int, help="slurm: CPUs per engine job (default 1)")
+                   help="slurm, ssh: GPUs per engine (default 0: CPU engines, gloo)")
+    g.add_argument("--cpus-per-engine", type=int,
+                   help="slurm, ssh: CPU threads per engine (default 1)")
     g.add_argument("--grace", type=int,
                    help="slurm: seconds before the time limit when Slurm signals the engine to "
                         "drain, and a replacement is queued (default 60)")
     g.add_argument("--interface",
-                   help="the network interface the engines' hosts reach this kernel on "
-                        "(default: the one on the route to slurmctld). The rendezvous store "
-                        "has no authentication: never all interfaces")
+                   help="slurm, ssh: the network interface the engines' hosts reach this "
+                        "kernel on (default: the one on the route to slurmctld, or to the "
+                        "first host). The rendezvous store has no authentication: never all "
+                        "interfaces")
     return p
 
 
+_LAUNCHER_OPTIONS = {  # the options of each --launcher
+    "local": (),
+    "ssh": ("hosts", "gpus_per_engine", "cpus_per_engine", "interface"),
+    "slurm": ("partition", "account", "time", "gpus_per_engine", "cpus_per_engine", "grace",
+              "interface"),
+}
+
+
 def _launcher(args):
-    """The pool's Launcher from ``%elastic_pool start`` options."""
-    slurm = {k: getattr(args, k) for k in ("partition", "account", "time", "gpus_per_engine",
-                                             "cpus_per_engine", "grace", "interface")}
+    """The pool's Launcher from ``%elastic_pool start`` options (None: this host's)."""
+    mine = _LAUNCHER_OPTIONS[args.launcher]
+    other = sorted({k for opts in _LAUNCHER_OPTIONS.values() for k in opts} - set(mine))
+    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
+    if given:
+        raise UsageError(f"--launcher {args.launcher} takes none of {', '.join(given)}")
     if args.launcher == "local":
-        given = [f"--{k.replace('_', '-')}" for k, v in slurm.items() if v is not None]
-        if given:
-            raise UsageError(f"{', '.join(given)}: options of --launcher slurm")
         return None
-    return make_launcher(args.launcher, **slurm)
+    return make_launcher(args.launcher, **{k: getattr(args, k) for k in mine})
 
 
 def _auto_options(p: _Parser) -> None:

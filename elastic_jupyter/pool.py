@@ -115,7 +115,11 @@ class EnginePool:
                 raise UsageError(f"--launcher {self.launcher.kind} places each engine itself: "
                                  "--auto and --gpus apply to pools on this host only")
             gpus, arbiter = "none", False  # this host's GPUs are not the engines'
-        self.config = PoolConfig.resolve(n, min_size, max_size, gpus, engine_timeout)
+        slots = self.launcher.slot_count
+        if slots is not None and (max_size or slots) > slots:
+            raise UsageError(f"--max {max_size} exceeds the {slots} slot(s) of "
+                             f"{self.launcher.describe()}")
+        self.config = PoolConfig.resolve(n, min_size, max_size or slots, gpus, engine_timeout)
         if self.launcher.cpus_per_engine:
             self.config.threads_per_engine = self.launcher.cpus_per_engine
         self.lease = self._lease(auto, weight, arbiter, gpus, name, notebook)
@@ -495,7 +499,9 @@ class EnginePool:
         # outlive their engine by seconds once the controller is gone. Engines get SIGKILL at
         # once: they hold nothing by now (the run has stopped and drained its checkpoint
         # writes) and their graceful exit takes a second of kernel and socket teardown.
-        # with their nannies; other hosts' engines end with their jobs (stop_cluster below)
+        # with their nannies; other hosts' engines are asked to exit, and batch jobs still
+        # queued are cancelled (stop_cluster below)
+        await self._shut_down_remote([e for e in self.engines if not e.local])
         engines = _with_descendants([e.pid for e in self.engines if e.local])
         _signal(engines, psutil.Process.kill)
         others = [self.cluster.controller.pid]  # with its schedulers
@@ -504,6 +510,12 @@ class EnginePool:
         try:
             await _terminate(engines + _with_descendants(others), grace=STOP_GRACE)
             try:
+                # engines left (ssh, queued jobs) each on their own: one that cannot be reached
+                # (a lost host) must not leave the others' stops pending
+                sets = self.cluster.engines
+                await asyncio.gather(*(self.cluster.stop_engines(s) for s in list(sets)),
+                                     return_exceptions=True)
+                sets.clear()  # else ipyparallel would try again when the Cluster is collected
                 await self.cluster.stop_cluster()  # now only its bookkeeping: state, files, logs
             except Exception as e:
                 log.warning("elastic_jupyter: ipyparallel's cleanup after stopping the pool "
@@ -536,8 +548,9 @@ class EnginePool:
     def startable(self) -> int:
         """How many engines could start now: on free slots (lease mode: leased slots that no
         engine uses and the arbiter does not want back)."""
-        if self.lease is None:
-            return self.usable_slots - self.size
+        if self.lease is None:  # a slot whose engine still starts or stops is not free
+            taken = {e.slot for e in self.engines} | self._busy_slots
+            return self.usable_slots - len(taken - set(self.excluded_slots))
         return len(self._free_leased())
 
     def _free_leased(self) -> list[int]:
@@ -563,7 +576,8 @@ class EnginePool:
                 raise UsageError(f"no free slot: the machine's arbiter leased this pool "
                                  f"{len(self.lease.leased)} slot(s), {len(free)} free")
             return free[:k]
-        return free_slots(self.max_size, {e.slot for e in self.engines},
+        # busy: starts under way (a run's boots of batch jobs run side by side) and stops
+        return free_slots(self.max_size, {e.slot for e in self.engines} | self._busy_slots,
                           set(self.excluded_slots), k)
 
     async def add_engines(self, k: int) -> list[Engine]:
@@ -577,17 +591,28 @@ class EnginePool:
         finally:
             self._busy_slots.difference_update(slots)
 
+    async def _start_set(self, slot: int) -> str:
+        """Start `slot`'s engine set of one; returns its id."""
+        gpu = None
+        if self.config.gpus:  # in lease mode a slot is the machine's GPU index
+            gpu = slot if self.lease is not None else self.config.gpus[slot]
+        options = self.launcher.start_options(slot)
+        # a fresh dict each time: start_engines mutates the one it is given
+        env = _engine_env(slot, gpu, self.config.threads_per_engine, self.lease is not None,
+                          self.launcher)
+        env.update(options.pop("environment", {}))
+        return await self.cluster.start_engines(1, environment=env, **options)
+
     async def _start_engines(self, slots: list[int]) -> list[Engine]:
-        set_ids = {}
-        for slot in slots:
-            gpu = None
-            if self.config.gpus:  # in lease mode a slot is the machine's GPU index
-                gpu = slot if self.lease is not None else self.config.gpus[slot]
-            threads = self.config.threads_per_engine
-            # a fresh dict each time: start_engines mutates the one it is given
-            set_ids[slot] = await self.cluster.start_engines(1, environment=_engine_env(
-                slot, gpu, threads, self.lease is not None, self.launcher))
+        # side by side: an SSH start takes seconds of round trips (in a worker thread)
+        started = await asyncio.gather(*(self._start_set(s) for s in slots),
+                                       return_exceptions=True)
+        set_ids = {s: i for s, i in zip(slots, started) if not isinstance(i, BaseException)}
         self._update_pidfile()  # batch jobs: cancelled should this process die meanwhile
+        if failed := [e for e in started if isinstance(e, BaseException)]:
+            await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
+                                 return_exceptions=True)
+            raise failed[0]
         try:
             new = await self._wait_registered(set_ids)
         except BaseException:
@@ -609,7 +634,8 @@ class EnginePool:
             device = info["device"]
             engines.append(Engine(slot=info["slot"], device=device, engine_id=engine_id,
                                   set_id=set_ids[info["slot"]], pid=info["pid"],
-                                  started=time.time(), host=info["host"],
+                                  started=time.time(),
+                                  host=self.launcher.host_of(info["slot"]) or info["host"],
                                   local=self.launcher.local))
         self.engines.extend(sorted(engines, key=lambda e: e.slot))
         self._update_pidfile()
@@ -688,15 +714,34 @@ class EnginePool:
             self._removing.difference_update(procs)
             self._busy_slots.difference_update(e.slot for e in engines)
 
+    async def _shut_down_remote(self, engines: list[Engine]) -> None:
+        """Ask other hosts' engines to exit, through the controller (no ssh round trip, and a
+        lost host costs no connection timeout), and forget the engine sets of those that did:
+        ipyparallel's stop then reaches out only to engines that did not (ssh kill, scancel).
+        An engine's batch job ends with its engine."""
+        ids = [e.engine_id for e in engines if e.engine_id in self.client.ids]
+        if ids:
+            self.client.shutdown(targets=ids, hub=False, block=False)
+        deadline = time.monotonic() + 5 * STOP_GRACE
+        while set(ids) & set(self.client.ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for e in engines:
+            if e.engine_id not in self.client.ids:
+                self.cluster.engines.pop(e.set_id, None)
+
     async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+        if self.cluster is not None:
+            await self._shut_down_remote([e for e in engines if not e.local])
         nannies = [c for p in procs for c in _children(p)]
         # ipyparallel's stop waits for the process with a blocking join, which would freeze
         # the owner loop for seconds: end the processes here first, then let it clean up.
         await _terminate(procs)
         cluster = self.cluster
         if cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
-            await asyncio.gather(*(cluster.stop_engines(e.set_id) for e in engines),
-                                 return_exceptions=True)
+            await asyncio.gather(*(cluster.stop_engines(e.set_id) for e in engines
+                                   if e.set_id in cluster.engines), return_exceptions=True)
+            for e in engines:  # a stop that failed (a lost host) is not tried again
+                cluster.engines.pop(e.set_id, None)
             for e in engines:
                 await self._wait_unregistered(e.engine_id)
         # each nanny has told the controller its engine is gone; without a controller it

@@ -53,12 +53,23 @@ def test_the_default_address_is_on_the_route_to_slurmctld(monkeypatch):
 
 
 def test_bad_launcher_options_are_refused_with_what_to_do(monkeypatch):
-    with pytest.raises(UsageError, match="--launcher takes local or slurm, got 'pbs'"):
+    with pytest.raises(UsageError, match="--launcher takes local, ssh or slurm, got 'pbs'"):
         make_launcher("pbs")
     with pytest.raises(UsageError, match="--gpus-per-engine must be an integer >= 0"):
         SlurmLauncher(gpus_per_engine=-1, interface="lo")
-    with pytest.raises(UsageError, match="--partition, --time: options of --launcher slurm"):
+    with pytest.raises(UsageError, match="--launcher local takes none of --partition, --time"):
         _launcher(options("--partition gpu --time 30"))
+    with pytest.raises(UsageError, match="--launcher ssh takes none of --grace"):
+        _launcher(options("--launcher ssh --hosts a:1 --grace 5"))
+    with pytest.raises(UsageError, match="--hosts takes host:slots pairs like gpu1:4,gpu2:4"):
+        _launcher(options("--launcher ssh --hosts a:x"))
+    with pytest.raises(UsageError, match="--hosts takes"):
+        _launcher(options("--launcher ssh"))
+    ssh = _launcher(options("--launcher ssh --hosts me@127.0.0.1:2,127.0.0.2"))
+    assert ssh.slots == [("me@127.0.0.1", 0), ("me@127.0.0.1", 1), ("127.0.0.2", 0)]
+    assert ssh.host_of(1) == "127.0.0.1" and ssh.address == "127.0.0.1"
+    assert ssh.start_options(2) == {"engines": {"127.0.0.2": 1},
+                                    "environment": {"CUDA_VISIBLE_DEVICES": ""}}
     assert _launcher(options("-n 2")) is None  # this host's launcher
     launcher = _launcher(options("--launcher slurm --partition gpu --interface lo"))
     assert launcher.partition == "gpu" and launcher.address == "127.0.0.1"

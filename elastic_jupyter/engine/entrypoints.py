@@ -150,6 +150,12 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     engine then holds no Worker.
     """
     _forget_run()
+    for folder in filter(None, (workdir, log_path and os.path.dirname(log_path))):
+        if not os.path.isdir(folder):  # an engine on another host, without a shared folder
+            raise SetupError(f"{folder} does not exist on host {os.uname().nodename}: engines "
+                             "on other hosts run the cell in the notebook's folder and write "
+                             "the run's logs and checkpoints into its folder, so both must be "
+                             "on a file system the hosts share (such as the home folder)")
     _state.log_path = log_path
     _state.workdir_on_path, dropped = workdir_mod.enter(workdir, _state.workdir_on_path)
     with _logging_to(log_path):

@@ -11,6 +11,14 @@ import { statusLine } from '../src/widget/view';
 import { HistoryCursor, RunList, describeLease, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
 import { life, run } from './fixtures';
 
+test('the panel backs off only from a quiet list of ended runs', () => {
+  const list = new RunList();
+  list.apply([run({ id: 'a', state: 'stopped' })], list.begin());
+  assert.ok(!list.apply([run({ id: 'a', state: 'stopped' })], list.begin()));
+  list.apply([run({ id: 'b' })], list.begin());
+  assert.ok(list.apply([run({ id: 'b' })], list.begin())); // a run being stopped shows no step
+});
+
 test('fingerprint changes with step and sizes only', () => {
   const a = fingerprint([run({})]);
   assert.equal(fingerprint([run({ loss: 0.5 })]), a);
@@ -22,7 +30,8 @@ test('fingerprint changes with step and sizes only', () => {
 test('a poll answer that left before a write answered is dropped: no dismissed run comes back', () => {
   const list = new RunList();
   assert.ok(list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], list.begin()));
-  assert.ok(!list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], list.begin())); // no change
+  // no change, but b trains (or is being stopped): no back-off
+  assert.ok(list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], list.begin()));
   const token = list.begin(); // a poll starts ...
   list.remove('a'); // ... the dismiss answers ...
   assert.ok(list.apply([run({ id: 'a', state: 'finished' }), run({ id: 'b' })], token)); // ... then the poll: stale

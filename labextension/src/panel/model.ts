@@ -4,7 +4,7 @@
  */
 import { History } from '../chart/history';
 import { HistoryPage } from '../common/api';
-import { LeaseState, RunSnapshot } from '../common/snapshot';
+import { LeaseState, RunSnapshot, isActive } from '../common/snapshot';
 
 /** "2 CPU slots", "GPU 0, 1": what the run occupies. */
 export function describeSlots(slots: string[]): string {
@@ -57,7 +57,11 @@ export class RunList {
     return this.writes;
   }
 
-  /** The poll's answer; whether it changed anything worth a faster poll. */
+  /**
+   * The poll's answer; whether the next poll should come at the base interval: something
+   * changed, or a run is active (one being stopped shows no new step until it has stopped,
+   * and the panel must not back off meanwhile). Only a quiet list of ended runs backs off.
+   */
   apply(runs: RunSnapshot[], token: number): boolean {
     if (token !== this.writes) {
       return true; // stale: poll again soon
@@ -66,7 +70,7 @@ export class RunList {
     const print = fingerprint(runs);
     const changed = print !== this.print;
     this.print = print;
-    return changed;
+    return changed || runs.some(isActive);
   }
 
   /** A write's answer: the run as the server has it now. */

@@ -1,0 +1,90 @@
+"""A pool across hosts: engines started over ssh (ipyparallel's SSH launcher) in network
+namespaces with their own addresses, hostnames and /tmp (tests/netns_hosts.py), so they talk
+TCP across interfaces to the kernel and to each other.
+
+One run trains on 3 engines on 2 hosts; the kernel's side of the pool listens only on the
+named interface (and loopback); then one host is lost (every process of its namespace
+killed): the survivor trains on, and the stopped run's float64 parameters equal those of a
+single-host run of as many steps.
+"""
+import os
+import tempfile
+import time
+
+import psutil
+import pytest
+import torch
+
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.engine.interface import address_of
+from elastic_jupyter.launchers import SSHLauncher
+from netns_hosts import Hosts, available
+from test_kernel_lifecycle import BODY as LIFECYCLE_BODY
+
+BODY = LIFECYCLE_BODY.replace("time.sleep(0.01)", "time.sleep(DELAY)")
+pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))
+
+
+def wait_for(what: str, check, timeout: float = 90.0) -> None:
+    t0 = time.monotonic()
+    while (seen := check()) is not True:
+        assert time.monotonic() - t0 < timeout, f"{what}: not within {timeout:.0f} s; {seen}"
+        time.sleep(0.2)
+
+
+def listening(pids: set) -> set:
+    return {c.laddr.ip for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids}
+
+
+def test_a_pool_across_two_hosts_listens_on_one_interface_and_survives_losing_a_host(
+        idle_pool):
+    # the run's folder must be shared with the hosts: their /tmp is their own
+    workspace = tempfile.mkdtemp(dir="/var/tmp")
+    with Hosts(2) as hosts:
+        first, second = hosts.names
+        launcher = SSHLauncher(f"{first}:1,{second}:2", ssh_args=hosts.ssh_args,
+                               interface=hosts.bridge)
+        pool = EnginePool(n=3, launcher=launcher).start()
+        try:
+            assert sorted(e.host for e in pool.engines) == [first, second, second]
+            assert all(not e.local for e in pool.engines)
+            config = RunConfig(name="hosts", steps=100_000, global_batch=64, seed=7,
+                               checkpoint_every=0, collective_timeout=10)
+            run = TrainingRun(pool, config, source=BODY, push={"DELAY": 0.01},
+                              workspace=workspace).start()
+            wait_for("training on both hosts", lambda: run.step > 30 or run.state)
+
+            me = psutil.Process()
+            ours = {me.pid} | {p.pid for p in me.children(recursive=True)}
+            bridge = address_of(hosts.bridge)
+            assert launcher.address == bridge
+            exposed = {ip for ip in listening(ours) if not ip.startswith("127.")}
+            assert exposed == {bridge}, exposed  # the store and the controller, nowhere else
+
+            hosts.kill(second)
+            wait_for("the fault of the lost host", lambda: any(
+                e["kind"] == "fault" for e in run.events) or run.state)
+            (fault,) = [e for e in run.events if e["kind"] == "fault"]
+            assert sorted(fault["lost_slots"]) == [1, 2], fault
+            step = run.step
+            wait_for("the survivor trains on", lambda: run.step > step + 30 or run.state)
+            assert run.world_size == 1 and run.members[0].host == first
+            run.stop()
+            assert run.wait(timeout=60) == "stopped", run.logs()
+        finally:
+            t0 = time.monotonic()
+            pool.stop()
+            stopped_in = time.monotonic() - t0
+    assert stopped_in < 30  # the lost host's engines do not hold up the stop
+    steps = run.step
+    assert [r["step"] for r in run.history] == list(range(1, steps + 1))
+    fixed = TrainingRun(idle_pool, RunConfig(name="one-host", steps=steps, global_batch=64,
+                                             seed=7, checkpoint_every=0),
+                        source=BODY, push={"DELAY": 0}, engines=2,
+                        workspace=os.path.join(workspace, "fixed")).start()
+    assert fixed.wait(timeout=300) == "finished", fixed.logs()
+    for key, value in fixed.state_dict().items():
+        got = run.state_dict()[key]
+        assert torch.allclose(got, value, rtol=1e-7, atol=1e-9), \
+            f"{key}: max diff {(got - value).abs().max().item():.3e}"
