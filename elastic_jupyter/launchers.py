@@ -34,14 +34,33 @@ from .engine.interface import address_of, address_towards, interface_of
 LOOPBACK = "127.0.0.1"
 
 
+_WAITING = ("PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED")
+_LIVE = _WAITING + ("RUNNING", "COMPLETING")
+
+
 @dataclass(frozen=True)
-class Queued:
-    """An engine's batch job not running yet: Slurm's job id, state and reason (such as
-    ``PENDING``, ``Resources``)."""
+class Job:
+    """An engine's batch job as its scheduler reports it: Slurm's job id, state and reason
+    (such as ``PENDING``, ``Resources``; state "" when Slurm no longer knows it) and the file
+    its output goes to."""
 
     job_id: str
     state: str
     reason: str
+    output: str = ""
+
+    @property
+    def waiting(self) -> bool:
+        """In the scheduler's queue: not running yet."""
+        return self.state in _WAITING
+
+    @property
+    def ended(self) -> bool:
+        return self.state not in _LIVE
+
+    def why_ended(self) -> str:
+        return (f"Slurm job {self.job_id} ended ({self.state or 'gone'}) before its engine "
+                f"registered: {_tail(self.output)}")
 
     def __str__(self) -> str:
         return f"job {self.job_id} {self.state.lower()} ({self.reason})"
@@ -51,7 +70,7 @@ class Launcher(abc.ABC):
     """Where a pool's engines run. Subclasses set ``kind`` and ``local``.
 
     Attributes:
-        kind: "local" or "slurm", as ``--launcher`` names it.
+        kind: "local", "ssh" or "slurm", as ``--launcher`` names it.
         local: engines are this user's processes on this host: the pool signals them itself.
         address: the IPv4 address the controller and the rendezvous store listen on.
         gpus_per_engine: GPUs each engine is given where it runs (0: the pool places GPUs,
@@ -84,14 +103,10 @@ class Launcher(abc.ABC):
         """The host `slot`'s engine runs on, when the launcher places it (else None)."""
         return None
 
-    async def queued(self, engine_sets: dict) -> dict[str, Queued]:
-        """The engine sets (id -> ipyparallel launcher) that wait in a scheduler's queue; an
-        engine's start timeout counts only once it left the queue."""
-        return {}
-
-    async def ended(self, engine_sets: dict) -> dict[str, str]:
-        """Engine sets whose job ended before their engine registered, with why (its output's
-        last lines): the start failed."""
+    async def jobs(self, engine_sets: dict) -> dict[str, Job]:
+        """The batch jobs of engine sets (id -> ipyparallel launcher), for launchers of batch
+        jobs (else none): a job that waits in the queue does not count against the engine's
+        start timeout, and one that ended before its engine registered failed the start."""
         return {}
 
     def describe(self) -> str:
@@ -182,25 +197,10 @@ class SlurmLauncher(Launcher):
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
-    async def queued(self, engine_sets: dict) -> dict[str, Queued]:
-        jobs = await _squeue([s.job_id for s in engine_sets.values() if s.job_id])
-        out = {}
-        for set_id, launcher in engine_sets.items():
-            state, reason = jobs.get(launcher.job_id, ("", ""))
-            if state in ("PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED"):
-                out[set_id] = Queued(launcher.job_id, state, reason)
-        return out
-
-    async def ended(self, engine_sets: dict) -> dict[str, str]:
-        jobs = await _squeue([s.job_id for s in engine_sets.values() if s.job_id])
-        out = {}
-        for set_id, launcher in engine_sets.items():
-            state, _ = jobs.get(launcher.job_id, ("", ""))
-            if state not in ("PENDING", "CONFIGURING", "REQUEUED", "SUSPENDED", "RUNNING",
-                             "COMPLETING"):
-                out[set_id] = (f"Slurm job {launcher.job_id} ended ({state or 'gone'}) before "
-                               f"its engine registered: {_tail(launcher.output_file)}")
-        return out
+    async def jobs(self, engine_sets: dict) -> dict[str, Job]:
+        known = await _squeue([s.job_id for s in engine_sets.values() if s.job_id])
+        return {set_id: Job(s.job_id, *known.get(s.job_id, ("", "")), output=s.output_file)
+                for set_id, s in engine_sets.items() if s.job_id}
 
     def describe(self) -> str:
         where = f"partition {self.partition}" if self.partition else "the default partition"

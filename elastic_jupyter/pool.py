@@ -30,7 +30,7 @@ from .config import PoolConfig, UsageError
 from .engine.entrypoints import versions
 from .engine_calls import EngineCalls
 from .host import own_folder
-from .launchers import Launcher, LocalLauncher, Queued
+from .launchers import Job, Launcher, LocalLauncher
 from .lease import POLL_S, SlotLease, describe_slot_event
 from .membership import free_slots
 from .owner import background, get_owner
@@ -138,7 +138,9 @@ class EnginePool:
         self._busy_slots: set[int] = set()  # slots of engines starting or stopping
         self._resizing = asyncio.Lock()  # an idle resize and the lease's following
         self._following: asyncio.Task | None = None  # lease mode: _follow_lease
-        self.queued: dict[int, Queued] = {}  # slot -> its engine's batch job, not running yet
+        # slot -> its engine's batch job, not running yet; replaced, never changed in place:
+        # other threads read it (the cell printing the queue, views)
+        self.queued: dict[int, Job] = {}
         self._slot_of: dict[int, int | None] = {}  # engine id -> slot, asked once (_arrivals)
         self._asking: dict = {}  # engine id -> its reply to that question, not in yet
 
@@ -256,7 +258,7 @@ class EnginePool:
                       "queue (%elastic_pool status shows who holds the slots)", flush=True)
             shown = place
             if self.queued != jobs:
-                jobs = dict(self.queued)
+                jobs = self.queued
                 if jobs:
                     print("Waiting in the queue: " + "; ".join(
                         f"slot {slot}: {job}" for slot, job in sorted(jobs.items())), flush=True)
@@ -620,8 +622,7 @@ class EnginePool:
                                  return_exceptions=True)
             raise
         finally:
-            for slot in slots:
-                self.queued.pop(slot, None)
+            self.queued = {s: q for s, q in self.queued.items() if s not in slots}
         infos = await self.calls.init_engines(new)
         try:
             _check_versions(infos)
@@ -651,16 +652,15 @@ class EnginePool:
             now = time.monotonic()
             if not self.launcher.local and now >= next_look:  # a batch system: ask it
                 next_look = now + 1.0
-                sets = {s: self.cluster.engines[s] for s in set_ids.values()}
-                if ended := await self.launcher.ended(sets):
-                    raise RuntimeError("; ".join(ended.values()))
-                queued = await self.launcher.queued(sets)
-                for slot, set_id in set_ids.items():
-                    if set_id in queued:
-                        self.queued[slot] = queued[set_id]
-                    else:
-                        self.queued.pop(slot, None)
-                if queued:
+                jobs = await self.launcher.jobs(
+                    {s: self.cluster.engines[s] for s in set_ids.values()})
+                if ended := [j.why_ended() for j in jobs.values() if j.ended]:
+                    raise RuntimeError("; ".join(ended))
+                mine = {slot: jobs[s] for slot, s in set_ids.items()
+                        if s in jobs and jobs[s].waiting}
+                self.queued = {**{s: q for s, q in self.queued.items() if s not in set_ids},
+                               **mine}
+                if mine:
                     deadline = now + timeout
             if now > deadline:
                 raise RuntimeError(f"{k} engine(s) did not register within {timeout:.0f} s; "

@@ -20,6 +20,8 @@ import subprocess
 import tempfile
 import time
 
+from service import Service
+
 SSHD = "/usr/sbin/sshd"
 
 
@@ -37,7 +39,7 @@ def _in(ns: str, *args: str) -> None:
     _run("ip", "netns", "exec", ns, *args)
 
 
-class Hosts:
+class Hosts(Service):
     """``with Hosts(2) as hosts:`` -- `hosts.names` are the hosts' addresses, `hosts.bridge`
     the interface of this side, `hosts.ssh_args` what ssh needs to log in."""
 
@@ -56,17 +58,6 @@ class Hosts:
                          "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o",
                          "LogLevel=ERROR", "-o", "ConnectTimeout=5"]
         self._sshd: list[subprocess.Popen] = []
-
-    def __enter__(self) -> "Hosts":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
     def start(self) -> None:
         if not os.path.exists(SSHD):

@@ -19,6 +19,10 @@ import subprocess
 import tempfile
 import time
 
+import psutil
+
+from service import Service
+
 DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "scontrol")
 GRACE_S = 10  # preemption: seconds between SIGTERM and SIGKILL
 
@@ -74,7 +78,7 @@ PartitionName=urgent Nodes={host} MaxTime=INFINITE State=UP PriorityTier=10 Pree
 """
 
 
-class SlurmCluster:
+class SlurmCluster(Service):
     """Start with ``with SlurmCluster(cpus=4) as slurm:``; `cpus` is how many one-CPU engine
     jobs can run at once (Slurm is told so; the machine may have fewer cores)."""
 
@@ -84,17 +88,7 @@ class SlurmCluster:
         os.chmod(self.dir, 0o755)  # munged: its socket's folder must be reachable by all
         self.conf = os.path.join(self.dir, "slurm.conf")
         self._old_conf = None
-
-    def __enter__(self) -> "SlurmCluster":
-        try:
-            self.start()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        self._started = time.time()
 
     def start(self) -> None:
         missing = [d for d in DAEMONS if shutil.which(d) is None]
@@ -120,6 +114,20 @@ class SlurmCluster:
         subprocess.run(["slurmd"], check=True, timeout=30)
         self._wait_idle()
 
+    def _cancel_jobs(self, timeout: float = 15.0) -> None:
+        """Cancel every job and wait (bounded) until none runs."""
+        if not os.path.exists(os.path.join(self.dir, "slurmctld.pid")):
+            return
+        try:
+            subprocess.run(["scancel", "--full", *[j["id"] for j in self.jobs()]],
+                           capture_output=True, timeout=30)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(
+                    j["state"] in ("RUNNING", "COMPLETING", "PENDING") for j in self.jobs()):
+                time.sleep(0.2)
+        except (subprocess.SubprocessError, OSError):
+            pass  # the daemons are stopped next, and what is left is killed
+
     def _wait_idle(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -138,6 +146,7 @@ class SlurmCluster:
                 for line in out.splitlines()]
 
     def stop(self) -> None:
+        self._cancel_jobs()
         for pidfile in ("slurmd.pid", "slurmctld.pid", "munged.pid"):
             path = os.path.join(self.dir, pidfile)
             try:
@@ -146,13 +155,29 @@ class SlurmCluster:
             except (OSError, ValueError):
                 continue
             _kill_and_wait(pid)
-        # jobs' processes still running (slurmd's stepd children) end with it
-        subprocess.run(["pkill", "-KILL", "-f", f"slurmstepd.*{self.dir}"], check=False)
+        # what is left of jobs: slurmstepd (its name shows no folder) and what it started
+        for proc in psutil.process_iter(["name", "cmdline", "create_time"]):
+            info = proc.info
+            if info["create_time"] >= self._started and (
+                    (info["name"] or "").startswith("slurmstepd")
+                    or self.dir in " ".join(info["cmdline"] or [])):
+                for p in [proc] + _children(proc):
+                    try:
+                        p.kill()
+                    except psutil.Error:
+                        pass
         if self._old_conf is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self._old_conf
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _children(proc: psutil.Process) -> list:
+    try:
+        return proc.children(recursive=True)
+    except psutil.Error:
+        return []
 
 
 def _kill_and_wait(pid: int, timeout: float = 10.0) -> None:
