@@ -5,6 +5,7 @@ STAMP := $(VENV)/.installed
 BUNDLE := elastic_jupyter/static/dashboard.js
 CHROMIUM ?= $(shell command -v chromium || echo /usr/bin/chromium)
 SLURMD ?= $(shell command -v slurmd || echo /usr/sbin/slurmd)
+SSHD ?= /usr/sbin/sshd
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
 .PHONY: setup quickstart test benchmark clean
@@ -31,17 +32,18 @@ $(CHROMIUM):
 	$(SUDO) apt-get update -qq
 	$(SUDO) apt-get install -y -qq chromium
 
-# The Slurm tests start a one-machine Slurm of Debian's packages (tests/slurm_cluster.py).
-$(SLURMD):
+# The Slurm tests start a one-machine Slurm of Debian's packages (tests/slurm_cluster.py);
+# the multi-host tests an sshd per network namespace (tests/netns_hosts.py).
+$(SLURMD) $(SSHD):
 	$(SUDO) apt-get update -qq
-	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq slurm-wlm munge
+	DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq slurm-wlm munge openssh-server
 
 # The main job: the quick-start notebook, headless, on scikit-learn's digits; it also writes
 # the loss curve with its resize and checkpoint markers to notebooks/loss.png.
 quickstart: setup
 	cd notebooks && ../$(VENV)/bin/ipython --colors=nocolor 01_quickstart.ipynb
 
-test: setup $(CHROMIUM) $(SLURMD)
+test: setup $(CHROMIUM) $(SLURMD) $(SSHD)
 	$(PY) -m pytest -ra
 
 benchmark: setup $(SLURMD)
