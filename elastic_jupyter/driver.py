@@ -169,7 +169,7 @@ class Driver:
             self.log.merge(tasks[0].live_data())
             failed = [(e, t.error()) for e, t in zip(self.members, tasks) if t.error()]
             for engine, error in failed:
-                if not faults.alive(engine) or faults.is_engine_death(error):
+                if not self.pool.alive(engine) or faults.is_engine_death(error):
                     faults.kill(engine)  # a zombie's sockets may still hold peers
                     died = True
             if failed and first_failure is None:
@@ -217,6 +217,7 @@ class Driver:
         self.take_requests()
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
         W, target = len(self.members), change.target
+        # a scheduled resize is exact (after its step, the ranks wait for its engines)
         if self.sizer.grow_in_parts and not change.scheduled and target > W:
             target = min(target, W + len(self.membership.spares))  # the rest when they are up
         if target == W:
@@ -268,9 +269,7 @@ class Driver:
         the smaller size until they are up, or below --min wait for them. Returns the engine
         ids that receive the state."""
         self.membership.boot(self._wanted())
-        await self.recovery.wait_for_minimum()
-        _, _, newcomers = await self.recovery.roll_back()  # survivors' state, or a checkpoint's
-        return newcomers
+        return await self.recovery.resume()
 
     # ---------------------------------------------------------------- end states
 

@@ -84,7 +84,7 @@ class EngineCalls:
 
     async def init_engines(self, engine_ids: list[int]) -> list[dict]:
         """Bind fresh engines to the slot in their environment; [{"pid", "slot", "device",
-        "host"}] in `engine_ids` order."""
+        "host", "versions"}] in `engine_ids` order."""
         ar = self.client[engine_ids].apply_async(_init_from_env, entrypoints.init_engine)
         return await asyncio.wrap_future(ar)
 

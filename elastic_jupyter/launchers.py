@@ -13,7 +13,7 @@ ipyparallel's ``SSHEngineSetLauncher``, in the same Python environment (a shared
 
 Slurm (:class:`SlurmLauncher`): one batch job per engine, through ipyparallel's
 ``SlurmEngineSetLauncher`` with our batch template. A grow submits jobs and the run grows when
-Slurm starts them; a shrink cancels the jobs of ranks that left. Slurm's SIGTERM ahead of a
+Slurm starts them; a rank that left exits (its job ends with it). Slurm's SIGTERM ahead of a
 kill (``scancel --signal=TERM``, preemption with a grace time, the time limit through
 ``--signal=TERM@grace``) drains the engine at the next step boundary (engine.drain).
 """
@@ -103,10 +103,11 @@ class Launcher(abc.ABC):
         """The host `slot`'s engine runs on, when the launcher places it (else None)."""
         return None
 
-    async def jobs(self, engine_sets: dict) -> dict[str, Job]:
+    async def jobs(self, engine_sets: dict) -> dict[str, Job] | None:
         """The batch jobs of engine sets (id -> ipyparallel launcher), for launchers of batch
-        jobs (else none): a job that waits in the queue does not count against the engine's
-        start timeout, and one that ended before its engine registered failed the start."""
+        jobs (else none; None when the scheduler did not answer): a job that waits in the
+        queue does not count against the engine's start timeout, and one that ended before
+        its engine registered failed the start."""
         return {}
 
     def describe(self) -> str:
@@ -128,7 +129,7 @@ SLURM_TEMPLATE = """#!/bin/sh
 # Slurm's SIGTERM (preemption, the time limit) reaches the engine, which drains at its next
 # step boundary; the batch shell must outlive it, or the job would end with the shell.
 trap : TERM
-srun {{program_and_args}}
+srun --cpus-per-task={cpus} {{program_and_args}}
 """
 
 
@@ -185,7 +186,8 @@ class SlurmLauncher(Launcher):
         # braces are the template's fields: any in an option are literal
         options = "\n".join(self.batch_options()).replace("{", "{{").replace("}", "}}")
         config = Config()
-        config.SlurmEngineSetLauncher.batch_template = SLURM_TEMPLATE.format(options=options)
+        config.SlurmEngineSetLauncher.batch_template = SLURM_TEMPLATE.format(
+            options=options, cpus=self.cpus_per_engine)  # some Slurms' srun does not inherit it
         # ipyparallel writes the script into the kernel's folder (the notebook's) by default
         config.SlurmEngineSetLauncher.batch_file_name = f"{folder}/slurm_engine.sbatch"
         return {"engine_launcher_class": "slurm", "controller_ip": self.address,
@@ -197,8 +199,10 @@ class SlurmLauncher(Launcher):
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
-    async def jobs(self, engine_sets: dict) -> dict[str, Job]:
+    async def jobs(self, engine_sets: dict) -> dict[str, Job] | None:
         known = await _squeue([s.job_id for s in engine_sets.values() if s.job_id])
+        if known is None:
+            return None
         return {set_id: Job(s.job_id, *known.get(s.job_id, ("", "")), output=s.output_file)
                 for set_id, s in engine_sets.items() if s.job_id}
 
@@ -219,7 +223,7 @@ class SSHLauncher(Launcher):
         interface: as for Slurm; default: the one on the route to the first host.
         ssh_args: more ssh options, such as ``("-i", "~/.ssh/cluster_key")``.
     Raises:
-        UsageError: no ssh on PATH, hosts that do not parse, or an interface that cannot be.
+        UsageError: no ssh on PATH, hosts that do not parse, or a refused interface.
     """
 
     kind, local = "ssh", False
@@ -372,14 +376,17 @@ def _slurmctld_host() -> str:
     return m.group(2) or m.group(1)
 
 
-async def _squeue(job_ids: list[str]) -> dict[str, tuple[str, str]]:
-    """job id -> (state, reason) for those Slurm still knows."""
+async def _squeue(job_ids: list[str]) -> dict[str, tuple[str, str]] | None:
+    """job id -> (state, reason) for those Slurm still knows; None when squeue failed (a busy
+    slurmctld: no answer is not an answer that the jobs are gone)."""
     if not job_ids:
         return {}
     proc = await asyncio.create_subprocess_exec(
         "squeue", "-h", "-t", "all", "-o", "%i|%T|%r", "-j", ",".join(job_ids),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
     out, _ = await proc.communicate()
+    if proc.returncode:
+        return None
     jobs = {}
     for line in out.decode().splitlines():
         job_id, state, reason = (line.split("|") + ["", ""])[:3]

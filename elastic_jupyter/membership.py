@@ -239,7 +239,7 @@ class Membership:
 
     def drop_dead(self) -> bool:
         """Drop members whose process died (a fault during recovery); True if any did."""
-        dead = [m for m in self.members if not faults.alive(m)]
+        dead = [m for m in self.members if not self.pool.alive(m)]
         if dead:
             self.members = [m for m in self.members if m not in dead]
             self.pool.remove_engines(dead)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from . import faults
 from .arbiter.client import arbiter_configured
 from .arbiter.table import ArbiterError, check_weight
 from .config import PoolConfig, UsageError
@@ -136,13 +137,15 @@ class EnginePool:
         self._folder = None  # the pool's private folder (batch scripts)
         self._reaper = None  # subprocess.Popen of the reaper
         self._busy_slots: set[int] = set()  # slots of engines starting or stopping
+        self._starting: set[int] = set()  # slots of engines starting (never handed out twice)
         self._resizing = asyncio.Lock()  # an idle resize and the lease's following
         self._following: asyncio.Task | None = None  # lease mode: _follow_lease
         # slot -> its engine's batch job, not running yet; replaced, never changed in place:
         # other threads read it (the cell printing the queue, views)
         self.queued: dict[int, Job] = {}
-        self._slot_of: dict[int, int | None] = {}  # engine id -> slot, asked once (_arrivals)
+        self._set_of: dict[int, str | None] = {}  # engine id -> its set, asked once (_arrivals)
         self._asking: dict = {}  # engine id -> its reply to that question, not in yet
+        self._forgotten: set[str] = set()  # sets of failed starts (_forget_sets)
 
     def _lease(self, auto, weight, arbiter, gpus, name, notebook) -> SlotLease | None:
         if arbiter is None:
@@ -351,7 +354,11 @@ class EnginePool:
         atexit.register(self._shutdown_at_exit)
         self.client = await self.cluster.connect_client()
         if self.lease is None:
-            await self.add_engines(self.config.n)
+            try:
+                await self.add_engines(self.config.n)
+            except BaseException:  # engines that did not start, or an interrupted wait
+                await self._stop()
+                raise
             return
         try:  # wait in the machine's queue, then start on the slots leased now
             await self.lease.register()
@@ -541,7 +548,7 @@ class EnginePool:
             self.client.close()
         self.cluster = self.client = None
         self.engines = []
-        self._slot_of, self._asking = {}, {}
+        self._set_of, self._asking, self._forgotten = {}, {}, set()
 
     @property
     def usable_slots(self) -> int:
@@ -550,8 +557,8 @@ class EnginePool:
     def startable(self) -> int:
         """How many engines could start now: on free slots (lease mode: leased slots that no
         engine uses and the arbiter does not want back)."""
-        if self.lease is None:  # a slot whose engine still starts or stops is not free
-            taken = {e.slot for e in self.engines} | self._busy_slots
+        if self.lease is None:  # a slot whose engine still starts is not free
+            taken = {e.slot for e in self.engines} | self._starting
             return self.usable_slots - len(taken - set(self.excluded_slots))
         return len(self._free_leased())
 
@@ -578,8 +585,8 @@ class EnginePool:
                 raise UsageError(f"no free slot: the machine's arbiter leased this pool "
                                  f"{len(self.lease.leased)} slot(s), {len(free)} free")
             return free[:k]
-        # busy: starts under way (a run's boots of batch jobs run side by side) and stops
-        return free_slots(self.max_size, {e.slot for e in self.engines} | self._busy_slots,
+        # starts under way (a run's boots of batch jobs run side by side) keep their slots
+        return free_slots(self.max_size, {e.slot for e in self.engines} | self._starting,
                           set(self.excluded_slots), k)
 
     async def add_engines(self, k: int) -> list[Engine]:
@@ -588,13 +595,15 @@ class EnginePool:
             return []
         slots = self._free_slots(k)
         self._busy_slots.update(slots)
+        self._starting.update(slots)
         try:
             return await self._start_engines(slots)
         finally:
             self._busy_slots.difference_update(slots)
+            self._starting.difference_update(slots)
 
-    async def _start_set(self, slot: int) -> str:
-        """Start `slot`'s engine set of one; returns its id."""
+    async def _start_set(self, slot: int, set_id: str) -> None:
+        """Start `slot`'s engine set of one, as `set_id` (its engine says it: _arrivals)."""
         gpu = None
         if self.config.gpus:  # in lease mode a slot is the machine's GPU index
             gpu = slot if self.lease is not None else self.config.gpus[slot]
@@ -602,34 +611,26 @@ class EnginePool:
         # a fresh dict each time: start_engines mutates the one it is given
         env = _engine_env(slot, gpu, self.config.threads_per_engine, self.lease is not None,
                           self.launcher)
-        env.update(options.pop("environment", {}))
-        return await self.cluster.start_engines(1, environment=env, **options)
+        env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
+        await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 
     async def _start_engines(self, slots: list[int]) -> list[Engine]:
-        # side by side: an SSH start takes seconds of round trips (in a worker thread)
-        started = await asyncio.gather(*(self._start_set(s) for s in slots),
-                                       return_exceptions=True)
-        set_ids = {s: i for s, i in zip(slots, started) if not isinstance(i, BaseException)}
-        self._update_pidfile()  # batch jobs: cancelled should this process die meanwhile
-        if failed := [e for e in started if isinstance(e, BaseException)]:
-            await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
-                                 return_exceptions=True)
-            raise failed[0]
+        set_ids = {slot: f"s{slot}-{uuid.uuid4().hex[:8]}" for slot in slots}
         try:
+            # side by side: an SSH start takes seconds of round trips (in a worker thread)
+            started = await asyncio.gather(*(self._start_set(s, i) for s, i in set_ids.items()),
+                                           return_exceptions=True)
+            self._update_pidfile()  # batch jobs: cancelled should this process die meanwhile
+            if failed := [e for e in started if isinstance(e, BaseException)]:
+                raise failed[0]
             new = await self._wait_registered(set_ids)
-        except BaseException:
-            await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
-                                 return_exceptions=True)
+            infos = await self.calls.init_engines(new)
+            _check_versions(infos)
+        except BaseException:  # failed, timed out, refused or cancelled: nothing stays
+            await self._forget_sets(set(set_ids.values()))
             raise
         finally:
             self.queued = {s: q for s, q in self.queued.items() if s not in slots}
-        infos = await self.calls.init_engines(new)
-        try:
-            _check_versions(infos)
-        except RuntimeError:
-            await asyncio.gather(*(self.cluster.stop_engines(s) for s in set_ids.values()),
-                                 return_exceptions=True)
-            raise
         engines = []
         for engine_id, info in zip(new, infos):
             device = info["device"]
@@ -642,18 +643,32 @@ class EnginePool:
         self._update_pidfile()
         return engines
 
+    async def _forget_sets(self, set_ids: set) -> None:
+        """Stop engine sets of a start that failed (each on its own: one that cannot be
+        stopped must not keep the others), and never take their engines for new ones."""
+        self._set_of.update({i: None for i, s in self._set_of.items() if s in set_ids})
+        self._forgotten |= set_ids  # an engine of theirs that registers later is shut down
+        sets = [s for s in set_ids if s in self.cluster.engines]
+        await asyncio.gather(*(self.cluster.stop_engines(s) for s in sets),
+                             return_exceptions=True)
+        for s in sets:
+            self.cluster.engines.pop(s, None)
+
     async def _wait_registered(self, set_ids: dict) -> list[int]:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
         their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
         the scheduler's queue. Raises RuntimeError when one timed out or its job ended."""
         k, timeout = len(set_ids), self.config.engine_timeout
         deadline, next_look = time.monotonic() + timeout, 0.0
-        while len(mine := [i for i, slot in self._arrivals().items() if slot in set_ids]) < k:
+        wanted = set(set_ids.values())
+        while len(mine := [i for i, s in self._arrivals().items() if s in wanted]) < k:
             now = time.monotonic()
             if not self.launcher.local and now >= next_look:  # a batch system: ask it
                 next_look = now + 1.0
                 jobs = await self.launcher.jobs(
                     {s: self.cluster.engines[s] for s in set_ids.values()})
+                if jobs is None:  # the scheduler did not answer: ask again later
+                    continue
                 if ended := [j.why_ended() for j in jobs.values() if j.ended]:
                     raise RuntimeError("; ".join(ended))
                 mine = {slot: jobs[s] for slot, s in set_ids.items()
@@ -668,30 +683,34 @@ class EnginePool:
             await asyncio.sleep(0.05)
         return sorted(mine)
 
-    def _arrivals(self) -> dict[int, int]:
-        """engine id -> slot of the registered engines not in the pool yet, as far as known:
-        each is asked its slot (in its environment) once. Starts under way at once (a run's
-        boots of batch jobs) tell their engines apart by it."""
+    def _arrivals(self) -> dict[int, str]:
+        """engine id -> engine set of the registered engines not in the pool yet, as far as
+        known: each is asked once (its set is in its environment). Starts under way at once
+        (a run's boots of batch jobs) tell their engines apart by it, and an engine of a start
+        that failed is never taken for a new one."""
         known = {e.engine_id for e in self.engines}
         for i in self.client.ids:
-            if i not in known and i not in self._slot_of and i not in self._asking:
-                self._asking[i] = self.client[i].apply_async(_slot_from_env)
+            if i not in known and i not in self._set_of and i not in self._asking:
+                self._asking[i] = self.client[i].apply_async(_set_from_env)
         for i, reply in list(self._asking.items()):
             if reply.ready():
                 del self._asking[i]
                 try:
-                    self._slot_of[i] = reply.get()
+                    self._set_of[i] = reply.get()
                 except Exception:  # noqa: BLE001 -- it went away: not one of ours to wait for
-                    self._slot_of[i] = None
-        return {i: self._slot_of.get(i) for i in self.client.ids
-                if i not in known and i in self._slot_of}
+                    self._set_of[i] = None
+                if self._set_of[i] in self._forgotten:  # a failed start's, registered late
+                    self._set_of[i] = None
+                    self.client.shutdown(targets=[i], hub=False, block=False)
+        return {i: self._set_of.get(i) for i in self.client.ids
+                if i not in known and i in self._set_of}
 
     def remove_engines(self, engines: list[Engine]) -> asyncio.Task:
         """Forget these engines now and stop them (each is its own engine set) in the
         background; await the returned task to wait until they are gone."""
         for e in engines:
             self.engines.remove(e)
-            self._slot_of[e.engine_id] = None  # still registered a while: no new arrival
+            self._set_of[e.engine_id] = None  # still registered a while: no new arrival
         self._update_pidfile()
         # the processes now (psutil then checks that a pid was not reused before signalling)
         procs = _processes([e.pid for e in engines if e.local])
@@ -714,11 +733,21 @@ class EnginePool:
             self._removing.difference_update(procs)
             self._busy_slots.difference_update(e.slot for e in engines)
 
+    def alive(self, engine: Engine) -> bool:
+        """Whether `engine` runs: its process on this host; another host's while the
+        controller counts it (it drops an engine whose nanny reports it dead or whose
+        heartbeats stop)."""
+        if engine.local:
+            return faults.alive(engine)
+        return self.client is not None and engine.engine_id in self.client.ids
+
     async def _shut_down_remote(self, engines: list[Engine]) -> None:
         """Ask other hosts' engines to exit, through the controller (no ssh round trip, and a
         lost host costs no connection timeout), and forget the engine sets of those that did:
         ipyparallel's stop then reaches out only to engines that did not (ssh kill, scancel).
         An engine's batch job ends with its engine."""
+        if not engines or self.client is None:
+            return
         ids = [e.engine_id for e in engines if e.engine_id in self.client.ids]
         if ids:
             self.client.shutdown(targets=ids, hub=False, block=False)
@@ -760,17 +789,18 @@ def _check_versions(infos: list[dict]) -> None:
     would fail later in a state transfer or a pickled call, far from the cause."""
     mine = versions()
     for info in infos:
-        theirs = info["versions"]
-        diff = [f"{k} {theirs[k]} (this kernel: {mine[k]})" for k in mine if theirs[k] != mine[k]]
+        theirs = info.get("versions", {})  # an older engine sends none
+        diff = [f"{k} {theirs.get(k, 'unknown')} (this kernel: {mine[k]})" for k in mine
+                if theirs.get(k) != mine[k]]
         if diff:
             raise RuntimeError(f"the engine on {info['host']} runs {', '.join(diff)}: install "
                                "the same versions where the engines run (a shared environment "
                                "is simplest)")
 
 
-def _slot_from_env() -> int:
+def _set_from_env() -> str:
     import os
-    return int(os.environ["ELASTIC_JUPYTER_SLOT"])
+    return os.environ.get("ELASTIC_JUPYTER_SET", "")
 
 
 def _check_weight(weight) -> None:

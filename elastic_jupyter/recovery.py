@@ -63,6 +63,14 @@ class Recovery:
         if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.pool.max_size):
             raise RuntimeError("the run keeps failing without making progress; see run.logs()")
 
+    async def resume(self) -> set:
+        """After members left without a fault (a drain): wait for replacements below --min,
+        then name the engines that receive the state (survivors keep theirs; with none left,
+        the newest checkpoint, which the drain wrote, is loaded)."""
+        await self.wait_for_minimum()
+        _, _, newcomers = await self._roll_back_survivors()
+        return newcomers
+
     async def wait_for_minimum(self) -> None:
         """With fewer than --min survivors, wait (visibly) for replacements to join."""
         needed = max(self.pool.min_size, 1) - len(self.membership.members)

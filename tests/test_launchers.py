@@ -26,7 +26,8 @@ def test_an_engine_job_asks_slurm_for_what_the_options_say():
     config = launcher.cluster_options("/private/pool")["config"].SlurmEngineSetLauncher
     assert config.batch_file_name == "/private/pool/slurm_engine.sbatch"  # not the notebook's
     script = config.batch_template
-    assert "#SBATCH --qos=debug\n" in script and "trap : TERM\nsrun {program_and_args}" in script
+    assert "#SBATCH --qos=debug\n" in script
+    assert "trap : TERM\nsrun --cpus-per-task=8 {program_and_args}" in script
     assert launcher.engine_env() == {"ELASTIC_JUPYTER_OWNER_ADDRESS": "127.0.0.1"}
     # CPU engines see no GPU; braces in an option are not template fields
     cpu = SlurmLauncher(interface="lo", options=("--comment={a}",))

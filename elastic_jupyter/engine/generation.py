@@ -187,7 +187,7 @@ class Generation:
                               "events": events})
                     published = [published[1], len(w.history)]
                     last_publish = now
-            if leave:
+            if leave and p.step < cfg["total_steps"]:
                 break
         else:
             reason = "finished"
