@@ -5,7 +5,8 @@ Each host is a network namespace with a veth pair onto the bridge ``ejbr<N>`` (a
 namespace with a private ``/tmp`` (and so a private Jupyter runtime folder): engines started
 there talk TCP across interfaces to the kernel's side of the bridge and share no temporary
 files with it. The rest of the file system (this checkout, its virtual environment, $HOME) is
-shared, as a cluster's home folders are. Logins use a key made for the test.
+shared, as a cluster's home folders are: a checkout or environment that lies under /tmp is
+bound back into the hosts' private /tmp. Logins use a key made for the test.
 
 Killing every process of a namespace (:meth:`Hosts.kill`) is the loss of that host.
 Needs root and openssh-server (``make test`` installs it).
@@ -17,6 +18,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -45,6 +47,9 @@ class Hosts(Service):
 
     def __init__(self, count: int = 2):
         self.count = count
+        # what the hosts must see although it lies in /tmp: this checkout (its venv) and Python
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.shared = sorted({p for p in (here, sys.prefix) if p.startswith("/tmp/")})
         tag = os.getpid() % 200 + 20  # a subnet of our own: parallel test sessions differ
         self.prefix = f"192.168.{tag}"
         self.bridge = f"ejbr{tag}"
@@ -92,8 +97,11 @@ class Hosts(Service):
                     f"AuthorizedKeysFile {self.dir}/authorized_keys\nPermitRootLogin "
                     "prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
                     f"PidFile {self.dir}/sshd-{ns}.pid\nSubsystem sftp internal-sftp\n")
-        script = (f"mount -t tmpfs tmpfs /tmp && hostname {hostname} && "
-                  f"exec {SSHD} -D -e -f {config}")
+        keep = [f"{self.dir}/keep-{ns}-{i}" for i in range(len(self.shared))]
+        binds = [f"mkdir -p {k} && mount --bind {p} {k}" for p, k in zip(self.shared, keep)]
+        back = [f"mkdir -p {p} && mount --bind {k} {p}" for p, k in zip(self.shared, keep)]
+        script = " && ".join(binds + ["mount -t tmpfs tmpfs /tmp"] + back + [
+            f"hostname {hostname}", f"exec {SSHD} -D -e -f {config}"])
         return subprocess.Popen(
             ["ip", "netns", "exec", ns, "unshare", "--mount", "--uts", "--propagation",
              "private", "sh", "-c", script],
