@@ -3,7 +3,7 @@
 Each slot's engine is its own engine set of one, because ipyparallel cannot stop a single engine
 of a larger set (``Cluster.stop_engine`` raises) and forgets per-set environments on restart.
 CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot change. Where the
-engines run (this host, Slurm jobs) is the pool's :class:`~.launchers.Launcher`.
+engines run (this host, other hosts over ssh, Slurm jobs) is the pool's :class:`~.launchers.Launcher`.
 
 In lease mode (``auto=True``, or a machine whose admin runs a shared arbiter) the slots are the
 machine's, leased by its arbiter: engines start only on leased slots, and the pool follows the
@@ -519,12 +519,7 @@ class EnginePool:
         try:
             await _terminate(engines + _with_descendants(others), grace=STOP_GRACE)
             try:
-                # engines left (ssh, queued jobs) each on their own: one that cannot be reached
-                # (a lost host) must not leave the others' stops pending
-                sets = self.cluster.engines
-                await asyncio.gather(*(self.cluster.stop_engines(s) for s in list(sets)),
-                                     return_exceptions=True)
-                sets.clear()  # else ipyparallel would try again when the Cluster is collected
+                await self._stop_sets(list(self.cluster.engines))  # ssh, queued jobs
                 await self.cluster.stop_cluster()  # now only its bookkeeping: state, files, logs
             except Exception as e:
                 log.warning("elastic_jupyter: ipyparallel's cleanup after stopping the pool "
@@ -648,11 +643,17 @@ class EnginePool:
         stopped must not keep the others), and never take their engines for new ones."""
         self._set_of.update({i: None for i, s in self._set_of.items() if s in set_ids})
         self._forgotten |= set_ids  # an engine of theirs that registers later is shut down
-        sets = [s for s in set_ids if s in self.cluster.engines]
-        await asyncio.gather(*(self.cluster.stop_engines(s) for s in sets),
-                             return_exceptions=True)
+        await self._stop_sets(set_ids)
+
+    async def _stop_sets(self, set_ids) -> None:
+        """ipyparallel's stop of these engine sets, each on its own (one that cannot be
+        reached, a lost host, must not leave the others' stops pending), then forgotten: a
+        stop that failed is not tried again when the Cluster is collected."""
+        cluster = self.cluster
+        sets = [s for s in set_ids if s in cluster.engines]
+        await asyncio.gather(*(cluster.stop_engines(s) for s in sets), return_exceptions=True)
         for s in sets:
-            self.cluster.engines.pop(s, None)
+            cluster.engines.pop(s, None)
 
     async def _wait_registered(self, set_ids: dict) -> list[int]:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
@@ -765,12 +766,8 @@ class EnginePool:
         # ipyparallel's stop waits for the process with a blocking join, which would freeze
         # the owner loop for seconds: end the processes here first, then let it clean up.
         await _terminate(procs)
-        cluster = self.cluster
-        if cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
-            await asyncio.gather(*(cluster.stop_engines(e.set_id) for e in engines
-                                   if e.set_id in cluster.engines), return_exceptions=True)
-            for e in engines:  # a stop that failed (a lost host) is not tried again
-                cluster.engines.pop(e.set_id, None)
+        if self.cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
+            await self._stop_sets([e.set_id for e in engines])
             for e in engines:
                 await self._wait_unregistered(e.engine_id)
         # each nanny has told the controller its engine is gone; without a controller it
