@@ -46,13 +46,14 @@ quickstart: setup
 test: setup $(CHROMIUM) $(SLURMD) $(SSHD)
 	$(PY) -m pytest -ra
 
-benchmark: setup $(SLURMD)
+benchmark: setup $(SLURMD) $(SSHD)
 	$(PY) benchmarks/resize_and_throughput.py
 	$(PY) benchmarks/fault_recovery.py
 	$(PY) benchmarks/panel_resize.py
 	$(PY) benchmarks/chart_render.py
 	$(PY) benchmarks/auto_day.py
 	$(PY) benchmarks/slurm_drain.py
+	$(PY) benchmarks/hosts_throughput.py
 
 clean:
 	rm -rf $(VENV) notebooks/elastic-checkpoints notebooks/loss.png node_modules elastic_jupyter/static artifacts

@@ -17,6 +17,10 @@ pass (a step takes ~10-20 ms on 2 cores), global batch 64, 2 engine jobs (gloo o
 * grow: ``run.resize(3)`` submits a job; latency from the job's start (Slurm's StartTime,
   1 s resolution) and from the request to the first step at 3, with the engine's registration
   in between; then back to 2.
+* auto mode (``--auto-rounds``), on a pool of its own after the others: Slurm as the arbiter
+  (elastic_jupyter/arbiter/slurm.py). The pool (min 1, max 4) holds the 4 idle CPUs; another
+  user's job asking for 2 arrives: its submission to the run at 2 and to its start; it runs
+  10 s; its end to the run's first step at 4 again.
 
 The phases run one after the other: grows, drains, crashes (a slot that crashed 3 times is
 left out of the run, faults.MAX_SLOT_FAULTS: the crashes come last, with a spare slot).
@@ -48,11 +52,13 @@ SLEEP_S = 0.005
 
 
 def wait_for(check, timeout=120.0, what="condition"):
+    """Poll `check` until it returns something truthy; returns that."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while not (value := check()):
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.02)
+    return value
 
 
 def job_of(pool, engine) -> str:
@@ -80,55 +86,102 @@ def first_step_after(run, t: float, world_size: int) -> float:
     return min(r["time"] for r in run.history if r["time"] > t and r["world_size"] == world_size)
 
 
-def slurm_start_time(job: str) -> float:
-    out = subprocess.run(["squeue", "-h", "-t", "all", "-j", job, "-o", "%S"],
-                         capture_output=True, text=True, check=True).stdout.strip()
-    return datetime.datetime.fromisoformat(out).timestamp()
+def slurm_time(job: str, which: str) -> float:
+    """`job`'s StartTime or EndTime (Slurm's, 1 s resolution); 0 until it started / ended."""
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                         check=True).stdout
+    state = out.split("JobState=")[1].split()[0]
+    if state == "PENDING" or (which == "EndTime" and state == "RUNNING"):
+        return 0.0
+    return datetime.datetime.fromisoformat(out.split(f"{which}=")[1].split()[0]).timestamp()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=5, help="drains and kills each (5)")
+    parser.add_argument("--auto-rounds", type=int, default=3,
+                        help="auto mode: another job's arrivals and ends (3)")
     args = parser.parse_args()
     with SlurmCluster(cpus=4):
-        pool = EnginePool(n=2, min_size=1, max_size=4, launcher=SlurmLauncher()).start()
-        config = RunConfig(name="slurm-bench", steps=10_000_000, global_batch=64, seed=7,
-                           checkpoint_every=0, collective_timeout=5)
-        run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
-                                                             f"time.sleep({SLEEP_S})"),
-                          workspace=tempfile.mkdtemp()).start()
-        drains, kills, grows = [], [], []
-        try:
-            wait_for(lambda: run.step > 50, what="training")
-            for _ in range(args.rounds):
-                known = {job_of(pool, e) for e in pool.engines}
-                asked = time.time()
-                run.resize(3)
-                wait_for(lambda: run.world_size == 3, what="the grow")
-                new = ({job_of(pool, e) for e in pool.engines} - known).pop()
-                started = slurm_start_time(new)
-                at3 = first_step_after(run, asked, 3)
-                ready = max(e.started for e in pool.engines)
-                grows.append({"from_job_start": at3 - started, "from_request": at3 - asked,
-                              "registered_after_request": ready - asked})
-                run.resize(2)
-                wait_for(lambda: run.world_size == 2 and pool.size == 2, what="the shrink")
-            for signal, kind, into in (("TERM", "drain", drains), ("KILL", "fault", kills)):
-                for _ in range(args.rounds):
-                    event = signal_rank1(run, pool, signal, kind)
-                    back = first_step_after(run, event["sent"], 1)
-                    into.append({"to_gone": event["time"] - event["sent"],
-                                 "engine_s": event.get("drain_s"),
-                                 "to_training": back - event["sent"],
-                                 "lost": event.get("lost_steps", 0)})
-                    wait_for(lambda: run.world_size == 2, what="the replacement")
-            steps = [r["step"] for r in run.history]
-            assert steps == list(range(1, len(steps) + 1)), "a step is missing or repeated"
-        finally:
-            run.stop()
-            run.wait(timeout=120)
-            pool.stop()
-    report(drains, kills, grows)
+        if args.rounds:
+            report(*drains_kills_grows(args.rounds))
+        if args.auto_rounds:
+            report_auto(auto_rounds(args.auto_rounds))
+
+
+def drains_kills_grows(rounds: int) -> tuple[list, list, list]:
+    pool = EnginePool(n=2, min_size=1, max_size=4, launcher=SlurmLauncher()).start()
+    config = RunConfig(name="slurm-bench", steps=10_000_000, global_batch=64, seed=7,
+                       checkpoint_every=0, collective_timeout=5)
+    run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
+                                                         f"time.sleep({SLEEP_S})"),
+                      workspace=tempfile.mkdtemp()).start()
+    drains, kills, grows = [], [], []
+    try:
+        wait_for(lambda: run.step > 50, what="training")
+        for _ in range(rounds):
+            known = {job_of(pool, e) for e in pool.engines}
+            asked = time.time()
+            run.resize(3)
+            wait_for(lambda: run.world_size == 3, what="the grow")
+            new = ({job_of(pool, e) for e in pool.engines} - known).pop()
+            started = slurm_time(new, "StartTime")
+            at3 = first_step_after(run, asked, 3)
+            ready = max(e.started for e in pool.engines)
+            grows.append({"from_job_start": at3 - started, "from_request": at3 - asked,
+                          "registered_after_request": ready - asked})
+            run.resize(2)
+            wait_for(lambda: run.world_size == 2 and pool.size == 2, what="the shrink")
+        for signal, kind, into in (("TERM", "drain", drains), ("KILL", "fault", kills)):
+            for _ in range(rounds):
+                event = signal_rank1(run, pool, signal, kind)
+                back = first_step_after(run, event["sent"], 1)
+                into.append({"to_gone": event["time"] - event["sent"],
+                             "engine_s": event.get("drain_s"),
+                             "to_training": back - event["sent"],
+                             "lost": event.get("lost_steps", 0)})
+                wait_for(lambda: run.world_size == 2, what="the replacement")
+        steps = [r["step"] for r in run.history]
+        assert steps == list(range(1, len(steps) + 1)), "a step is missing or repeated"
+    finally:
+        run.stop()
+        run.wait(timeout=120)
+        pool.stop()
+    return drains, kills, grows
+
+
+def auto_rounds(rounds: int) -> list[dict]:
+    """An auto pool (min 1, max 4) on the idle 4 CPUs; another user's job asking for 2 CPUs
+    arrives (its submission to its start, and to the run at 2), runs 10 s, ends (its end to
+    the run back at 4)."""
+    pool = EnginePool(n=1, min_size=1, max_size=4, auto=True, launcher=SlurmLauncher()).start()
+    config = RunConfig(name="slurm-auto", steps=10_000_000, global_batch=64, seed=7,
+                       checkpoint_every=0)
+    run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
+                                                         f"time.sleep({SLEEP_S})"),
+                      workspace=tempfile.mkdtemp()).start()
+    rows = []
+    try:
+        for _ in range(rounds):
+            wait_for(lambda: run.world_size == 4, what="the pool at 4")
+            asked = time.time()
+            job = subprocess.run(["sbatch", "--parsable", "-o", "/dev/null", "-c", "2",
+                                  "--wrap", "sleep 10"], capture_output=True, text=True,
+                                 check=True).stdout.strip()
+            wait_for(lambda: run.world_size == 2, what="the give-back")
+            gave = time.time()
+            started = wait_for(lambda: slurm_time(job, "StartTime"), what="its start")
+            ended = wait_for(lambda: slurm_time(job, "EndTime"), timeout=60, what="its end")
+            wait_for(lambda: run.world_size == 4, what="the pool back at 4")
+            rows.append({"to_gave": gave - asked, "to_other_start": started - asked,
+                         "to_back": first_step_after(run, ended, 4) - ended})
+        steps = [r["step"] for r in run.history]
+        assert steps == list(range(1, len(steps) + 1)), "a step is missing or repeated"
+    finally:
+        run.stop()
+        run.wait(timeout=120)
+        pool.stop()
+    return rows
 
 
 def report(drains, kills, grows) -> None:
@@ -150,6 +203,16 @@ def report(drains, kills, grows) -> None:
           f"(Slurm's start time has 1 s resolution); request -> first step at 3: "
           f"{med(grows, 'from_request'):.2f} s; request -> engine registered: "
           f"{med(grows, 'registered_after_request'):.2f} s")
+
+
+def report_auto(rows: list[dict]) -> None:
+    def med(key):
+        return statistics.median(r[key] for r in rows)
+
+    print(f"auto mode, {len(rows)} rounds (median): another job submitted -> the pool gave 2 "
+          f"engines back: {med('to_gave'):.2f} s; -> that job started: "
+          f"{med('to_other_start'):.2f} s (Slurm's start time, 1 s resolution); its end -> "
+          f"first step at 4 again: {med('to_back'):.2f} s")
 
 
 if __name__ == "__main__":

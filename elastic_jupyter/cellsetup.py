@@ -116,7 +116,8 @@ class CellSetup:
         calls: EngineCalls. log: the RunLog. config: the run's config as plain data.
         source / setup_bytes: the cell's code, or a cloudpickled setup function.
         push: notebook variables defined on the engines first.
-        workdir: the notebook's working folder when the cell ran; engines run the cell there.
+        workdir: the notebook's working folder when the cell ran; engines run the cell there
+            (on a host without that folder, in their own: a warning says so, once a host).
 
     Attributes:
         total_steps: the run's length in steps, fixed by the first engines' setup.
@@ -129,6 +130,7 @@ class CellSetup:
         self.calls, self.log, self.config = calls, log, config
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
         self.workdir = workdir
+        self._elsewhere: set[str] = set()  # hosts that run the cell outside `workdir`
         self.rendezvous: Rendezvous | None = None  # opened once the first engines are set up
         self.total_steps = 0
         self.dataset: dict | None = None
@@ -151,6 +153,14 @@ class CellSetup:
                 raise RunSetupError(
                     f"the cell failed on engine slot {engine.slot}: {remote_summary(result)}\n"
                     f"--- engine traceback ---\n{detail}")
+        for engine, result in zip(engines, results):
+            # the notebook's folder is not on its host: said once per host
+            if result["workdir"] != self.workdir and engine.host not in self._elsewhere:
+                self._elsewhere.add(engine.host)
+                self.log.event("warning", message=(
+                    f"host {engine.host} has no folder {self.workdir}: the cell runs in "
+                    f"{result['workdir']} there (relative paths and the notebook's own modules"
+                    " resolve there)"))
         self._check_datasets(engines, [r["dataset"] for r in results])
         if self.dataset is None:
             self.dataset, self.total_steps = results[0]["dataset"], results[0]["total_steps"]

@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .arbiter.slurm import SlurmArbiter
 from .config import UsageError
 from .engine.interface import address_of, address_towards, interface_of
 
@@ -64,6 +65,11 @@ class Job:
 
     def __str__(self) -> str:
         return f"job {self.job_id} {self.state.lower()} ({self.reason})"
+
+
+class StartWithdrawn(Exception):
+    """An engine's start was given up: its slot went back to the arbiter (Slurm wants it for
+    a waiting job) while the engine's job still waited in the queue. Not a fault of the slot."""
 
 
 class Launcher(abc.ABC):
@@ -110,6 +116,14 @@ class Launcher(abc.ABC):
         its engine registered failed the start."""
         return {}
 
+    def arbiter(self, own_jobs):
+        """Who leases an auto pool its slots: None for the machine's arbiter (this host's
+        slots), else an object with :class:`~.arbiter.client.ArbiterClient`'s calls.
+        `own_jobs` returns the pool's batch job ids. Raises UsageError where auto mode is not
+        built for this launcher."""
+        raise UsageError(f"--auto is not built for --launcher {self.kind} yet: give the pool's "
+                         "size (-n) and resize it by hand")
+
     def describe(self) -> str:
         return "this host"
 
@@ -118,6 +132,9 @@ class LocalLauncher(Launcher):
     """Engines are processes of this host (ipyparallel's ``LocalEngineSetLauncher``)."""
 
     kind, local = "local", True
+
+    def arbiter(self, own_jobs):
+        return None
 
 
 SLURM_TEMPLATE = """#!/bin/sh
@@ -205,6 +222,12 @@ class SlurmLauncher(Launcher):
             return None
         return {set_id: Job(s.job_id, *known.get(s.job_id, ("", "")), output=s.output_file)
                 for set_id, s in engine_sets.items() if s.job_id}
+
+    def arbiter(self, own_jobs):
+        """Slurm decides: the pool grows while the partition is idle and gives back when
+        other jobs wait (:mod:`.arbiter.slurm`)."""
+        return SlurmArbiter(self.partition, self.cpus_per_engine, self.gpus_per_engine,
+                            own_jobs)
 
     def describe(self) -> str:
         where = f"partition {self.partition}" if self.partition else "the default partition"

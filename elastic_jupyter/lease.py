@@ -143,8 +143,12 @@ class SlotLease:
 
 
 def describe_slot_event(event: dict, kind: str) -> str:
-    """A grant's event as one line: "grew into GPU 3 (freed by run X)", "gave GPU 2 to run Y"."""
+    """A grant's event as one line: "grew into GPU 3 (freed by run X)", "gave GPU 2 to run Y";
+    a scheduler's (Slurm's) says why: "gave slot 2 back: Slurm job(s) 41 wait for resources"."""
     where = f"{'GPU' if kind == 'gpu' else 'slot'} {event['slot']}"
+    if "why" in event:
+        verb = "grew into" if event["kind"] == "grew" else "gave back"
+        return f"{verb} {where}: {event['why']}"
     if event["kind"] == "grew":
         return f"grew into {where}" + (f" (freed by run {event['from']})" if event.get("from")
                                        else "")

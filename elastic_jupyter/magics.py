@@ -87,7 +87,16 @@ def _status_table(status: dict) -> str:
 
 
 def _machine_table(view: dict, now: float) -> str:
-    """The machine's slots (holder, since, use) and runs, as the arbiter sees them."""
+    """The machine's slots (holder, since, use) and runs, as the arbiter sees them; for a
+    scheduler's pool (Slurm), what its partition's last look found."""
+    if (scheduler := view.get("scheduler")) is not None:
+        seen = scheduler["seen"]
+        where = f"Slurm partition {scheduler['partition'] or '(default)'}"
+        if seen is None:
+            return f"{where}: not looked at yet (or Slurm did not answer)"
+        waiting = ", ".join(seen["waiting"]) or "none"
+        return (f"{where}: {seen['idle_cpus']} idle CPU(s), {seen['idle_gpus']} idle GPU(s) "
+                f"(room for {seen['fits']} more engine(s)); other jobs waiting: {waiting}")
     rows = [("slot", "holder", "user", "notebook", "for", "use")]
     for s in view["slots"]:
         h = s["holder"]
@@ -174,7 +183,8 @@ def _launcher(args):
 def _auto_options(p: _Parser) -> None:
     p.add_argument("--auto", action="store_true",
                    help="auto mode: the machine's arbiter sizes the pool between --min and --max"
-                        " by weighted fair share with the machine's other runs")
+                        " by weighted fair share with the machine's other runs (on Slurm: grow "
+                        "while the partition is idle, give back while other jobs wait)")
     p.add_argument("--weight", type=float, default=None,
                    help="the pool's weight in that fair share among your runs (default 1)")
 

@@ -17,7 +17,9 @@ import time
 from . import faults
 from .config import UsageError
 from .engine_calls import remote_summary
+from .launchers import StartWithdrawn
 from .owner import background
+
 
 MAX_BOOT_FAILURES = 3  # consecutive failed boots before a grow gives up
 
@@ -173,6 +175,9 @@ class Membership:
         t0 = time.time()
         try:
             engines = await self.pool.add_engines(k)
+        except StartWithdrawn as e:  # the slot went back before its job ran: no failure
+            self.log.log(str(e))
+            return
         except Exception as e:  # reported as an event; the run trains on
             self._boot_failed(f"could not start {k} engine(s): {e}")
             return
@@ -246,11 +251,12 @@ class Membership:
         return bool(dead)
 
     async def wait_for_joiners(self, needed: int, wanted: int, deadline: float,
-                               poll: float) -> bool:
+                               poll: float, stopped=lambda: False) -> bool:
         """Wait until `needed` spares are ready and move them to joining; False if the
-        monotonic `deadline` passed or engines keep failing to start."""
+        monotonic `deadline` passed, engines keep failing to start or `stopped()` says the
+        run was told to stop."""
         while len(self.spares) < needed:
-            if time.monotonic() > deadline or self.gave_up:
+            if time.monotonic() > deadline or self.gave_up or stopped():
                 return False
             self.boot(wanted)
             await asyncio.sleep(poll)

@@ -31,7 +31,7 @@ from .config import PoolConfig, UsageError
 from .engine.entrypoints import versions
 from .engine_calls import EngineCalls
 from .host import own_folder
-from .launchers import Job, Launcher, LocalLauncher
+from .launchers import Job, Launcher, LocalLauncher, StartWithdrawn
 from .lease import POLL_S, SlotLease, describe_slot_event
 from .membership import free_slots
 from .owner import background, get_owner
@@ -93,7 +93,9 @@ class EnginePool:
         gpus: "all", "none" or a list of GPU ids such as "0,2".
         engine_timeout: seconds to wait for a new engine to register.
         auto: auto mode: the machine's arbiter sizes the pool between min and max by weighted
-            fair share with the other runs on the machine (docs/arbiter.md).
+            fair share with the other runs on the machine (docs/arbiter.md); on Slurm, Slurm's
+            queue does (grow while the partition is idle, give back while others wait:
+            :mod:`.arbiter.slurm`).
         weight: the pool's weight in that fair share among its user's runs (> 0).
         arbiter: take slots from the machine's arbiter (default: with ``auto``, or when the
             admin runs a shared one or ``$ELASTIC_JUPYTER_ARBITER`` names one).
@@ -102,8 +104,8 @@ class EnginePool:
             Slurm pool are its engine jobs; the machine's arbiter does not place them.
     Raises:
         UsageError: bounds that do not fit (n outside [min, max], more engines than GPUs),
-            ``auto`` without the arbiter, a GPU list in lease mode (the arbiter places), or
-            ``auto``/a GPU list with a launcher other than this host's.
+            ``auto`` without the arbiter, a GPU list in lease mode (the arbiter places), a GPU
+            list with a launcher other than this host's, or ``auto`` over ssh hosts.
     """
 
     def __init__(self, n: int | None = None, min_size: int | None = None,
@@ -112,10 +114,10 @@ class EnginePool:
                  name: str = "", notebook: str | None = None, launcher: Launcher | None = None):
         self.launcher = launcher or LocalLauncher()
         if not self.launcher.local:
-            if auto or gpus not in ("all", "none"):
+            if gpus not in ("all", "none"):
                 raise UsageError(f"--launcher {self.launcher.kind} places each engine itself: "
-                                 "--auto and --gpus apply to pools on this host only")
-            gpus, arbiter = "none", False  # this host's GPUs are not the engines'
+                                 "--gpus applies to pools on this host only")
+            gpus, arbiter = "none", auto  # this host's GPUs and arbiter are not the engines'
         slots = self.launcher.slot_count
         if slots is not None and (max_size or slots) > slots:
             raise UsageError(f"--max {max_size} exceeds the {slots} slot(s) of "
@@ -155,14 +157,17 @@ class EnginePool:
                 raise UsageError("auto mode needs the machine's arbiter: leave arbiter unset")
             return None
         _check_weight(weight)
-        if gpus not in ("all", "none") or (gpus == "none" and PoolConfig.gpu_count()):
+        client = self.launcher.arbiter(self._jobs)  # None: this machine's arbiter
+        if client is None and (gpus not in ("all", "none")
+                               or (gpus == "none" and PoolConfig.gpu_count())):
             raise UsageError(f"--gpus {gpus}: in lease mode the machine's arbiter places the "
                              "engines on its slots; give --gpus all, or start the pool without "
                              "the arbiter (--no-arbiter, EnginePool(arbiter=False))")
         c = self.config
         return SlotLease(f"pool-{uuid.uuid4().hex}", dict(
             name=name or "pool", notebook=notebook or os.environ.get("JPY_SESSION_NAME", ""),
-            min=c.min_size, max=c.max_size, weight=weight, auto=auto, wanted=c.n, standby=0))
+            min=c.min_size, max=c.max_size, weight=weight, auto=auto, wanted=c.n, standby=0),
+            client)
 
     # properties --------------------------------------------------------------------------------
 
@@ -464,7 +469,10 @@ class EnginePool:
                 self.remove_engines(leaving)
             missing = min(self.lease.kept - self.size, self.startable())
             if missing > 0:
-                await self.add_engines(missing)
+                try:
+                    await self.add_engines(missing)
+                except StartWithdrawn:
+                    pass  # the slot went back; the next look follows the grant again
 
     async def _release_unused(self) -> None:
         """Give back the slots the arbiter asks for (and, while idle, standby slots) that no
@@ -604,8 +612,8 @@ class EnginePool:
             gpu = slot if self.lease is not None else self.config.gpus[slot]
         options = self.launcher.start_options(slot)
         # a fresh dict each time: start_engines mutates the one it is given
-        env = _engine_env(slot, gpu, self.config.threads_per_engine, self.lease is not None,
-                          self.launcher)
+        env = _engine_env(slot, gpu, self.config.threads_per_engine,
+                          self.lease is not None and self.launcher.local, self.launcher)
         env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
         await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 
@@ -658,7 +666,8 @@ class EnginePool:
     async def _wait_registered(self, set_ids: dict) -> list[int]:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
         their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
-        the scheduler's queue. Raises RuntimeError when one timed out or its job ended."""
+        the scheduler's queue. Raises RuntimeError when one timed out or its job ended,
+        StartWithdrawn when the arbiter wants a slot back while its job still waits."""
         k, timeout = len(set_ids), self.config.engine_timeout
         deadline, next_look = time.monotonic() + timeout, 0.0
         wanted = set(set_ids.values())
@@ -674,6 +683,9 @@ class EnginePool:
                     raise RuntimeError("; ".join(ended))
                 mine = {slot: jobs[s] for slot, s in set_ids.items()
                         if s in jobs and jobs[s].waiting}
+                if self.lease is not None and (back := set(mine) & self.lease.leaving):
+                    raise StartWithdrawn(f"slot(s) {sorted(back)} given back while their "
+                                         "job waited in the queue: job cancelled")
                 self.queued = {**{s: q for s, q in self.queued.items() if s not in set_ids},
                                **mine}
                 if mine:

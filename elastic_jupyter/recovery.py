@@ -72,7 +72,8 @@ class Recovery:
         return newcomers
 
     async def wait_for_minimum(self) -> None:
-        """With fewer than --min survivors, wait (visibly) for replacements to join."""
+        """With fewer than --min survivors, wait (visibly) for replacements to join; a stop
+        request ends the wait (BelowMinimum: the run stops)."""
         needed = max(self.pool.min_size, 1) - len(self.membership.members)
         if needed <= 0:
             return
@@ -81,7 +82,11 @@ class Recovery:
                        f"{faults.MIN_WAIT_TIMEOUT:.0f} s for replacements")
         deadline = time.monotonic() + faults.MIN_WAIT_TIMEOUT
         if not await self.membership.wait_for_joiners(
-                needed, self.sizer.engines_wanted(self.standby), deadline, self.poll):
+                needed, self.sizer.engines_wanted(self.standby), deadline, self.poll,
+                stopped=lambda: self.sizer.stop_requested):
+            if self.sizer.stop_requested:
+                raise BelowMinimum("stopped while waiting for replacements below --min "
+                                   f"{self.pool.min_size}")
             raise BelowMinimum(
                 f"stopped: fewer than --min {self.pool.min_size} engines and no replacement "
                 f"started within {faults.MIN_WAIT_TIMEOUT:.0f} s; resume later with --resume")

@@ -13,6 +13,7 @@ Needs root and openssh-server (``make test`` installs it).
 """
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -25,6 +26,7 @@ import time
 from service import Service
 
 SSHD = "/usr/sbin/sshd"
+_made = itertools.count()  # Hosts made by this process
 
 
 def available() -> str | None:
@@ -50,7 +52,9 @@ class Hosts(Service):
         # what the hosts must see although it lies in /tmp: this checkout (its venv) and Python
         here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         self.shared = sorted({p for p in (here, sys.prefix) if p.startswith("/tmp/")})
-        tag = os.getpid() % 200 + 20  # a subnet of our own: parallel test sessions differ
+        # a subnet of our own: parallel test sessions differ, and so do this session's
+        # successive hosts (a namespace's links go away asynchronously once it is deleted)
+        tag = (os.getpid() + 37 * next(_made)) % 200 + 20
         self.prefix = f"192.168.{tag}"
         self.bridge = f"ejbr{tag}"
         self.namespaces = [f"ej{tag}h{i}" for i in range(1, count + 1)]
@@ -145,7 +149,8 @@ class Hosts(Service):
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        for ns in self.namespaces:
+        for i, ns in enumerate(self.namespaces, start=1):
+            subprocess.run(["ip", "link", "del", f"{self.bridge}v{i}"], capture_output=True)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -5,7 +5,8 @@ TCP across interfaces to the kernel and to each other.
 One run trains on 3 engines on 2 hosts; the kernel's side of the pool listens only on the
 named interface (and loopback); then one host is lost (every process of its namespace
 killed): the survivor trains on, and the stopped run's float64 parameters equal those of a
-single-host run of as many steps.
+single-host run of as many steps. A notebook folder the hosts lack runs with a shared
+checkpoint folder.
 """
 import os
 import tempfile
@@ -15,7 +16,8 @@ import psutil
 import pytest
 import torch
 
-from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter import EnginePool, RunConfig, RunSetupError, TrainingRun
+from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.engine.interface import address_of
 from elastic_jupyter.launchers import SSHLauncher
 from netns_hosts import Hosts, available
@@ -88,3 +90,31 @@ def test_a_pool_across_two_hosts_listens_on_one_interface_and_survives_losing_a_
         got = run.state_dict()[key]
         assert torch.allclose(got, value, rtol=1e-7, atol=1e-9), \
             f"{key}: max diff {(got - value).abs().max().item():.3e}"
+
+
+def test_a_notebook_folder_the_hosts_lack_trains_with_a_shared_checkpoint_folder(monkeypatch):
+    """The notebook's folder is the kernel host's own (under its /tmp, which the hosts do not
+    see): without a shared run folder the setup says what to do; with --checkpoint-dir on a
+    shared file system the cell runs in the engine's folder and rank 0, on the other host,
+    writes its checkpoints where the kernel reads them."""
+    notebook = tempfile.mkdtemp(dir="/tmp")
+    shared = tempfile.mkdtemp(dir="/var/tmp")
+    monkeypatch.chdir(notebook)
+    with Hosts(1) as hosts:
+        (host,) = hosts.names
+        launcher = SSHLauncher(f"{host}:1", ssh_args=hosts.ssh_args, interface=hosts.bridge)
+        pool = EnginePool(n=1, launcher=launcher).start()
+        try:
+            config = RunConfig(name="elsewhere", steps=40, global_batch=64, seed=7,
+                               checkpoint_every=20)
+            with pytest.raises(RunSetupError, match=r"does not exist on host ejhost1: .*name a "
+                               r"folder the hosts share with --checkpoint-dir"):
+                TrainingRun(pool, config, source=BODY, push={"DELAY": 0}).start()
+            config.checkpoint_dir = os.path.join(shared, "elsewhere")
+            run = TrainingRun(pool, config, source=BODY, push={"DELAY": 0}).start()
+            assert run.wait(timeout=120) == "finished", run.logs()
+        finally:
+            pool.stop()
+    warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
+    assert [m for m in warnings if f"host {host} has no folder {notebook}" in m], warnings
+    assert [c["step"] for c in list_checkpoints(config.checkpoint_dir)] == [20, 40]

@@ -5,8 +5,9 @@ A run grows by submitting a job, which shows as pending while Slurm holds it and
 step boundary once it runs; ``scancel --signal=TERM`` and a preemption by a job of a higher
 partition each drain one engine at a step boundary (no lost step, no fault) and a replacement
 job is queued. Every run is stopped at the end and its float64 parameters must equal those
-of a single-host run of as many steps. The quick-start notebook runs on a pool of Slurm jobs
-in a real kernel, through the magics.
+of a single-host run of as many steps. An auto pool takes the idle CPUs and makes room for
+another user's waiting job. The quick-start notebook runs on a pool of Slurm jobs in a real
+kernel, through the magics.
 """
 import json
 import pathlib
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.launchers import SlurmLauncher
 from slurm_cluster import SlurmCluster, available
 from test_kernel_lifecycle import BODY as LIFECYCLE_BODY, Kernel
@@ -148,6 +150,57 @@ def test_a_preempted_engine_job_drains_at_a_step_boundary(slurm, slurm_pool, idl
             slurm.jobs()
     finally:
         subprocess.run(["scancel", urgent], check=False)
+
+
+def test_a_run_whose_every_rank_drained_stops_at_once_while_the_replacement_waits(
+        slurm, tmp_path):
+    """The only engine is preempted: the run checkpoints, its replacement waits behind the
+    urgent job, and a stop then ends the run "stopped" at once (not after the 120 s wait for
+    replacements below --min), from that checkpoint, with no job left in the queue."""
+    pool = EnginePool(n=1, min_size=1, max_size=1, launcher=SlurmLauncher()).start()
+    blocker = sbatch("-p", "urgent", "-n", "2", "--wrap", "sleep 600")  # the 2 other CPUs
+    urgent = ""
+    try:
+        run = start_run(pool, tmp_path, "all-drained")
+        wait_for("the run to train", lambda: run.step > 20 or run.state)
+        urgent = sbatch("-p", "urgent", "-n", "1", "--wrap", "sleep 600")
+        wait_for("the replacement pending", lambda: "pending" in str(
+            pool.status()["queued"]) or (run.state, pool.status(), slurm.jobs()))
+        (drain,) = events(run, "drain")
+        assert run.world_size == 0 or run.state == "resizing", run.state
+        t0 = time.monotonic()
+        run.stop()
+        assert run.wait(timeout=30) == "stopped", run.logs()
+        assert time.monotonic() - t0 < 10
+        assert list_checkpoints(run.checkpoint_dir)[-1]["step"] == run.step == drain["step"]
+        assert not [j for j in slurm.jobs("pending") if j["name"].startswith("ipengine")]
+    finally:
+        subprocess.run(["scancel", blocker, urgent], check=False)
+        pool.stop()
+
+
+def test_an_auto_slurm_pool_grows_into_an_idle_partition_and_makes_room_for_waiting_jobs(
+        slurm, idle_pool, tmp_path):
+    """Slurm as the arbiter: an auto pool takes every idle CPU, gives back (down to its min,
+    at a step boundary) what another user's waiting job needs, and grows again once that job
+    ended."""
+    pool = EnginePool(n=1, min_size=1, max_size=3, auto=True, launcher=SlurmLauncher()).start()
+    try:
+        assert pool.size == 3, pool.status()  # the partition was idle: all 3 CPUs
+        run = start_run(pool, tmp_path, "auto")
+        wait_for("the run at 3", lambda: run.world_size == 3 or run.world_size)
+        other = sbatch("-c", "2", "--wrap", "sleep 8")
+        wait_for("the other job to run", lambda: other in {
+            j["id"] for j in slurm.jobs("running")} or (run.world_size, slurm.jobs()))
+        assert run.world_size == 1, run.world_size
+        gave = [e["message"] for e in events(run, "slot") if "gave back" in e["message"]]
+        assert len(gave) == 2 and all(f"job(s) {other} wait" in m for m in gave), gave
+        wait_for("the pool grown back after the other job", lambda: run.world_size == 3 or (
+            run.world_size, slurm.jobs()), timeout=120)
+        assert not events(run, "drain") and not events(run, "fault")
+        stop_and_compare(run, idle_pool, tmp_path)
+    finally:
+        pool.stop()
 
 
 def test_the_quick_start_notebook_trains_on_slurm_engine_jobs(slurm, tmp_path):

@@ -142,20 +142,24 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     working folder `workdir` (the notebook's, see engine.workdir), run the cell `source` (or
     the cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines.
 
-    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset"}: "dataset" is
-    the dataset's fingerprint (engine.fingerprint), which the owner compares across engines;
-    it is also kept in the worker's config as "dataset", so checkpoints record it.
+    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "workdir"}:
+    "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
+    across engines; it is also kept in the worker's config as "dataset", so checkpoints record
+    it. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
+    folder does not exist, the engine's own (the run's folder must exist there: it is shared).
     Raises SetupError (also when the training state holds a value no checkpoint could load,
     naming its key path) or the cell's own exception (the owner shows its traceback); the
     engine then holds no Worker.
     """
     _forget_run()
-    for folder in filter(None, (workdir, log_path and os.path.dirname(log_path))):
-        if not os.path.isdir(folder):  # an engine on another host, without a shared folder
-            raise SetupError(f"{folder} does not exist on host {os.uname().nodename}: engines "
-                             "on other hosts run the cell in the notebook's folder and write "
-                             "the run's logs and checkpoints into its folder, so both must be "
-                             "on a file system the hosts share (such as the home folder)")
+    logs = log_path and os.path.dirname(log_path)  # <the run's folder>/logs
+    if logs and not os.path.isdir(logs):  # another host, without a shared folder
+        raise SetupError(f"the run's folder {os.path.dirname(logs)} does not exist on host "
+                         f"{os.uname().nodename}: every engine writes its log there, and rank "
+                         "0 (any engine) its checkpoints; name a folder the hosts share with "
+                         "--checkpoint-dir (checkpoint_dir=)")
+    if not os.path.isdir(workdir):  # the notebook's folder is the kernel host's own
+        workdir = os.getcwd()
     _state.log_path = log_path
     _state.workdir_on_path, dropped = workdir_mod.enter(workdir, _state.workdir_on_path)
     with _logging_to(log_path):
@@ -178,7 +182,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     return {"samples": len(w.dataset), "total_steps": config["total_steps"],
             "parameters": sum(p.numel() for p in w.model.parameters()),
             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
-            "dataset": dataset}
+            "dataset": dataset, "workdir": workdir}
 
 
 def _check_worker(worker: Worker) -> None:
