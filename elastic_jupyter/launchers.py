@@ -28,6 +28,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from .arbiter.hosts import HostArbiters
 from .arbiter.slurm import SlurmArbiter
 from .config import UsageError
 from .engine.interface import address_of, address_towards, interface_of
@@ -241,7 +242,8 @@ class SSHLauncher(Launcher):
         hosts: "gpu1:4,gpu2:4" (``user@host:slots``; slots default to 1) or a dict host ->
             slots. Slots are numbered across hosts in this order.
         python: the Python on the hosts (default: this kernel's, for a shared environment).
-        gpus_per_engine: 0 for CPU engines (gloo), or 1: slot i of a host gets its GPU i.
+        gpus_per_engine: 0 for CPU engines (gloo), or 1: slot i of a host gets its GPU i
+            (in PCI bus order, as nvidia-smi numbers them).
         cpus_per_engine: each engine's torch threads (1).
         interface: as for Slurm; default: the one on the route to the first host.
         ssh_args: more ssh options, such as ``("-i", "~/.ssh/cluster_key")``.
@@ -286,8 +288,16 @@ class SSHLauncher(Launcher):
 
     def start_options(self, slot: int) -> dict:
         host, index = self.slots[slot]
-        gpu = str(index) if self.gpus_per_engine else ""
-        return {"engines": {host: 1}, "environment": {"CUDA_VISIBLE_DEVICES": gpu}}
+        env = {"CUDA_VISIBLE_DEVICES": str(index) if self.gpus_per_engine else ""}
+        if self.gpus_per_engine:  # GPU i as nvidia-smi and the host's arbiter number it
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+        return {"engines": {host: 1}, "environment": env}
+
+    def arbiter(self, own_jobs):
+        """Each host's arbiter grants its own slots (:mod:`.arbiter.hosts`), through a relay
+        started over ssh with the hosts' Python."""
+        return HostArbiters(self.hosts, lambda host: [
+            "ssh", *self.ssh_args, host, self.python, "-m", "elastic_jupyter.arbiter.relay"])
 
     def host_of(self, slot: int) -> str:
         return self.slots[slot][0].rsplit("@", 1)[-1]

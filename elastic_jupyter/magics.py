@@ -184,7 +184,8 @@ def _auto_options(p: _Parser) -> None:
     p.add_argument("--auto", action="store_true",
                    help="auto mode: the machine's arbiter sizes the pool between --min and --max"
                         " by weighted fair share with the machine's other runs (on Slurm: grow "
-                        "while the partition is idle, give back while other jobs wait)")
+                        "while the partition is idle, give back while other jobs wait; over "
+                        "ssh: each host's arbiter grants its slots)")
     p.add_argument("--weight", type=float, default=None,
                    help="the pool's weight in that fair share among your runs (default 1)")
 

@@ -100,7 +100,9 @@ class Hosts(Service):
             f.write(f"ListenAddress {address}\nPort 22\nHostKey {self.dir}/host_key\n"
                     f"AuthorizedKeysFile {self.dir}/authorized_keys\nPermitRootLogin "
                     "prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
-                    f"PidFile {self.dir}/sshd-{ns}.pid\nSubsystem sftp internal-sftp\n")
+                    f"PidFile {self.dir}/sshd-{ns}.pid\nSubsystem sftp internal-sftp\n"
+                    # the home folder is shared: the host's runtime folder is its own
+                    "SetEnv JUPYTER_RUNTIME_DIR=/tmp/jupyter-runtime\n")
         keep = [f"{self.dir}/keep-{ns}-{i}" for i in range(len(self.shared))]
         binds = [f"mkdir -p {k} && mount --bind {p} {k}" for p, k in zip(self.shared, keep)]
         back = [f"mkdir -p {p} && mount --bind {k} {p}" for p, k in zip(self.shared, keep)]

@@ -9,6 +9,7 @@ import re
 import pwd
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -157,13 +158,13 @@ def test_a_restarted_arbiter_keeps_every_lease(tmp_path):
         stop(arbiter)
 
 
-def test_only_one_arbiter_serves_a_folder_and_a_client_starts_it_on_demand(tmp_path,
-                                                                              monkeypatch):
+def test_only_one_arbiter_serves_a_folder_and_a_client_starts_it_on_demand(monkeypatch):
     monkeypatch.delenv("ELASTIC_JUPYTER_ARBITER", raising=False)
-    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    runtime = tempfile.mkdtemp(prefix="ejrt-")  # short: a socket's path has at most 107 bytes
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", runtime)
     clients = [ArbiterClient() for _ in range(2)]  # as two kernels' first calls
     folder = clients[0].folder
-    assert folder == str(tmp_path / "runtime" / "elastic-jupyter" / "arbiter")
+    assert folder == os.path.join(runtime, "elastic-jupyter", f"arbiter-{socket.gethostname()}")
     try:
         grants = [c.register(f"r{i}", name=f"r{i}", min=1, max=1, wanted=1)
                   for i, c in enumerate(clients)]
@@ -178,6 +179,7 @@ def test_only_one_arbiter_serves_a_folder_and_a_client_starts_it_on_demand(tmp_p
     finally:
         with open(os.path.join(folder, LOCK)) as f:  # the live arbiter's pid
             os.kill(int(f.read()), signal.SIGKILL)
+        shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_requests_it_cannot_take_are_refused_and_change_nothing(tmp_path):

@@ -6,9 +6,10 @@ One run trains on 3 engines on 2 hosts; the kernel's side of the pool listens on
 named interface (and loopback); then one host is lost (every process of its namespace
 killed): the survivor trains on, and the stopped run's float64 parameters equal those of a
 single-host run of as many steps. A notebook folder the hosts lack runs with a shared
-checkpoint folder.
+checkpoint folder. An auto pool takes the slots each host's own arbiter grants it.
 """
 import os
+import sys
 import tempfile
 import time
 
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 from elastic_jupyter import EnginePool, RunConfig, RunSetupError, TrainingRun
+from elastic_jupyter.arbiter.hosts import Relay
+from elastic_jupyter.config import UsageError
 from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.engine.interface import address_of
 from elastic_jupyter.launchers import SSHLauncher
@@ -118,3 +121,41 @@ def test_a_notebook_folder_the_hosts_lack_trains_with_a_shared_checkpoint_folder
     warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
     assert [m for m in warnings if f"host {host} has no folder {notebook}" in m], warnings
     assert [c["step"] for c in list_checkpoints(config.checkpoint_dir)] == [20, 40]
+
+
+def test_an_auto_pool_across_hosts_takes_the_slots_each_hosts_arbiter_grants():
+    """Auto mode over ssh: each host's own arbiter (reached through a relay on that host)
+    leases its slots. Another run holds one of the second host's two CPU slots: the run
+    grows into the three others, and into the fourth once that run is gone."""
+    workspace = tempfile.mkdtemp(dir="/var/tmp")
+    with Hosts(2) as hosts:
+        first, second = hosts.names
+        other = Relay(second, ["ssh", *hosts.ssh_args, second, sys.executable, "-m",
+                               "elastic_jupyter.arbiter.relay"])
+        assert other.call("register", run="other", name="other", min=1, max=1,
+                          wanted=1)["slots"] == [0]
+        launcher = SSHLauncher(f"{first}:2,{second}:2", ssh_args=hosts.ssh_args,
+                               interface=hosts.bridge)
+        with pytest.raises(UsageError, match="--min must be at least 2"):
+            EnginePool(min_size=1, max_size=4, auto=True, launcher=launcher).start()
+        pool = EnginePool(min_size=2, max_size=4, auto=True, launcher=launcher).start()
+        try:  # idle, an auto pool holds its min: one slot on each host
+            assert sorted(e.host for e in pool.engines) == [first, second], pool.status()
+            config = RunConfig(name="auto-hosts", steps=100_000, global_batch=64, seed=7,
+                               checkpoint_every=0)
+            run = TrainingRun(pool, config, source=BODY, push={"DELAY": 0.01},
+                              workspace=workspace).start()
+            wait_for("training on the 3 free slots", lambda: run.world_size == 3 or (
+                run.state, run.world_size))
+            assert sorted((e.host, e.slot) for e in pool.engines) == [
+                (first, 0), (first, 1), (second, 3)], pool.status()
+            other.call("unregister", run="other")
+            wait_for("the grow into the freed slot", lambda: run.world_size == 4 or (
+                run.world_size, pool.status()))
+            grew = [e["message"] for e in run.events if e["kind"] == "slot"]
+            assert any("grew into slot 2" in m for m in grew), grew
+            run.stop()
+            assert run.wait(timeout=60) == "stopped", run.logs()
+        finally:
+            other.close()
+            pool.stop()

@@ -5,7 +5,7 @@ Where the arbiter lives (the first that applies):
 1. ``$ELASTIC_JUPYTER_ARBITER``: a folder the user or the admin names;
 2. ``/run/elastic-jupyter``, when a system arbiter serves there (``--shared``, started by the
    admin for every user of the machine: docs/arbiter.md);
-3. a private folder of this user (``<jupyter runtime dir>/elastic-jupyter/arbiter``), where the
+3. a private folder of this user (``<jupyter runtime dir>/elastic-jupyter/arbiter-<host>``), where the
    first run that needs it starts one. It coordinates this user's kernels; other users' GPU
    processes are then seen as busy outside.
 
@@ -62,10 +62,12 @@ def _private_dir() -> str:
     its parent: nobody else may plant a socket for us to talk to."""
     from jupyter_core.paths import jupyter_runtime_dir
     base = os.path.join(jupyter_runtime_dir(), "elastic-jupyter")
-    if len(os.fsencode(os.path.join(base, "arbiter", SOCKET))) > 107:  # a socket address
+    # one per host: a home folder (and so the runtime folder) may be shared between hosts
+    name = f"arbiter-{socket.gethostname()}"
+    if len(os.fsencode(os.path.join(base, name, SOCKET))) > 107:  # a socket address's limit
         base = f"/tmp/elastic-jupyter-{os.getuid()}"
     own_folder(base, 0o700)
-    path = os.path.join(base, "arbiter")
+    path = os.path.join(base, name)
     own_folder(path, 0o700)
     return path
 

@@ -1,0 +1,73 @@
+"""An auto pool of SSH hosts as a run on every host's arbiter (elastic_jupyter/arbiter/hosts.py),
+here with two real arbiters of this machine standing for two hosts, each reached through a
+real relay process (tests/test_hosts.py runs the relays over ssh in namespace hosts)."""
+import sys
+
+import pytest
+
+from elastic_jupyter.arbiter.hosts import HostArbiters, _split
+from elastic_jupyter.arbiter.table import ArbiterError
+from test_arbiter import start_arbiter
+
+
+@pytest.fixture
+def two_hosts(tmp_path):
+    folders = {}
+    procs = []
+    for host, slots in (("a", 2), ("b", 3)):
+        folder = tmp_path / host
+        folder.mkdir()
+        procs.append(start_arbiter(str(folder), {"cpu_slots": slots}))
+        folders[host] = str(folder)
+    yield folders
+    for proc in procs:
+        proc.terminate()
+        proc.wait()
+
+
+def relays(folders):
+    return lambda host: ["env", f"ELASTIC_JUPYTER_ARBITER={folders[host]}", sys.executable,
+                         "-m", "elastic_jupyter.arbiter.relay"]
+
+
+def test_each_hosts_arbiter_leases_its_slots_in_the_pools_numbers(two_hosts):
+    arbiters = HostArbiters({"a": 2, "b": 3}, relays(two_hosts))
+    demand = dict(name="p", notebook="", min=2, max=5, weight=1.0, auto=True, wanted=2,
+                  standby=0)
+    try:
+        grant = arbiters.register("pool-1", **demand)
+        assert grant["slots"] == [0, 1, 2, 3, 4] and grant["target"] == 5, grant
+        view = arbiters.view()
+        assert [(s["slot"], s["host"]) for s in view["slots"]] == [
+            (0, "a"), (1, "a"), (2, "b"), (3, "b"), (4, "b")]
+        # auto off, 3 wanted: one on each host first, then a filled: b gives 2 back
+        grant = arbiters.register("pool-1", **dict(demand, auto=False, wanted=3))
+        assert grant["give_back"] == [3, 4] and grant["target"] == 3, grant
+        grant = arbiters.release("pool-1", [3, 4])
+        assert grant["slots"] == [0, 1, 2] and grant["give_back"] == [], grant
+        assert arbiters.poll("pool-1", engines={0: 10, 2: 12})["slots"] == [0, 1, 2]
+    finally:
+        arbiters.unregister("pool-1")
+
+
+def test_a_host_count_other_than_its_arbiters_or_a_min_below_the_hosts_is_refused(two_hosts):
+    arbiters = HostArbiters({"a": 2, "b": 2}, relays(two_hosts))
+    demand = dict(name="p", notebook="", min=2, max=4, weight=1.0, auto=True, wanted=2,
+                  standby=0)
+    try:
+        with pytest.raises(ArbiterError, match="--min must be at least 2"):
+            arbiters.register("pool-2", **dict(demand, min=1))
+        with pytest.raises(ArbiterError, match="host b's arbiter has 3 slot.* give --hosts b:3"):
+            arbiters.register("pool-2", **demand)
+    finally:
+        for relay in arbiters.relays.values():
+            relay.close()
+
+
+def test_the_size_asked_for_is_split_one_each_first_then_in_host_order():
+    hosts = {"a": 2, "b": 3, "c": 1}
+    assert _split(3, hosts) == {"a": 1, "b": 1, "c": 1}
+    assert _split(5, hosts) == {"a": 2, "b": 2, "c": 1}
+    assert _split(9, hosts) == {"a": 2, "b": 3, "c": 1}
+    assert _split(0, hosts, at_least=0) == {"a": 0, "b": 0, "c": 0}
+    assert _split(2, hosts, at_least=0) == {"a": 2, "b": 0, "c": 0}
