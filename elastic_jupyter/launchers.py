@@ -226,7 +226,12 @@ class SlurmLauncher(Launcher):
 
     def arbiter(self, own_jobs):
         """Slurm decides: the pool grows while the partition is idle and gives back when
-        other jobs wait (:mod:`.arbiter.slurm`)."""
+        other jobs wait (:mod:`.arbiter.slurm`). Raises UsageError where Slurm hides other
+        users' jobs (``PrivateData=jobs``): nobody would be seen waiting."""
+        if re.search(r"^PrivateData\s*=.*\bjobs\b", _scontrol_config(), re.M):
+            raise UsageError("this Slurm hides other users' jobs (PrivateData=jobs), so an auto "
+                             "pool could not see who waits for its resources: give the pool's "
+                             "size (-n) and resize it by hand")
         return SlurmArbiter(self.partition, self.cpus_per_engine, self.gpus_per_engine,
                             own_jobs)
 
@@ -297,7 +302,8 @@ class SSHLauncher(Launcher):
         """Each host's arbiter grants its own slots (:mod:`.arbiter.hosts`), through a relay
         started over ssh with the hosts' Python."""
         return HostArbiters(self.hosts, lambda host: [
-            "ssh", *self.ssh_args, host, self.python, "-m", "elastic_jupyter.arbiter.relay"])
+            "ssh", "-o", "BatchMode=yes", *self.ssh_args, host, self.python, "-m",
+            "elastic_jupyter.arbiter.relay"])
 
     def host_of(self, slot: int) -> str:
         return self.slots[slot][0].rsplit("@", 1)[-1]
@@ -396,14 +402,20 @@ def _listen_address(interface: str | None, default_peer) -> str:
                          "reach with --interface") from None
 
 
-def _slurmctld_host() -> str:
-    """The address (or name) of the first slurmctld in Slurm's configuration."""
+def _scontrol_config() -> str:
+    """``scontrol show config``. Raises UsageError when Slurm does not answer."""
     out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
                          timeout=30)
     if out.returncode:
         raise UsageError(f"Slurm does not answer (scontrol show config: "
                          f"{out.stderr.strip() or out.returncode})")
-    m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out.stdout, re.M)
+    return out.stdout
+
+
+def _slurmctld_host() -> str:
+    """The address (or name) of the first slurmctld in Slurm's configuration."""
+    m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", _scontrol_config(),
+                  re.M)
     if not m:
         raise UsageError("Slurm's configuration names no SlurmctldHost: give --interface")
     return m.group(2) or m.group(1)

@@ -14,9 +14,11 @@ starts engines only on slots the arbiter leased to it, and follows what the arbi
 
 The pool is what the arbiter knows as a "run": its engines outlive one training run, and a run
 on it trains on the pool's slots. :class:`SlotLease` is the only writer of the pool's demand
-and of the newest grant; it lives on the owner loop, and its calls to the arbiter (a Unix
-socket round trip of about a millisecond; up to ``START_TIMEOUT`` while the arbiter restarts)
-run in a worker thread so the loop never waits on them.
+and of the newest grant; it lives on the owner loop, and its calls to the arbiter run in a
+worker thread so the loop never waits on them: a Unix socket round trip of about a
+millisecond (up to ``START_TIMEOUT`` while the arbiter restarts), or, with the launcher's own
+arbiter (:meth:`~.launchers.Launcher.arbiter`), ssh round trips to every host's arbiter or a
+look at Slurm's queue (seconds when slurmctld is busy).
 """
 from __future__ import annotations
 

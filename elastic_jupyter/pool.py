@@ -105,7 +105,9 @@ class EnginePool:
     Raises:
         UsageError: bounds that do not fit (n outside [min, max], more engines than GPUs),
             ``auto`` without the arbiter, a GPU list in lease mode (the arbiter places), a GPU
-            list with a launcher other than this host's, or ``auto`` over ssh hosts.
+            list with a launcher other than this host's, or ``auto`` where the launcher's
+            arbiter refuses it (hosts whose arbiters have other slot counts, a Slurm that
+            hides other users' jobs).
     """
 
     def __init__(self, n: int | None = None, min_size: int | None = None,
@@ -392,8 +394,10 @@ class EnginePool:
                           [e.pid for e in self.engines if e.local], self._jobs())
 
     def _jobs(self) -> list[str]:
-        """Batch jobs of this pool's engines (running or queued): the reaper cancels them."""
-        sets = self.cluster.engines.values() if self.cluster is not None else []
+        """Batch jobs of this pool's engines (running or queued): the reaper cancels them.
+        Also called from the lease's worker thread (a Slurm auto pool's own jobs)."""
+        cluster = self.cluster
+        sets = list(cluster.engines.values()) if cluster is not None else []  # one GIL step
         return [s.job_id for s in sets if getattr(s, "job_id", "")]
 
     def _shutdown_at_exit(self) -> None:
@@ -495,9 +499,9 @@ class EnginePool:
                                     slot=event["slot"])
 
     def _lease_warning(self, message: str) -> None:
-        log.warning("elastic_jupyter: the machine's arbiter: %s", message)
+        log.warning("elastic_jupyter: the slot arbiter: %s", message)
         if self._run is not None:
-            self._run.log.event("warning", message=f"the machine's arbiter: {message}")
+            self._run.log.event("warning", message=f"the slot arbiter: {message}")
 
     async def _stop(self) -> None:
         if self.cluster is None:
@@ -585,7 +589,7 @@ class EnginePool:
         if self.lease is not None:
             free = self._free_leased()
             if len(free) < k:
-                raise UsageError(f"no free slot: the machine's arbiter leased this pool "
+                raise UsageError(f"no free slot: the arbiter leased this pool "
                                  f"{len(self.lease.leased)} slot(s), {len(free)} free")
             return free[:k]
         # starts under way (a run's boots of batch jobs run side by side) keep their slots

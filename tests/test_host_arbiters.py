@@ -26,8 +26,10 @@ def two_hosts(tmp_path):
 
 
 def relays(folders):
-    return lambda host: ["env", f"ELASTIC_JUPYTER_ARBITER={folders[host]}", sys.executable,
-                         "-m", "elastic_jupyter.arbiter.relay"]
+    """Each host's relay, after a login banner (an answer is told from such noise)."""
+    return lambda host: ["sh", "-c", f"echo 'Welcome to {host}'; exec env "
+                         f"ELASTIC_JUPYTER_ARBITER={folders[host]} {sys.executable} -m "
+                         "elastic_jupyter.arbiter.relay"]
 
 
 def test_each_hosts_arbiter_leases_its_slots_in_the_pools_numbers(two_hosts):
@@ -48,6 +50,26 @@ def test_each_hosts_arbiter_leases_its_slots_in_the_pools_numbers(two_hosts):
         assert arbiters.poll("pool-1", engines={0: 10, 2: 12})["slots"] == [0, 1, 2]
     finally:
         arbiters.unregister("pool-1")
+
+
+def test_the_pools_min_and_max_are_split_over_the_hosts(two_hosts):
+    arbiters = HostArbiters({"a": 2, "b": 3}, relays(two_hosts))
+    try:  # max 3: two on a, one on b; min 3 as well: nothing else to grow into
+        grant = arbiters.register("pool-3", name="p", notebook="", min=3, max=3, weight=1.0,
+                                  auto=True, wanted=3, standby=0)
+        assert grant["slots"] == [0, 1, 2] and grant["target"] == 3, grant
+    finally:
+        arbiters.unregister("pool-3")
+
+
+def test_a_relay_that_cannot_start_says_why():
+    arbiters = HostArbiters({"nowhere": 1}, lambda host: [
+        "sh", "-c", "read line; echo 'ssh: Could not resolve hostname nowhere' >&2; exit 255"])
+    with pytest.raises(ArbiterError, match=r"host nowhere's arbiter: its relay exited \(ssh: "
+                       r"Could not resolve hostname nowhere\); check that `ssh nowhere` logs"):
+        arbiters.register("pool-4", name="p", notebook="", min=1, max=1, weight=1.0,
+                          auto=True, wanted=1, standby=0)
+    arbiters.unregister("pool-4")  # nothing was held: nothing to hand back
 
 
 def test_a_host_count_other_than_its_arbiters_or_a_min_below_the_hosts_is_refused(two_hosts):

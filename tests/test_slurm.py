@@ -181,14 +181,14 @@ def test_a_run_whose_every_rank_drained_stops_at_once_while_the_replacement_wait
 
 def test_an_auto_slurm_pool_grows_into_an_idle_partition_and_makes_room_for_waiting_jobs(
         slurm, tmp_path):
-    """Slurm as the arbiter: an auto pool takes every idle CPU, gives back (down to its min,
-    at a step boundary) what another user's waiting job needs, and grows again once that job
-    ended."""
+    """Slurm as the arbiter: a run on an auto pool takes every idle CPU, gives back (down to
+    its min, at a step boundary) what another user's waiting job needs, and grows again once
+    that job ended."""
     pool = EnginePool(n=1, min_size=1, max_size=3, auto=True, launcher=SlurmLauncher()).start()
     try:
-        assert pool.size == 3, pool.status()  # the partition was idle: all 3 CPUs
+        assert pool.size == 1, pool.status()  # idle, an auto pool holds its min
         run = start_run(pool, tmp_path, "auto")
-        wait_for("the run at 3", lambda: run.world_size == 3 or run.world_size)
+        wait_for("the run at 3: every idle CPU", lambda: run.world_size == 3 or run.world_size)
         other = sbatch("-c", "2", "--wrap", "sleep 8")
         wait_for("the other job to run", lambda: other in {
             j["id"] for j in slurm.jobs("running")} or (run.world_size, slurm.jobs()))

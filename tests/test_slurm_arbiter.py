@@ -1,6 +1,7 @@
 """Slurm as an auto pool's arbiter, its decisions and its reading of ``sinfo``/``squeue``
 without a cluster (tests/test_slurm.py runs it against a real Slurm)."""
-from elastic_jupyter.arbiter.slurm import Partition, SlurmArbiter, _idle, _job_gpus, decide
+from elastic_jupyter.arbiter.slurm import (Partition, SlurmArbiter, _gres_gpus, _idle,
+                                           _job_gpus, decide)
 
 AUTO = {"min": 1, "max": 4, "auto": True, "wanted": 2}
 
@@ -16,6 +17,8 @@ def test_an_auto_pool_grows_into_idle_resources_only_while_nobody_waits():
     assert decide(4, 4, 4, AUTO, waiting, False, 1, 0) == 4  # the last give-back settles
     assert decide(1, 1, 1, AUTO, waiting, True, 1, 0) == 1  # never below its min
     assert decide(3, 3, 3, AUTO, None, True, 1, 0) == 3  # Slurm did not answer: hold
+    idle_pool = dict(AUTO, active=False)  # no run trains on it: it holds its min
+    assert decide(3, 3, 3, idle_pool, idle, True, 1, 0) == 1
 
 
 def test_a_waiting_job_that_idle_resources_would_fit_still_gets_one_slot_back():
@@ -46,6 +49,9 @@ def test_engines_fit_node_by_node_and_gres_strings_count_gpus():
                      per_job="N/A") == 8
     assert _job_gpus("1", "2", "N/A", "gres/gpu:a100:1", "N/A") == 2
     assert _job_gpus("1", "1", "N/A", "N/A", "N/A") == 0
+    assert [_gres_gpus(g) for g in ("gpu:(null):2", "gpu:a100:2(IDX:0,2),gpu:v100:1",
+                                    "gres/gpu", "gres/gpu:h100:3", "(null)", "N/A")] == [
+        2, 3, 1, 3, 0, 0]
 
 
 def test_slots_given_back_are_queued_jobs_first_then_the_newest():
@@ -57,5 +63,7 @@ def test_slots_given_back_are_queued_jobs_first_then_the_newest():
     grant = arbiter.poll("pool-1", engines={0: 10, 1: 11, 3: 13})  # slot 2's job still waits
     assert grant["give_back"] == [2, 3], grant
     assert "job(s) 41 wait" in grant["events"][0]["why"]
-    grant = arbiter.release("pool-1", [2, 3])
+    arbiter.seen = Partition(waiting=("41", "42"), wanted_cpus=3)  # more wait meanwhile
+    assert arbiter.poll("pool-1", engines={0: 10, 1: 11, 3: 13})["give_back"] == [2, 3]
+    grant = arbiter.release("pool-1", [2, 3])  # no more until the last give-back settled
     assert grant["slots"] == [0, 1] and grant["give_back"] == [], grant

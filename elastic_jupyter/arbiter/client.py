@@ -72,6 +72,15 @@ def _private_dir() -> str:
     return path
 
 
+def answer_of(reply: dict, where: str = "") -> dict:
+    """An arbiter's reply without its ``ok``; raises what it refused with (UnknownRun when
+    it does not know the run, else ArbiterError), its message after `where`."""
+    if not reply.pop("ok", False):
+        error = UnknownRun if reply.get("code") == UnknownRun.code else ArbiterError
+        raise error(where + reply.get("error", "the arbiter refused the request"))
+    return reply
+
+
 class ArbiterClient:
     """Requests to the arbiter in `folder` (default :func:`arbiter_dir`).
 
@@ -111,10 +120,7 @@ class ArbiterClient:
                 raise ArbiterError(f"the slot arbiter at {self.folder} cannot be asked: "
                                    f"{type(e).__name__}: {e}") from None
         self._started = False  # it answers: should it die, the next call starts another
-        if not reply.pop("ok", False):
-            error = UnknownRun if reply.get("code") == UnknownRun.code else ArbiterError
-            raise error(reply.get("error", "the arbiter refused the request"))
-        return reply
+        return answer_of(reply)
 
     def register(self, run: str, **demand) -> dict:
         return self.call("register", run=run, **demand)

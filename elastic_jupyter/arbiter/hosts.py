@@ -10,81 +10,143 @@ the calls of :class:`~.client.ArbiterClient` and combines the hosts' answers.
 - Slot numbers: the pool's slot ``offset(host) + s`` is the host's slot ``s`` (its GPU ``s``
   in NVML's order, or CPU slot ``s``); the offsets follow ``--hosts``. In auto mode each host's
   count in ``--hosts`` must be the number of slots its arbiter has.
-- Demand: on every host the pool's ``min`` is 1 (it holds at least one slot on each host,
-  so ``--min`` is at least the number of hosts), its ``max`` the host's slots, its weight and
-  auto flag the pool's; the size asked for (``wanted``) is split in host order, one each
-  first.
+- Demand: the pool's ``min``, ``max`` and size asked for (``wanted``) are each split in host
+  order, one slot on each host first, then filling each host (so the pool holds at least one
+  slot on every host, and ``--min`` is at least the number of hosts); its weight and auto
+  flag are the pool's on every host.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
+import os
 import select
 import subprocess
+import tempfile
 import threading
 import time
 
+from .client import answer_of
 from .table import ArbiterError, UnknownRun
 
 REPLY_TIMEOUT = 30.0  # seconds for a relay's answer (its first starts Python and the arbiter)
 
+log = logging.getLogger(__name__)
+
 
 class Relay:
     """One host's relay process (``ssh HOST PYTHON -m elastic_jupyter.arbiter.relay``),
-    started on the first call and again after it died. Thread-safe."""
+    started on the first call and again after it died, until :meth:`close`. Thread-safe.
+    Lines on its output that are no answer (a login banner, a shell's start-up output) are
+    skipped; what it wrote on its standard error goes into the error of a failed call."""
 
     def __init__(self, host: str, command: list[str]):
         self.host, self.command = host, command
         self._proc: subprocess.Popen | None = None
+        self._stderr = None  # a temporary file: ssh's and the relay's complaints
+        self._buffer = b""  # read from its output, not yet a whole line
+        self._closed = False
         self._lock = threading.Lock()
+
+    @property
+    def started(self) -> bool:
+        return self._proc is not None
 
     def call(self, op: str, **arguments) -> dict:
         """One request; returns the answer (without ``ok``). Raises ArbiterError (UnknownRun
         when the host's arbiter does not know the pool)."""
         with self._lock:
+            if self._closed:
+                raise ArbiterError(f"host {self.host}'s arbiter: the pool stopped")
             reply = self._exchange(json.dumps({"op": op, **arguments}))
-        if not reply.pop("ok", False):
-            error = UnknownRun if reply.get("code") == UnknownRun.code else ArbiterError
-            raise error(f"host {self.host}'s arbiter: {reply.get('error', 'refused')}")
-        return reply
+        return answer_of(reply, f"host {self.host}'s arbiter: ")
+
+    def close(self) -> None:
+        """End the relay (its input closes: it exits); no call starts another."""
+        with self._lock:
+            self._closed = True
+            self._end()
 
     def _exchange(self, request: str) -> dict:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                          text=True, bufsize=1)
-        proc = self._proc
+            self._start()
         try:
-            proc.stdin.write(request + "\n")
-            proc.stdin.flush()
+            self._proc.stdin.write(request.encode() + b"\n")
+            self._proc.stdin.flush()
         except OSError:
-            return self._failed("could not send to it")
-        ready, _, _ = select.select([proc.stdout], [], [], REPLY_TIMEOUT)
-        line = proc.stdout.readline() if ready else ""
-        if not line:
-            return self._failed("no answer" if proc.poll() is None else "its relay exited")
-        return json.loads(line)
+            self._failed("could not send it a request")
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        try:
+            while (line := self._line(deadline)) is not None:
+                try:
+                    reply = json.loads(line)
+                except ValueError:
+                    continue  # not an answer: a banner, a shell's start-up output
+                if isinstance(reply, dict) and "ok" in reply:
+                    return reply
+        except EOFError:
+            self._failed("its relay exited")
+        self._failed(f"no answer within {REPLY_TIMEOUT:.0f} s")
 
-    def _failed(self, what: str) -> dict:
-        """The relay is of no use any more: end it (the next call starts another)."""
-        self.close()
-        raise ArbiterError(f"host {self.host}'s arbiter: {what} (ssh {self.host}: is the host "
-                           "up and elastic-jupyter installed there?)")
+    def _line(self, deadline: float) -> str | None:
+        """The next line of the relay's output (without its newline); None past `deadline`.
+        Raises EOFError at the output's end."""
+        fd = self._proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise EOFError
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode(errors="replace")
 
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.stdin.close()  # the relay exits at the end of its input
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    def _start(self) -> None:
+        self._end()
+        self._stderr = tempfile.TemporaryFile()
+        self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=self._stderr)
+
+    def _failed(self, what: str):
+        """The relay is of no use any more: end it (the next call starts another) and say
+        why, with the tail of what it complained of."""
+        said = ""
+        if self._stderr is not None:
+            self._end(keep_stderr=True)
+            self._stderr.seek(0)
+            said = " | ".join(self._stderr.read()[-2000:].decode(errors="replace")
+                              .strip().splitlines()[-3:])
+            self._stderr.close()
+            self._stderr = None
+        raise ArbiterError(f"host {self.host}'s arbiter: {what}" + (f" ({said})" if said else "")
+                           + f"; check that `ssh {self.host}` logs in without a password and "
+                           "that elastic-jupyter is installed there")
+
+    def _end(self, keep_stderr: bool = False) -> None:
+        proc, self._proc, self._buffer = self._proc, None, b""
+        if proc is not None:
+            if proc.poll() is None:
+                proc.stdin.close()  # the relay exits at the end of its input
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            proc.stdout.close()
+        if self._stderr is not None and not keep_stderr:
+            self._stderr.close()
+            self._stderr = None
 
 
 class HostArbiters:
     """The calls of :class:`~.client.ArbiterClient` for a pool of SSH hosts (see the module's
     docstring). `hosts`: host -> its slots, in ``--hosts`` order; `command(host)`: the ssh
-    command line that runs a relay there."""
+    command line that runs a relay there. The hosts are asked side by side; a host that
+    does not answer keeps its last grant (the others' decisions are still followed), and a
+    call fails only when no host answered."""
 
     def __init__(self, hosts: dict[str, int], command):
         self.hosts = dict(hosts)
@@ -92,58 +154,87 @@ class HostArbiters:
         for host, count in self.hosts.items():
             self.offsets[host], at = at, at + count
         self.relays = {host: Relay(host, command(host)) for host in self.hosts}
+        self._last: dict[str, dict] = {}  # host -> its newest grant
         self._checked = False
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            len(self.hosts), thread_name_prefix="ej-relay")
 
     # ---------------------------------------------------------------- ArbiterClient's calls
 
     def register(self, run: str, **demand) -> dict:
         self._check(demand["min"])
         engines = self._split_slots(demand.get("engines") or {})
-        wanted = _split(demand.get("wanted"), self.hosts)
+        least, most = _split(demand["min"], self.hosts), _split(demand["max"], self.hosts)
+        wanted = _split(demand.get("wanted") or demand["min"], self.hosts)
         standby = _split(demand.get("standby", 0), self.hosts, at_least=0)
-        replies = {host: relay.call(
-            "register", run=run, **dict(demand, min=1, max=self.hosts[host], wanted=wanted[host],
-                                        standby=standby[host], engines=engines[host]))
-            for host, relay in self.relays.items()}
-        return self._combine(replies)
+        return self._each(lambda host, relay: relay.call("register", run=run, **dict(
+            demand, min=least[host], max=most[host],
+            wanted=min(most[host], max(least[host], wanted[host])), standby=standby[host],
+            engines=engines[host])))
 
     def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
         engines = self._split_slots(engines or {})
-        return self._combine({host: relay.call("poll", run=run, active=active,
-                                               engines=engines[host])
-                              for host, relay in self.relays.items()})
+        return self._each(lambda host, relay: relay.call("poll", run=run, active=active,
+                                                         engines=engines[host]))
 
     def release(self, run: str, slots: list[int]) -> dict:
         mine = self._split_slots({s: None for s in slots})
-        return self._combine({host: relay.call("release", run=run,
-                                               slots=[int(s) for s in mine[host]])
-                              for host, relay in self.relays.items()})
+        return self._each(lambda host, relay: relay.call(
+            "release", run=run, slots=[int(s) for s in mine[host]]) if mine[host]
+            else self._last[host])
 
     def unregister(self, run: str) -> None:
-        errors = []
-        for relay in self.relays.values():
+        def leave(host, relay):
             try:
-                relay.call("unregister", run=run)
+                if relay.started:  # a relay never started holds nothing: none is started
+                    relay.call("unregister", run=run)
             except UnknownRun:  # never registered there (a refused start): nothing to give
                 pass
-            except ArbiterError as e:  # the host is gone: its arbiter reaps the pool anyway
-                errors.append(str(e))
-            relay.close()
-        if errors:
+            finally:
+                relay.close()
+        errors = [str(e) for e in self._threads.map(self._tried(leave), *zip(
+            *self.relays.items())) if isinstance(e, Exception)]
+        self._threads.shutdown(wait=False)
+        if errors:  # a host that is gone reaps the pool anyway, once the relay's ssh ends
             raise ArbiterError("; ".join(errors))
 
     def view(self) -> dict:
         """Every host's slots (numbered as the pool's, with their ``host``) and runs."""
-        slots, runs = [], []
+        slots, runs, kind = [], [], ""
         for host, relay in self.relays.items():
             view = relay.call("view")
-            for s in view["slots"]:
-                slots.append(dict(s, slot=self.offsets[host] + s["slot"], host=host))
+            kind = view.get("kind", kind)
+            slots += [dict(s, slot=self.offsets[host] + s["slot"], host=host)
+                      for s in view["slots"]]
             runs += [dict(r, name=f"{r['name']} @ {host}") for r in view["runs"]]
-        return {"slots": slots, "runs": runs, "time": time.time(),
-                "kind": view.get("kind", "") if self.relays else ""}
+        return {"slots": slots, "runs": runs, "time": time.time(), "kind": kind}
 
     # ---------------------------------------------------------------- the hosts together
+
+    def _each(self, ask) -> dict:
+        """`ask(host, relay)` on every host side by side; their grants combined."""
+        replies = dict(zip(self.hosts, self._threads.map(self._tried(ask), *zip(
+            *self.relays.items()))))
+        failed = {h: r for h, r in replies.items() if isinstance(r, Exception)}
+        if unknown := [e for e in failed.values() if isinstance(e, UnknownRun)]:
+            raise unknown[0]  # the pool registers again (lease.SlotLease.poll)
+        if failed and (len(failed) == len(replies) or set(failed) - set(self._last)):
+            raise ArbiterError("; ".join(str(e) for e in failed.values()))
+        for host, error in failed.items():
+            log.warning("elastic_jupyter: %s (its last grant stands)", error)
+            replies[host] = self._last[host]
+        combined = self._combine(replies)
+        self._last.update({h: dict(r, events=[]) for h, r in replies.items()})  # told once
+        return combined
+
+    @staticmethod
+    def _tried(ask):
+        def tried(host, relay):
+            try:
+                return ask(host, relay)
+            except Exception as e:  # noqa: BLE001 -- returned: each host's failure is its own
+                return e
+        return tried
 
     def _check(self, min_size: int) -> None:
         """Once: every host's arbiter has the slots ``--hosts`` gives it; the pool's min

@@ -126,14 +126,17 @@ class Arbiter:
 
     def _placed(self) -> dict[int, set[int]]:
         """slot -> the processes that may use it: every process its holder's process started
-        (a run cannot vouch for a process it did not start; an engine that opens the GPU
-        before its run reports it is still the holder's own)."""
+        (an engine that opens the GPU before its run reports it is still the holder's own),
+        and the engines it reports that are its user's, with theirs: a pool of another host
+        asks through a relay (relay.py), which did not start the engines (a run cannot vouch
+        for another user's process)."""
         placed: dict[int, set[int]] = {}
         started: dict[str, set[int]] = {}  # run -> its process's descendants
         for lease in self.table.leases.values():
             run = self.table.runs[lease.run]
             if run.id not in started:
-                started[run.id] = _descendants(run.pid)
+                started[run.id] = _descendants(run.pid).union(*(
+                    _own_with_descendants(int(pid), run.uid) for pid in run.engines.values()))
             placed[lease.slot] = started[run.id]
         return placed
 
@@ -260,6 +263,16 @@ def _descendants(pid: int) -> set[int]:
         return {p.pid for p in psutil.Process(pid).children(recursive=True)}
     except (psutil.Error, ValueError):
         return set()
+
+
+def _own_with_descendants(pid: int, uid: int) -> set[int]:
+    """`pid` and its descendants when it is a process of user `uid`, else nothing."""
+    try:
+        if psutil.Process(pid).uids().real != uid:
+            return set()
+    except (psutil.Error, ValueError):
+        return set()
+    return {pid} | _descendants(pid)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,7 +68,8 @@ def decide(held: int, up: int, kept: int, demand: dict, seen: Partition | None,
     Args:
         held: slots leased now; up: of those, slots whose engine runs; kept: held less those
             already being given back.
-        demand: the pool's ``min``, ``max``, ``auto``, ``wanted``.
+        demand: the pool's ``min``, ``max``, ``auto``, ``wanted``, ``active`` (whether a run
+            trains on it).
         seen: the partition's latest look (None: Slurm did not answer: hold what is held).
         settled: whether the last give-back has had ``SETTLE_S`` to take effect.
         cpus, gpus: each engine's CPUs and GPUs.
@@ -76,6 +77,8 @@ def decide(held: int, up: int, kept: int, demand: dict, seen: Partition | None,
     low, high = demand["min"], demand["max"]
     if not demand["auto"]:
         return max(low, min(high, demand["wanted"]))
+    if not demand.get("active", True):  # no run trains: an idle auto pool holds its min
+        return low
     if seen is None:
         return max(low, kept)
     if seen.waiting:
@@ -119,14 +122,15 @@ class SlurmArbiter:
     def register(self, run: str, **demand) -> dict:
         with self._lock:
             self.run = run
-            self.demand.update({k: demand[k] for k in ("min", "max", "auto", "wanted", "name")
-                                if k in demand})
+            self.demand.update({k: demand[k] for k in ("min", "max", "auto", "wanted", "name",
+                                                       "active") if k in demand})
             self.engines = dict(demand.get("engines") or self.engines)
             return self._grant()
 
     def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
         with self._lock:
             self._known(run)
+            self.demand["active"] = active
             self.engines = {str(k): v for k, v in (engines or {}).items()}
             return self._grant()
 
@@ -167,8 +171,9 @@ class SlurmArbiter:
             self._looked = now
         kept = len(self.held) - len(self.give_back)
         up = sum(1 for s in self.held if str(s) in self.engines)
-        target = decide(len(self.held), up, kept, self.demand, self.seen,
-                        now - self._gave >= SETTLE_S, self.cpus, self.gpus)
+        settled = not self.give_back and now - self._gave >= SETTLE_S  # the last one's done
+        target = decide(len(self.held), up, kept, self.demand, self.seen, settled, self.cpus,
+                        self.gpus)
         if target > kept:
             self._lease(target - kept)
         elif target < kept:
@@ -201,9 +206,15 @@ class SlurmArbiter:
             self.events.append({"kind": "gave", "slot": slot, "why": self._why_gave()})
 
     def _why_grew(self) -> str:
+        if not self.demand["auto"]:
+            return "the size asked for"
         return f"idle in Slurm partition {self.partition or '(default)'}"
 
     def _why_gave(self) -> str:
+        if not self.demand["auto"]:
+            return "the size asked for"
+        if not self.demand.get("active", True):
+            return "no run trains: the pool keeps its min"
         jobs = ", ".join(self.seen.waiting[:3]) if self.seen else ""
         return f"Slurm job(s) {jobs} wait for resources" if jobs else "Slurm wants it back"
 
@@ -276,14 +287,21 @@ def _idle(sinfo: str, cpus_per_engine: int, gpus_per_engine: int) -> Partition:
 
 
 def _gres_gpus(gres: str) -> int:
-    """GPUs in a gres string: ``gpu:4``, ``gpu:h100:4(S:0-1)``, ``gpu:a100:2(IDX:0-1),...``."""
-    return sum(int(n) for n in re.findall(r"gpu(?::[^:,(]+)?:(\d+)", gres))
+    """GPUs in a gres or tres string: ``gpu:4``, ``gpu:h100:4(S:0-1)``,
+    ``gpu:a100:2(IDX:0,2),gpu:v100:1``, ``gpu:(null):2``, ``gres/gpu:1``, ``gres/gpu`` (1)."""
+    gres = re.sub(r"\((?:S|IDX):[^)]*\)", "", gres)  # sockets, indexes: may hold commas
+    total = 0
+    for item in gres.split(","):
+        parts = item.strip().removeprefix("gres/").split(":")
+        if parts[0] == "gpu":
+            total += int(parts[-1]) if len(parts) > 1 and parts[-1].isdigit() else 1
+    return total
 
 
 def _job_gpus(nodes: str, tasks: str, per_node: str, per_task: str, per_job: str) -> int:
     """GPUs a pending job asks for, from its tres-per-job/-node/-task fields."""
     for tres, times in ((per_job, 1), (per_node, _int(nodes)), (per_task, _int(tasks))):
-        if n := _gres_gpus(tres.replace("gres/", "")):
+        if n := _gres_gpus(tres):
             return n * max(1, times)
     return 0
 
