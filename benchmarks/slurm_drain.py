@@ -31,6 +31,7 @@ munge installed: ``make test`` installs them); figures are recorded in BENCHMARK
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -110,14 +111,8 @@ def main() -> None:
 
 
 def drains_kills_grows(rounds: int) -> tuple[list, list, list]:
-    pool = EnginePool(n=2, min_size=1, max_size=4, launcher=SlurmLauncher()).start()
-    config = RunConfig(name="slurm-bench", steps=10_000_000, global_batch=64, seed=7,
-                       checkpoint_every=0, collective_timeout=5)
-    run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
-                                                         f"time.sleep({SLEEP_S})"),
-                      workspace=tempfile.mkdtemp()).start()
     drains, kills, grows = [], [], []
-    try:
+    with training("slurm-bench", n=2, min_size=1, max_size=4) as (pool, run):
         wait_for(lambda: run.step > 50, what="training")
         for _ in range(rounds):
             known = {job_of(pool, e) for e in pool.engines}
@@ -141,12 +136,6 @@ def drains_kills_grows(rounds: int) -> tuple[list, list, list]:
                              "to_training": back - event["sent"],
                              "lost": event.get("lost_steps", 0)})
                 wait_for(lambda: run.world_size == 2, what="the replacement")
-        steps = [r["step"] for r in run.history]
-        assert steps == list(range(1, len(steps) + 1)), "a step is missing or repeated"
-    finally:
-        run.stop()
-        run.wait(timeout=120)
-        pool.stop()
     return drains, kills, grows
 
 
@@ -154,14 +143,8 @@ def auto_rounds(rounds: int) -> list[dict]:
     """An auto pool (min 1, max 4) on the idle 4 CPUs; another user's job asking for 2 CPUs
     arrives (its submission to its start, and to the run at 2), runs 10 s, ends (its end to
     the run back at 4)."""
-    pool = EnginePool(n=1, min_size=1, max_size=4, auto=True, launcher=SlurmLauncher()).start()
-    config = RunConfig(name="slurm-auto", steps=10_000_000, global_batch=64, seed=7,
-                       checkpoint_every=0)
-    run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
-                                                         f"time.sleep({SLEEP_S})"),
-                      workspace=tempfile.mkdtemp()).start()
     rows = []
-    try:
+    with training("slurm-auto", n=1, min_size=1, max_size=4, auto=True) as (pool, run):
         for _ in range(rounds):
             wait_for(lambda: run.world_size == 4, what="the pool at 4")
             asked = time.time()
@@ -175,13 +158,27 @@ def auto_rounds(rounds: int) -> list[dict]:
             wait_for(lambda: run.world_size == 4, what="the pool back at 4")
             rows.append({"to_gave": gave - asked, "to_other_start": started - asked,
                          "to_back": first_step_after(run, ended, 4) - ended})
+    return rows
+
+
+@contextlib.contextmanager
+def training(name: str, **pool_options):
+    """A pool of Slurm engine jobs and a run of the workload on it, stopped at the end, when
+    no step may be missing or repeated."""
+    pool = EnginePool(launcher=SlurmLauncher(), **pool_options).start()
+    config = RunConfig(name=name, steps=10_000_000, global_batch=64, seed=7,
+                       checkpoint_every=0, collective_timeout=5)
+    run = TrainingRun(pool, config, source=BODY.replace("time.sleep(0.01)",
+                                                         f"time.sleep({SLEEP_S})"),
+                      workspace=tempfile.mkdtemp()).start()
+    try:
+        yield pool, run
         steps = [r["step"] for r in run.history]
         assert steps == list(range(1, len(steps) + 1)), "a step is missing or repeated"
     finally:
         run.stop()
         run.wait(timeout=120)
         pool.stop()
-    return rows
 
 
 def report(drains, kills, grows) -> None:

@@ -2,6 +2,7 @@
 here with two real arbiters of this machine standing for two hosts, each reached through a
 real relay process (tests/test_hosts.py runs the relays over ssh in namespace hosts)."""
 import sys
+import time
 
 import pytest
 
@@ -60,6 +61,31 @@ def test_the_pools_min_and_max_are_split_over_the_hosts(two_hosts):
         assert grant["slots"] == [0, 1, 2] and grant["target"] == 3, grant
     finally:
         arbiters.unregister("pool-3")
+
+
+def test_a_host_that_stops_answering_keeps_its_last_grant_and_is_not_asked_for_a_while(
+        two_hosts, tmp_path, monkeypatch):
+    monkeypatch.setattr("elastic_jupyter.arbiter.hosts.REPLY_TIMEOUT", 1.0)
+    down = tmp_path / "b-is-down"
+    relay = relays(two_hosts)
+
+    def command(host):  # b hangs once `down` exists (a lost host: its ssh still connects)
+        hang = f"[ -e {down} ] && exec sleep 60; " if host == "b" else ""
+        return ["sh", "-c", hang + relay(host)[2]]
+
+    arbiters = HostArbiters({"a": 2, "b": 3}, command)
+    try:
+        assert arbiters.register("pool-5", name="p", notebook="", min=2, max=5, weight=1.0,
+                                 auto=True, wanted=2, standby=0)["slots"] == [0, 1, 2, 3, 4]
+        down.touch()
+        arbiters.relays["b"]._proc.kill()
+        t0 = time.monotonic()
+        for _ in range(3):  # b's last grant stands
+            assert arbiters.poll("pool-5", engines={})["slots"] == [0, 1, 2, 3, 4]
+        assert time.monotonic() - t0 < 3  # b was asked once (1 s), then left alone
+    finally:
+        for r in arbiters.relays.values():
+            r.close()
 
 
 def test_a_relay_that_cannot_start_says_why():

@@ -31,6 +31,7 @@ from .client import answer_of
 from .table import ArbiterError, UnknownRun
 
 REPLY_TIMEOUT = 30.0  # seconds for a relay's answer (its first starts Python and the arbiter)
+QUIET_S = 30.0  # a host that did not answer is not asked again for this long
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class Relay:
         why, with the tail of what it complained of."""
         said = ""
         if self._stderr is not None:
-            self._end(keep_stderr=True)
+            self._end(keep_stderr=True, wait=0)
             self._stderr.seek(0)
             said = " | ".join(self._stderr.read()[-2000:].decode(errors="replace")
                               .strip().splitlines()[-3:])
@@ -125,13 +126,14 @@ class Relay:
                            + f"; check that `ssh {self.host}` logs in without a password and "
                            "that elastic-jupyter is installed there")
 
-    def _end(self, keep_stderr: bool = False) -> None:
+    def _end(self, keep_stderr: bool = False, wait: float = 5.0) -> None:
+        """End the relay: its input closes, and after `wait` seconds it is killed."""
         proc, self._proc, self._buffer = self._proc, None, b""
         if proc is not None:
             if proc.poll() is None:
                 proc.stdin.close()  # the relay exits at the end of its input
                 try:
-                    proc.wait(timeout=5)
+                    proc.wait(timeout=wait)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
@@ -145,7 +147,8 @@ class HostArbiters:
     """The calls of :class:`~.client.ArbiterClient` for a pool of SSH hosts (see the module's
     docstring). `hosts`: host -> its slots, in ``--hosts`` order; `command(host)`: the ssh
     command line that runs a relay there. The hosts are asked side by side; a host that
-    does not answer keeps its last grant (the others' decisions are still followed), and a
+    does not answer keeps its last grant and is not asked again for ``QUIET_S`` (the others'
+    decisions are still followed, and a lost host does not slow every look down), and a
     call fails only when no host answered."""
 
     def __init__(self, hosts: dict[str, int], command):
@@ -155,6 +158,7 @@ class HostArbiters:
             self.offsets[host], at = at, at + count
         self.relays = {host: Relay(host, command(host)) for host in self.hosts}
         self._last: dict[str, dict] = {}  # host -> its newest grant
+        self._quiet: dict[str, float] = {}  # host -> until when it is not asked (monotonic)
         self._checked = False
         self._threads = concurrent.futures.ThreadPoolExecutor(
             len(self.hosts), thread_name_prefix="ej-relay")
@@ -170,7 +174,7 @@ class HostArbiters:
         return self._each(lambda host, relay: relay.call("register", run=run, **dict(
             demand, min=least[host], max=most[host],
             wanted=min(most[host], max(least[host], wanted[host])), standby=standby[host],
-            engines=engines[host])))
+            engines=engines[host])), every_host=True)  # a new demand: every host hears it
 
     def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
         engines = self._split_slots(engines or {})
@@ -211,14 +215,23 @@ class HostArbiters:
 
     # ---------------------------------------------------------------- the hosts together
 
-    def _each(self, ask) -> dict:
-        """`ask(host, relay)` on every host side by side; their grants combined."""
-        replies = dict(zip(self.hosts, self._threads.map(self._tried(ask), *zip(
-            *self.relays.items()))))
+    def _each(self, ask, every_host: bool = False) -> dict:
+        """`ask(host, relay)` on every host side by side (unless `every_host`, not those that
+        did not answer lately); their grants combined."""
+        now = time.monotonic()
+        asked = {h: r for h, r in self.relays.items()
+                 if every_host or h not in self._last or self._quiet.get(h, 0) <= now}
+        if not asked:
+            raise ArbiterError("no host's arbiter answered lately; asking again soon")
+        replies = dict(zip(asked, self._threads.map(self._tried(ask), *zip(*asked.items()))))
         failed = {h: r for h, r in replies.items() if isinstance(r, Exception)}
+        for host, error in failed.items():
+            if not isinstance(error, UnknownRun):  # that one answered: it lost the pool
+                self._quiet[host] = time.monotonic() + QUIET_S
+        replies.update({h: self._last[h] for h in self.relays if h not in asked})
         if unknown := [e for e in failed.values() if isinstance(e, UnknownRun)]:
             raise unknown[0]  # the pool registers again (lease.SlotLease.poll)
-        if failed and (len(failed) == len(replies) or set(failed) - set(self._last)):
+        if failed and (len(failed) == len(asked) or set(failed) - set(self._last)):
             raise ArbiterError("; ".join(str(e) for e in failed.values()))
         for host, error in failed.items():
             log.warning("elastic_jupyter: %s (its last grant stands)", error)
