@@ -25,6 +25,7 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
 ``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
+``--tensorboard``      off (on: ``elastic-checkpoints/<name>/tensorboard/``, or the folder given)
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -131,6 +132,7 @@ class RunConfig:
     pool_max_size: int = 1
     plateau_metric: str | None = None  # the val_* metric a ReduceLROnPlateau steps on
     precision: str | None = None  # None (fp32), "bf16" or "fp16": loss_fn under torch.autocast
+    tensorboard: bool | str = False  # False, True (the run's folder) or a folder (tensorboard.py)
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
@@ -167,6 +169,9 @@ class RunConfig:
                 self.pass_cost, (int, float)) or not 0 <= self.pass_cost < float("inf")):
             raise UsageError(f"--pass-cost is a number of samples >= 0 (as the run's "
                              f"micro_batches event reports it), got {self.pass_cost!r}")
+        if not isinstance(self.tensorboard, (bool, str)) or self.tensorboard == "":
+            raise UsageError(f"tensorboard takes True (the run's folder) or a folder, got "
+                             f"{self.tensorboard!r}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         if self.plateau_metric is not None:

@@ -238,6 +238,9 @@ def _train_parser() -> _Parser:
     p.add_argument("--precision", choices=["bf16", "fp16"],
                    help="run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
                         "scaler (default: fp32)")
+    p.add_argument("--tensorboard", nargs="?", const=True, default=False, metavar="DIR",
+                   help="also log to TensorBoard, in DIR (default: elastic-checkpoints/NAME/"
+                        "tensorboard/); needs the tensorboard package")
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",
@@ -352,7 +355,8 @@ class ElasticMagics(Magics):
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
             collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm,
             commit_every=args.commit_every, standby=args.standby, workers=args.workers,
-            plateau_metric=args.plateau_metric, precision=args.precision)
+            plateau_metric=args.plateau_metric, precision=args.precision,
+            tensorboard=args.tensorboard)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool(auto=args.auto, weight=_weight(args.weight)).start()
             print(f"Started {self.pool!r}")
@@ -368,6 +372,8 @@ class ElasticMagics(Magics):
         print(f"Run {run.name!r} training on {run.world_size} engine(s) "
               f"({self.pool.backend}), {run.total_steps} steps; handle: {args.variable}. "
               f"Checkpoints: {run.checkpoint_dir}")
+        if run.tensorboard_dir:
+            print(f"TensorBoard: tensorboard --logdir {run.tensorboard_dir}")
         if not args.no_dashboard:
             display(run.dashboard())
         if args.wait:

@@ -25,6 +25,7 @@ from .lease import LeasePolicy
 from .membership import Membership
 from .owner import background
 from .runlog import RunLog, describe_event
+from .tensorboard import TensorBoardLog, check_available
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
 from .snapshot import ACTIVE_STATES, RunSnapshot, of_run
 
@@ -56,6 +57,9 @@ class TrainingRun:
         schedule: resizes as (at_step, size) pairs, the same as ``resize(size, at_step)``
             called before training starts.
 
+    With ``config.tensorboard`` the run also logs to TensorBoard (tensorboard.py), in
+    ``tensorboard_dir``.
+
     Attributes:
         state: one of "created", "starting", "training", "resizing", "finished", "failed",
             "stopped".
@@ -82,6 +86,13 @@ class TrainingRun:
             config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
         self.log = RunLog(self.log_dir)
+        self.tensorboard_dir = None
+        if config.tensorboard:
+            check_available()
+            self.tensorboard_dir = os.path.abspath(
+                os.path.join(self.checkpoint_dir, "tensorboard") if config.tensorboard is True
+                else config.tensorboard)
+            self.log.tensorboard = TensorBoardLog(self.tensorboard_dir)
         if config.commit_every is not None:
             warnings.warn(COMMIT_EVERY_NOTICE, FutureWarning, stacklevel=2)
             self.log.event("warning", message=COMMIT_EVERY_NOTICE)
@@ -430,6 +441,8 @@ class TrainingRun:
         the checkpoint folder, record the end for discovery."""
         self._release_folder()
         self.pool.release(self)
+        if self.log.tensorboard is not None:
+            self.log.tensorboard.close()
         registry.update(self._registration, self)
 
 

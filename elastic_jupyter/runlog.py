@@ -28,6 +28,7 @@ class RunLog:
         self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
         self._resize: dict | None = None  # the latest resize's life (see `resize`)
         self._resize_event: dict | None = None  # its "resize" event
+        self.tensorboard = None  # a tensorboard.TensorBoardLog the records and events go to
 
     # ------------------------------------------------------------------ reading (any thread)
 
@@ -76,6 +77,9 @@ class RunLog:
         event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
         self.events.append(event)
         self._event_keys.add((kind, event["step"]))
+        if self.tensorboard is not None:
+            self.tensorboard.add_event(event, describe_event(event) or f"[step {event['step']}] "
+                                       f"{kind}")
         self.log(f"{kind} " + " ".join(f"{k}={v}" for k, v in event.items() if k != "kind"))
         return event
 
@@ -96,10 +100,14 @@ class RunLog:
     def merge(self, data: dict, complete: bool = False) -> None:
         """Take records and events streamed by rank 0 (repeats are skipped, unless the data
         is `complete`: a generation's result fills any gap the live stream left)."""
+        added = []
         for record in data.get("records", ()):
             if complete or record["step"] > self._merged_upto:
-                self._records[record["step"]] = _plain(record)
+                added.append(_plain(record))
+                self._records[record["step"]] = added[-1]
                 self._merged_upto = max(self._merged_upto, record["step"])
+        if self.tensorboard is not None:
+            self.tensorboard.add_records(added)
         self._finish_resize()
         for event in data.get("events", ()):
             if (event["kind"], event["step"]) not in self._event_keys:
@@ -120,12 +128,16 @@ class RunLog:
         for record in history:
             self._records[record["step"]] = record
         self._merged_upto = upto
+        if self.tensorboard is not None:
+            self.tensorboard.resume_at(upto)
 
     def roll_back(self, step: int) -> None:
         """Forget records after `step` (a fault rolled the ranks back to it)."""
         for s in [s for s in self._records if s > step]:
             del self._records[s]
         self._merged_upto = min(self._merged_upto, step)
+        if self.tensorboard is not None:
+            self.tensorboard.roll_back(step)
 
     @property
     def merged_upto(self) -> int:
@@ -151,6 +163,12 @@ def describe_event(event: dict) -> str | None:
                 f"{event['latency_s']:.3f} s (request to first step at the new size)")
     if kind == "checkpoint":
         return f"[step {step}] checkpoint {event['path']} ({event['bytes'] / 1e6:.2f} MB)"
+    if kind == "fault":
+        lost = ", ".join([f"slot {s} (lost)" for s in event.get("lost_slots", ())] +
+                         [f"slot {s} (hung)" for s in event.get("hung_slots", ())]) or "none"
+        return (f"[step {step}] fault: engines {lost}; rolled back to step "
+                f"{event['rolled_back_to']} ({event['lost_steps']} step(s) lost), training goes "
+                f"on at world size {event['world_size']}")
     if kind == "checkpoint_failed":
         return f"[step {step}] WARNING checkpoint not written: {event['message']}"
     if kind in ("error", "warning", "finished", "stopped", "start", "micro_batches", "slot",

@@ -1,0 +1,74 @@
+"""--tensorboard: a real run's TensorBoard event files, read back with TensorBoard's own reader.
+
+The run resizes, loses its only engine after its first checkpoint (so the newest checkpoint is
+loaded and the steps after it are redone), finishes, and is resumed for more steps: TensorBoard
+must show every step once, with the values the run kept, and the run's events as text.
+"""
+import os
+import signal
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tensorboard.util.tensor_util import make_ndarray
+
+from elastic_jupyter import RunConfig, TrainingRun, UsageError
+from test_faults import CELL, wait_for
+
+METRIC = '''
+eval_dataset = dataset
+def metric_fn(model, batch):
+    x, y = batch
+    return {"accuracy": (model(x).argmax(1) == y).float().mean()}
+'''
+
+
+def _config(steps, **extra):
+    return RunConfig(name="tb", global_batch=64, steps=steps, checkpoint_every=20, eval_every=25,
+                     collective_timeout=5, seed=4, tensorboard=True, **extra)
+
+
+def _read(folder):
+    events = EventAccumulator(folder, size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()  # purges what a writer's purge_step hides, as TensorBoard's UI does
+    return events
+
+
+def test_tensorboard_logs_each_step_once_through_a_rollback_and_a_resume(idle_pool, tmp_path):
+    run = TrainingRun(idle_pool, _config(70), source=CELL + METRIC, engines=1,
+                      workspace=str(tmp_path), schedule=[(45, 2)]).start()
+    wait_for(lambda: run.step >= 30, what="step 30")
+    os.kill(run.members[0].pid, signal.SIGKILL)  # the only holder of the state: back to step 20
+    assert run.wait(timeout=240) == "finished", run.logs()
+    fault = next(e for e in run.events if e["kind"] == "fault")
+    assert fault["rolled_back_to"] == 20 and fault["step"] > 20, fault
+    kept = {r["step"]: r for r in run.history}
+
+    resumed = TrainingRun(idle_pool, _config(90), source=CELL + METRIC, engines=2,
+                          workspace=str(tmp_path), resume=True).start()
+    assert resumed.wait(timeout=240) == "finished", resumed.logs()
+    kept.update({r["step"]: r for r in resumed.history})
+    assert resumed.tensorboard_dir == str(tmp_path / "elastic-checkpoints" / "tb" / "tensorboard")
+
+    events = _read(resumed.tensorboard_dir)
+    loss = events.Scalars("train/loss")
+    assert [s.step for s in loss] == list(range(1, 91))  # each step once, in order
+    assert [s.value for s in loss] == pytest.approx([kept[s]["loss"] for s in range(1, 91)],
+                                                    rel=1e-6)
+    assert [s.wall_time for s in loss] == pytest.approx([kept[s]["time"] for s in range(1, 91)])
+    sizes = {s.step: s.value for s in events.Scalars("elastic/world_size")}
+    assert sizes[45] == 1 and sizes[46] == 2 and sizes[71] == 2
+    assert [s.step for s in events.Scalars("val/accuracy")] == [25, 50, 70, 75, 90]  # and at the end
+    assert {"train/lr", "elastic/samples_per_s"} <= set(events.Tags()["scalars"])
+
+    texts = [make_ndarray(t.tensor_proto).item().decode()
+             for t in events.Tensors("events/text_summary")]
+    assert any("fault: engines slot" in t and "rolled back to step 20" in t for t in texts), texts
+    assert any("resize 1 -> 2 (scheduled)" in t for t in texts), texts
+    assert any("checkpoint" in t for t in texts) and any("finished" in t for t in texts)
+
+
+def test_tensorboard_option_is_checked_before_anything_starts(idle_pool, tmp_path):
+    with pytest.raises(UsageError, match="tensorboard takes True"):
+        TrainingRun(idle_pool, RunConfig(name="bad", steps=5, tensorboard=""), source=CELL,
+                    workspace=str(tmp_path))
+    assert not (tmp_path / "elastic-checkpoints").exists()
