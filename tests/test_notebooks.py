@@ -10,6 +10,7 @@ import shutil
 
 import nbformat
 from nbclient import NotebookClient
+from test_arbiter import start_arbiter, stop
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 RESTART_TAG = "restart-kernel"
@@ -17,24 +18,25 @@ RESTART_TAG = "restart-kernel"
 
 def execute(name: str, folder: pathlib.Path) -> str:
     """Run notebooks/`name` in a copy in `folder`; returns the text its cells printed."""
+    return asyncio.run(_execute(name, folder))
+
+
+async def _execute(name: str, folder: pathlib.Path) -> str:
+    folder.mkdir(parents=True, exist_ok=True)
     shutil.copy(NOTEBOOKS / name, folder)
     nb = nbformat.read(folder / name, as_version=4)
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(folder)}})
-    asyncio.run(_run_cells(client, nb))
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                     for o in c.get("outputs", []))
-    assert "never retrieved" not in text  # no background task failed unseen
-    return text
-
-
-async def _run_cells(client: NotebookClient, nb) -> None:
     async with client.async_setup_kernel():
         for index, cell in enumerate(nb.cells):
             if RESTART_TAG in cell.metadata.get("tags", []):
                 await client.km.restart_kernel()  # a graceful shutdown, then a new kernel
                 await client.kc.wait_for_ready(timeout=60)
             await client.async_execute_cell(cell, index)
+    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.get("outputs", []))
+    assert "never retrieved" not in text  # no background task failed unseen
+    return text
 
 
 def test_quickstart_trains_resizes_and_reaches_90_percent(tmp_path):
@@ -59,3 +61,23 @@ def test_faults_notebook_survives_a_killed_engine_and_a_kernel_restart(tmp_path)
     assert "fault: engines slot" in text  # the fault's line in the progress
     assert "resumed from" in text
     assert "the engine fault and the kernel restart left the result unchanged" in text
+
+
+def test_sharing_notebook_runs_as_two_students_at_once(tmp_path, monkeypatch):
+    """Notebook 4, two copies at the same time on one machine of 4 slots (its arbiter with
+    the default hold time): in each, the grower grows, gives a slot back to its newcomer and
+    grows again; its own last cells assert it."""
+    folder = tmp_path / "arbiter"
+    folder.mkdir()
+    arbiter = start_arbiter(str(folder), {"cpu_slots": 4, "hold_s": 30})
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))  # the kernels' machine
+
+    async def both():
+        return await asyncio.gather(*(_execute("04_sharing_a_machine.ipynb", tmp_path / student)
+                                      for student in ("first", "second")))
+    try:
+        texts = asyncio.run(both())
+    finally:
+        stop(arbiter)
+    for text in texts:
+        assert "the grower grew, gave a slot back and grew again" in text
