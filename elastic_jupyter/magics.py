@@ -70,9 +70,10 @@ def _status_table(status: dict) -> str:
     lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
              f"backend {status['backend']}, on {status['launcher']}, "
              f"run: {status['run'] or 'none'}"]
-    lines += _columns([("slot", "host", "device", "pid", "engine id")] + [
+    jobs = any(e["job"] for e in status["engines"])  # a scheduler's jobs: their ids too
+    lines += _columns([("slot", "host", "device", "pid", "engine id") + ("job",) * jobs] + [
         (str(e["slot"]), e["host"], e["device"], str(e["pid"]), str(e["engine_id"]))
-        for e in status["engines"]])
+        + (e["job"],) * jobs for e in status["engines"]])
     for slot, job in status["queued"].items():
         lines.append(f"Slot {slot}: waiting in the queue, {job}")
     for slot, reason in sorted(status["excluded_slots"].items()):

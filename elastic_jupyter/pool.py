@@ -58,6 +58,7 @@ class Engine:
         pid: process id on `host`; started: wall time (s since the epoch) it registered.
         host: the host it runs on; local: whether it is this user's process on this host
             (the pool signals it itself; other engines end with their job).
+        job: the scheduler's job that runs it (a Slurm job id; "" elsewhere).
     """
 
     slot: int
@@ -68,6 +69,7 @@ class Engine:
     started: float
     host: str = ""
     local: bool = True
+    job: str = ""
 
 
 def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool,
@@ -645,10 +647,15 @@ class EnginePool:
                                   set_id=set_ids[info["slot"]], pid=info["pid"],
                                   started=time.time(),
                                   host=self.launcher.host_of(info["slot"]) or info["host"],
-                                  local=self.launcher.local))
+                                  local=self.launcher.local,
+                                  job=self._job_of(set_ids[info["slot"]])))
         self.engines.extend(sorted(engines, key=lambda e: e.slot))
         self._update_pidfile()
         return engines
+
+    def _job_of(self, set_id: str) -> str:
+        """The batch job of an engine set ("" without a scheduler)."""
+        return str(getattr(self.cluster.engines.get(set_id), "job_id", None) or "")
 
     async def _forget_sets(self, set_ids: set) -> None:
         """Stop engine sets of a start that failed (each on its own: one that cannot be

@@ -22,6 +22,7 @@ from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.launchers import SlurmLauncher
 from slurm_cluster import SlurmCluster, available
 from test_kernel_lifecycle import BODY as LIFECYCLE_BODY, Kernel
+from test_notebooks import execute
 
 QUICKSTART = pathlib.Path(__file__).parent.parent / "notebooks" / "01_quickstart.ipynb"
 BODY = LIFECYCLE_BODY.replace("time.sleep(0.01)", "time.sleep(DELAY)")
@@ -65,10 +66,6 @@ def sbatch(*args: str) -> str:
                           capture_output=True, text=True, check=True).stdout.strip()
 
 
-def job_of(pool, engine) -> str:
-    return pool.cluster.engines[engine.set_id].job_id
-
-
 def events(run, kind: str) -> list[dict]:
     return [e for e in run.events if e["kind"] == kind]
 
@@ -95,7 +92,7 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
         slurm, slurm_pool, idle_pool, tmp_path):
     pool = slurm_pool
     jobs = {j["id"]: j for j in slurm.jobs("running")}
-    assert {job_of(pool, e) for e in pool.engines} <= set(jobs), jobs
+    assert {e.job for e in pool.engines} <= set(jobs), jobs
     assert all(not e.local for e in pool.engines) and pool.backend == "gloo"
     blocker = sbatch("-n", "1", "--wrap", "sleep 600")
     run = start_run(pool, tmp_path, "grow")
@@ -113,14 +110,14 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
         assert not pool.status()["queued"]
 
         victim = run.members[1]
-        job, drained_at = job_of(pool, victim), time.time()
+        job, drained_at = victim.job, time.time()
         subprocess.run(["scancel", "--signal=TERM", job], check=True)
         wait_for("the drain", lambda: bool(events(run, "drain")) or run.world_size)
         (drain,) = events(run, "drain")
         assert drain["slot"] == victim.slot and drain["world_size"] == 2, drain
         assert drain["drain_s"] < 2.0 and drain["time"] - drained_at < 3.0, drain
         wait_for("the replacement job to join", lambda: run.world_size == 3 or run.world_size)
-        assert job not in {job_of(pool, e) for e in pool.engines}
+        assert job not in {e.job for e in pool.engines}
         wait_for("the drained job to end", lambda: job not in {
             j["id"] for j in slurm.jobs("running")} or slurm.jobs())
     finally:
@@ -226,5 +223,15 @@ def test_the_quick_start_notebook_trains_on_slurm_engine_jobs(slurm, tmp_path):
         kernel.execute(cells[-1])  # %elastic_pool stop
     finally:
         kernel.close()
+    wait_for("every engine job to end", lambda: not [
+        j for j in slurm.jobs() if j["state"] in ("PENDING", "RUNNING")] or slurm.jobs())
+
+
+def test_the_slurm_notebook_drains_a_preempted_engine_job(slurm, tmp_path):
+    """Teaching notebook 6 in a real kernel on this Slurm: its engine jobs train, one is sent
+    Slurm's SIGTERM and drains, a replacement job joins; its own last cells assert it."""
+    text = execute("06_slurm_cluster.ipynb", tmp_path)
+    assert "ipengine" in text  # squeue listed the engine jobs
+    assert "the preempted engine drained without a fault" in text
     wait_for("every engine job to end", lambda: not [
         j for j in slurm.jobs() if j["state"] in ("PENDING", "RUNNING")] or slurm.jobs())
