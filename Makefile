@@ -8,7 +8,7 @@ SLURMD ?= $(shell command -v slurmd || echo /usr/sbin/slurmd)
 SSHD ?= /usr/sbin/sshd
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-.PHONY: setup quickstart test benchmark clean
+.PHONY: setup quickstart notebooks test benchmark clean
 
 setup: $(STAMP) $(BUNDLE)
 
@@ -42,6 +42,11 @@ $(SLURMD) $(SSHD):
 # the loss curve with its resize and checkpoint markers to notebooks/loss.png.
 quickstart: setup
 	cd notebooks && ../$(VENV)/bin/ipython --colors=nocolor 01_quickstart.ipynb
+
+# Every teaching notebook, headless, each checking what it teaches (notebook 6 on a test Slurm).
+notebooks: setup $(SLURMD)
+	$(PY) -m pytest -q tests/test_notebooks.py \
+		tests/test_slurm.py::test_the_slurm_notebook_drains_a_preempted_engine_job
 
 test: setup $(CHROMIUM) $(SLURMD) $(SSHD)
 	$(PY) -m pytest -ra

@@ -7,6 +7,8 @@ notebook checks what it teaches in its last cells; the tests check a few of its 
 import asyncio
 import pathlib
 import shutil
+import subprocess
+import sys
 
 import nbformat
 from nbclient import NotebookClient
@@ -37,6 +39,16 @@ async def _execute(name: str, folder: pathlib.Path) -> str:
                      for o in c.get("outputs", []))
     assert "never retrieved" not in text  # no background task failed unseen
     return text
+
+
+def test_notebooks_are_committed_without_outputs():
+    """Outputs, execution counts and per-run metadata stay out of git (nbstripout, a
+    well-kept tool; strip with `nbstripout notebooks/*.ipynb`)."""
+    paths = sorted(str(p) for p in NOTEBOOKS.glob("*.ipynb"))
+    assert len(paths) == 6, paths
+    check = subprocess.run([sys.executable, "-m", "nbstripout", "--verify", *paths],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def test_quickstart_trains_resizes_and_reaches_90_percent(tmp_path):
