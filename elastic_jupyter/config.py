@@ -25,7 +25,7 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
 ``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
-``--tensorboard``      off (on: ``elastic-checkpoints/<name>/tensorboard/``, or the folder given)
+``--tensorboard``      off (on: ``elastic-checkpoints/<name>/tensorboard/``; ``DIR``: ``DIR/<name>/``)
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -132,7 +132,7 @@ class RunConfig:
     pool_max_size: int = 1
     plateau_metric: str | None = None  # the val_* metric a ReduceLROnPlateau steps on
     precision: str | None = None  # None (fp32), "bf16" or "fp16": loss_fn under torch.autocast
-    tensorboard: bool | str = False  # False, True (the run's folder) or a folder (tensorboard.py)
+    tensorboard: bool | str = False  # False, True (in the run's folder) or a folder (tensorboard.py)
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 

@@ -240,8 +240,8 @@ def _train_parser() -> _Parser:
                    help="run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
                         "scaler (default: fp32)")
     p.add_argument("--tensorboard", nargs="?", const=True, default=False, metavar="DIR",
-                   help="also log to TensorBoard, in DIR (default: elastic-checkpoints/NAME/"
-                        "tensorboard/); needs the tensorboard package")
+                   help="also log to TensorBoard, in DIR/NAME/ (default: elastic-checkpoints/"
+                        "NAME/tensorboard/); needs the tensorboard package")
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",

@@ -58,7 +58,8 @@ class TrainingRun:
             called before training starts.
 
     With ``config.tensorboard`` the run also logs to TensorBoard (tensorboard.py), in
-    ``tensorboard_dir``.
+    ``tensorboard_dir``: ``<checkpoint folder>/tensorboard/``, or ``<folder>/<name>/`` for a
+    folder given.
 
     Attributes:
         state: one of "created", "starting", "training", "resizing", "finished", "failed",
@@ -86,13 +87,12 @@ class TrainingRun:
             config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
         self.log = RunLog(self.log_dir)
-        self.tensorboard_dir = None
+        self.tensorboard_dir = None  # the run's TensorBoard log: opened once it is set up
         if config.tensorboard:
             check_available()
             self.tensorboard_dir = os.path.abspath(
                 os.path.join(self.checkpoint_dir, "tensorboard") if config.tensorboard is True
-                else config.tensorboard)
-            self.log.tensorboard = TensorBoardLog(self.tensorboard_dir)
+                else os.path.join(config.tensorboard, config.name))
         if config.commit_every is not None:
             warnings.warn(COMMIT_EVERY_NOTICE, FutureWarning, stacklevel=2)
             self.log.event("warning", message=COMMIT_EVERY_NOTICE)
@@ -387,6 +387,8 @@ class TrainingRun:
         except BaseException as e:
             self._driver.fail_setup(e)
             raise
+        if self.tensorboard_dir:  # from the step it starts after: a resume's is known now
+            self.log.tensorboard = TensorBoardLog(self.tensorboard_dir, self.log.merged_upto)
         self.log.event("start", world_size=self.world_size, resumed_from=self._resumed_from)
         self._driver.launch()
         self._registration = registry.register(self)

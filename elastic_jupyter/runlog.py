@@ -128,8 +128,6 @@ class RunLog:
         for record in history:
             self._records[record["step"]] = record
         self._merged_upto = upto
-        if self.tensorboard is not None:
-            self.tensorboard.resume_at(upto)
 
     def roll_back(self, step: int) -> None:
         """Forget records after `step` (a fault rolled the ranks back to it)."""

@@ -45,26 +45,23 @@ class TensorBoardLog:
 
     Args:
         folder: the log folder (``tensorboard --logdir`` takes it or a folder above it).
+        after: the step the run starts after (a resumed run's checkpoint; 0 for a new run).
+            What an earlier writer logged for later steps is hidden.
     """
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, after: int = 0):
         self.folder = folder
-        self._next = 1  # the next step to write
+        self._next = after + 1  # the next step to write
         self._pending: dict[int, dict] = {}  # records that wait for an earlier step
-        self._writer = None  # opened at the first write, reopened after a restart
-
-    def resume_at(self, step: int) -> None:
-        """The run resumes after `step` (from a checkpoint): write from ``step + 1`` on,
-        hiding what an earlier run wrote for later steps."""
-        self._close_writer()
-        self._next, self._pending = step + 1, {}
+        self._writer = None  # opened at the first write, reopened after a rollback
 
     def roll_back(self, step: int) -> None:
         """A fault rolled the run back to `step`: the records after it are void. Steps written
         after it are hidden, and written again as the run redoes them."""
         self._pending = {s: r for s, r in self._pending.items() if s <= step}
         if step + 1 < self._next:
-            self.resume_at(step)
+            self._close_writer()
+            self._next = step + 1
 
     def add_records(self, records) -> None:
         """Write the records (dicts with ``step``, ``time``, numbers) not written yet."""

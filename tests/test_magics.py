@@ -174,13 +174,13 @@ def test_train_binds_the_handle_to_the_first_word(ip, magics, cell, tmp_path):
     assert result.success, err
     run = ip.user_ns["my_run"]
     assert run.name == name and "handle: my_run." in out
-    assert f"TensorBoard: tensorboard --logdir {tmp_path / 'tb'}" in out  # beside the notebook
+    assert f"TensorBoard: tensorboard --logdir {tmp_path / 'tb' / name}" in out  # DIR/NAME
     assert ip.user_ns.get("run") is before  # `run` untouched
     assert run.wait(timeout=120) == "finished"
     # checkpoints beside the notebook: ./elastic-checkpoints/NAME/
     assert run.checkpoint_dir == str(tmp_path / "elastic-checkpoints" / name)
     assert [c["step"] for c in run.checkpoints] == [10]
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb" / name))
 
 
 def test_train_wait_prints_progress(ip, magics, cell):
