@@ -71,7 +71,7 @@ def signal_rank1(run, pool, signal: str, kind: str) -> dict:
     if signal == "KILL":
         os.kill(victim.pid, 9)  # the one-machine Slurm runs it here
     else:
-        subprocess.run(["scancel", f"--signal={signal}", victim.job], check=True)
+        subprocess.run(["scancel", f"--signal={signal}", victim.job_id], check=True)
     wait_for(lambda: len([e for e in run.events if e["kind"] == kind]) > seen, what=kind)
     event = [e for e in run.events if e["kind"] == kind][-1]
     return dict(event, sent=sent)
@@ -111,11 +111,11 @@ def drains_kills_grows(rounds: int) -> tuple[list, list, list]:
     with training("slurm-bench", n=2, min_size=1, max_size=4) as (pool, run):
         wait_for(lambda: run.step > 50, what="training")
         for _ in range(rounds):
-            known = {e.job for e in pool.engines}
+            known = {e.job_id for e in pool.engines}
             asked = time.time()
             run.resize(3)
             wait_for(lambda: run.world_size == 3, what="the grow")
-            new = ({e.job for e in pool.engines} - known).pop()
+            new = ({e.job_id for e in pool.engines} - known).pop()
             started = slurm_time(new, "StartTime")
             at3 = first_step_after(run, asked, 3)
             ready = max(e.started for e in pool.engines)

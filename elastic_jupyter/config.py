@@ -25,7 +25,7 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
 ``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
-``--tensorboard``      off (on: ``elastic-checkpoints/<name>/tensorboard/``; ``DIR``: ``DIR/<name>/``)
+``--tensorboard``      off (on: ``tensorboard/`` in the run's checkpoint folder; ``DIR``: ``DIR/<name>/``)
 =====================  ===========================================================
 """
 from __future__ import annotations
@@ -169,6 +169,8 @@ class RunConfig:
                 self.pass_cost, (int, float)) or not 0 <= self.pass_cost < float("inf")):
             raise UsageError(f"--pass-cost is a number of samples >= 0 (as the run's "
                              f"micro_batches event reports it), got {self.pass_cost!r}")
+        if isinstance(self.tensorboard, os.PathLike):
+            self.tensorboard = os.fspath(self.tensorboard)
         if not isinstance(self.tensorboard, (bool, str)) or self.tensorboard == "":
             raise UsageError(f"tensorboard takes True (the run's folder) or a folder, got "
                              f"{self.tensorboard!r}")

@@ -313,6 +313,7 @@ class Driver:
 
     async def _stop_below_minimum(self, message: str) -> None:
         written = self.log.last_event("checkpoint")
+        self.log.event("warning", message=message)
         if self.members:
             await self.recovery.roll_back()
             await self._finish("stopped")
@@ -323,7 +324,6 @@ class Driver:
             self.state = "failed"
             self.log.event("error", message=self.error)
             await self._release()
-        self.log.event("warning", message=message)
 
     async def _fail(self, error: Exception) -> None:
         if isinstance(error, GenerationError):

@@ -70,10 +70,10 @@ def _status_table(status: dict) -> str:
     lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
              f"backend {status['backend']}, on {status['launcher']}, "
              f"run: {status['run'] or 'none'}"]
-    jobs = any(e["job"] for e in status["engines"])  # a scheduler's jobs: their ids too
+    jobs = any(e["job_id"] for e in status["engines"])  # a scheduler's jobs: their ids too
     lines += _columns([("slot", "host", "device", "pid", "engine id") + ("job",) * jobs] + [
         (str(e["slot"]), e["host"], e["device"], str(e["pid"]), str(e["engine_id"]))
-        + (e["job"],) * jobs for e in status["engines"]])
+        + (e["job_id"],) * jobs for e in status["engines"]])
     for slot, job in status["queued"].items():
         lines.append(f"Slot {slot}: waiting in the queue, {job}")
     for slot, reason in sorted(status["excluded_slots"].items()):
@@ -240,8 +240,9 @@ def _train_parser() -> _Parser:
                    help="run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
                         "scaler (default: fp32)")
     p.add_argument("--tensorboard", nargs="?", const=True, default=False, metavar="DIR",
-                   help="also log to TensorBoard, in DIR/NAME/ (default: elastic-checkpoints/"
-                        "NAME/tensorboard/); needs the tensorboard package")
+                   help="also log to TensorBoard, in DIR/NAME/ (default: tensorboard/ in the "
+                        "run's checkpoint folder); needs the tensorboard package. Put the "
+                        "handle's name first: a word after --tensorboard is its DIR")
     p.add_argument("--sync-batchnorm", action="store_true",
                    help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
     p.add_argument("--schedule", default="",

@@ -58,7 +58,7 @@ class Engine:
         pid: process id on `host`; started: wall time (s since the epoch) it registered.
         host: the host it runs on; local: whether it is this user's process on this host
             (the pool signals it itself; other engines end with their job).
-        job: the scheduler's job that runs it (a Slurm job id; "" elsewhere).
+        job_id: the scheduler's job that runs it (a Slurm job id; "" elsewhere).
     """
 
     slot: int
@@ -69,7 +69,7 @@ class Engine:
     started: float
     host: str = ""
     local: bool = True
-    job: str = ""
+    job_id: str = ""
 
 
 def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool,
@@ -648,7 +648,7 @@ class EnginePool:
                                   started=time.time(),
                                   host=self.launcher.host_of(info["slot"]) or info["host"],
                                   local=self.launcher.local,
-                                  job=self._job_of(set_ids[info["slot"]])))
+                                  job_id=self._job_of(set_ids[info["slot"]])))
         self.engines.extend(sorted(engines, key=lambda e: e.slot))
         self._update_pidfile()
         return engines

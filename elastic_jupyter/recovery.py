@@ -47,9 +47,9 @@ class Recovery:
         fault_step, target, newcomers = await self._roll_back_survivors()
         self._restored_step = target
         self.log.roll_back(target)
-        # records the live stream had not delivered before the fault
+        # records the live stream had not delivered before the fault (also any it skipped)
         self.log.merge({"records": await self.calls.history_since(
-            members.members[0], self.log.merged_upto)})
+            members.members[0], self.log.complete_upto)}, complete=True)
         self.log.event("fault", step=fault_step, rolled_back_to=target,
                        lost_steps=fault_step - target, lost_slots=[e.slot for e in outcome.lost],
                        hung_slots=[e.slot for e in outcome.hung],
@@ -129,6 +129,6 @@ class Recovery:
                                "first checkpoint; start the run again")
         members = self.membership.members
         loaded = await self.calls.load_state(members[0], self.checkpoint_dir)
-        self.log.event("warning", message=f"no survivor holds the run's state: restored "
-                       f"{loaded['path']}")
+        self.log.event("warning", step=loaded["progress"]["step"], message=f"no survivor "
+                       f"holds the run's state: restored {loaded['path']}")
         return reached, loaded["progress"]["step"], {e.engine_id for e in members[1:]}

@@ -387,8 +387,9 @@ class TrainingRun:
         except BaseException as e:
             self._driver.fail_setup(e)
             raise
-        if self.tensorboard_dir:  # from the step it starts after: a resume's is known now
-            self.log.tensorboard = TensorBoardLog(self.tensorboard_dir, self.log.merged_upto)
+        if self.tensorboard_dir:  # with the history so far: a resume's is known now
+            self.log.tensorboard = TensorBoardLog(self.tensorboard_dir, self.log.history(),
+                                                  self.log.events)
         self.log.event("start", world_size=self.world_size, resumed_from=self._resumed_from)
         self._driver.launch()
         self._registration = registry.register(self)

@@ -25,6 +25,7 @@ class RunLog:
         self.events: list[dict] = []
         self._records: dict[int, dict] = {}
         self._merged_upto = 0  # newest step merged from rank 0's stream
+        self._complete_upto = 0  # newest step with no record missing before it
         self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
         self._resize: dict | None = None  # the latest resize's life (see `resize`)
         self._resize_event: dict | None = None  # its "resize" event
@@ -78,8 +79,7 @@ class RunLog:
         self.events.append(event)
         self._event_keys.add((kind, event["step"]))
         if self.tensorboard is not None:
-            self.tensorboard.add_event(event, describe_event(event) or f"[step {event['step']}] "
-                                       f"{kind}")
+            self.tensorboard.add_event(event)
         self.log(f"{kind} " + " ".join(f"{k}={v}" for k, v in event.items() if k != "kind"))
         return event
 
@@ -106,6 +106,8 @@ class RunLog:
                 added.append(_plain(record))
                 self._records[record["step"]] = added[-1]
                 self._merged_upto = max(self._merged_upto, record["step"])
+        while self._complete_upto + 1 in self._records:
+            self._complete_upto += 1
         if self.tensorboard is not None:
             self.tensorboard.add_records(added)
         self._finish_resize()
@@ -127,19 +129,22 @@ class RunLog:
         """Start from a checkpoint's history (a resumed run)."""
         for record in history:
             self._records[record["step"]] = record
-        self._merged_upto = upto
+        self._merged_upto = self._complete_upto = upto
 
     def roll_back(self, step: int) -> None:
         """Forget records after `step` (a fault rolled the ranks back to it)."""
         for s in [s for s in self._records if s > step]:
             del self._records[s]
         self._merged_upto = min(self._merged_upto, step)
+        self._complete_upto = min(self._complete_upto, step)
         if self.tensorboard is not None:
             self.tensorboard.roll_back(step)
 
     @property
-    def merged_upto(self) -> int:
-        return self._merged_upto
+    def complete_upto(self) -> int:
+        """The newest step up to which every record is here (the live stream can skip one
+        that arrives later, or, after a fault, from rank 0's history: Recovery asks for it)."""
+        return self._complete_upto
 
 
 def _plain(record: dict) -> dict:

@@ -2,25 +2,30 @@
 
 The run log (runlog.RunLog) hands a :class:`TensorBoardLog` every record it merges and every
 event it records, on the owner thread; ``torch.utils.tensorboard.SummaryWriter`` writes them
-(its own thread does the file I/O). Every step is written once, in order: a record waits until
-the records of all steps before it arrived (the live stream may miss one that the generation's
-result delivers later).
+(a thread of its own does the file I/O, behind a queue long enough that a slow disk does not
+hold up the owner). Every step is written once, in order: a record waits until the records of
+all steps before it arrived (the live stream may miss one that a later delivery fills in).
 
-A fault that rolls the run back to a checkpoint, and a resumed run, continue the same log from
-the step they restart at. The steps already written after it are hidden by TensorBoard's own
-mechanism for a restarted job: a writer opened with ``purge_step=s`` writes a session-start
-event at ``s``, and TensorBoard's readers drop every event at step ``s`` or later written before
-it. So TensorBoard shows each step once, with the values the run kept.
+The log is opened once the run is set up, with the run's history so far (a resumed run's, from
+its checkpoint), and starts over from step 1: a resumed run's log shows its whole history,
+whether or not the earlier run logged to TensorBoard. A fault that rolls the run back to a
+checkpoint goes on from the step restored. Steps written after the step a log starts from are
+hidden by TensorBoard's own mechanism for a restarted job: a writer opened with
+``purge_step=s`` writes a session-start event at ``s``, and TensorBoard's Python reader drops
+every event at step ``s`` or later written before it (its Rust data server drops a tag's later
+points when the tag's step goes back, which the rewritten steps' scalars do). So TensorBoard
+shows each step once, with the values the run kept.
 
 Tags: ``train/loss``, ``train/lr``, ``elastic/world_size``, ``elastic/samples_per_s``, the
 cell's extra metrics under ``train/``, validation metrics (``val_*``) under ``val/``; resizes,
-faults, checkpoints, warnings and the run's end as text under ``events``.
+faults, drains, checkpoints, warnings and the run's start and end as text under ``events``.
 """
 from __future__ import annotations
 
 import os
 
 from .config import UsageError
+from .runlog import describe_event
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "world_size": "elastic/world_size",
         "samples_per_s": "elastic/samples_per_s"}
@@ -28,6 +33,7 @@ NOT_SCALARS = ("step", "time", "epoch", "items")  # bookkeeping fields of a reco
 EVENT_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed", "drain",
                "slot", "warning", "error", "start", "finished", "stopped")
 FLUSH_S = 2  # a live TensorBoard sees a step within about this long
+QUEUE = 10_000  # events the writer's thread may lag behind before a write waits for it
 
 
 def check_available() -> None:
@@ -45,15 +51,19 @@ class TensorBoardLog:
 
     Args:
         folder: the log folder (``tensorboard --logdir`` takes it or a folder above it).
-        after: the step the run starts after (a resumed run's checkpoint; 0 for a new run).
-            What an earlier writer logged for later steps is hidden.
+        history: the run's records so far (oldest first): written at once.
+        events: the run's events so far: written at once.
     """
 
-    def __init__(self, folder: str, after: int = 0):
+    def __init__(self, folder: str, history: list[dict] = (), events: list[dict] = ()):
         self.folder = folder
-        self._next = after + 1  # the next step to write
+        self._next = history[0]["step"] if history else 1  # the next step to write
         self._pending: dict[int, dict] = {}  # records that wait for an earlier step
         self._writer = None  # opened at the first write, reopened after a rollback
+        self._closed = False
+        self.add_records(history)
+        for event in events:
+            self.add_event(event)
 
     def roll_back(self, step: int) -> None:
         """A fault rolled the run back to `step`: the records after it are void. Steps written
@@ -72,18 +82,22 @@ class TensorBoardLog:
             self._write_record(self._pending.pop(self._next))
             self._next += 1
 
-    def add_event(self, event: dict, text: str) -> None:
-        """Write `event` (kind, step, time) as the text `text` under the ``events`` tag."""
-        if event["kind"] in EVENT_KINDS:
-            self._open().add_text("events", text, global_step=event["step"],
-                                  walltime=event["time"])
+    def add_event(self, event: dict) -> None:
+        """Write `event` (kind, step, time, fields) as a line of text under ``events``."""
+        if event["kind"] in EVENT_KINDS and (writer := self._open()) is not None:
+            writer.add_text("events", describe_event(event) or event["kind"],
+                            global_step=event["step"], walltime=event["time"])
 
     def close(self) -> None:
-        """Flush and close the files (the run ended). A later write reopens them."""
+        """Flush and close the files (the run ended); later writes are dropped (run.log has
+        every event)."""
         self._close_writer()
+        self._closed = True
 
     def _write_record(self, record: dict) -> None:
-        writer, step, walltime = self._open(), record["step"], record.get("time")
+        if (writer := self._open()) is None:
+            return
+        step, walltime = record["step"], record.get("time")
         for key, value in record.items():
             if key in NOT_SCALARS or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
@@ -91,11 +105,12 @@ class TensorBoardLog:
             writer.add_scalar(tag, value, global_step=step, walltime=walltime)
 
     def _open(self):
-        if self._writer is None:
+        if self._writer is None and not self._closed:
             from torch.utils.tensorboard import SummaryWriter
             os.makedirs(self.folder, exist_ok=True)
             # purge_step: TensorBoard hides what an earlier writer logged from this step on
-            self._writer = SummaryWriter(self.folder, purge_step=self._next, flush_secs=FLUSH_S)
+            self._writer = SummaryWriter(self.folder, purge_step=self._next, flush_secs=FLUSH_S,
+                                         max_queue=QUEUE)
         return self._writer
 
     def _close_writer(self) -> None:

@@ -92,7 +92,7 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
         slurm, slurm_pool, idle_pool, tmp_path):
     pool = slurm_pool
     jobs = {j["id"]: j for j in slurm.jobs("running")}
-    assert {e.job for e in pool.engines} <= set(jobs), jobs
+    assert {e.job_id for e in pool.engines} <= set(jobs), jobs
     assert all(not e.local for e in pool.engines) and pool.backend == "gloo"
     blocker = sbatch("-n", "1", "--wrap", "sleep 600")
     run = start_run(pool, tmp_path, "grow")
@@ -110,14 +110,14 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
         assert not pool.status()["queued"]
 
         victim = run.members[1]
-        job, drained_at = victim.job, time.time()
+        job, drained_at = victim.job_id, time.time()
         subprocess.run(["scancel", "--signal=TERM", job], check=True)
         wait_for("the drain", lambda: bool(events(run, "drain")) or run.world_size)
         (drain,) = events(run, "drain")
         assert drain["slot"] == victim.slot and drain["world_size"] == 2, drain
         assert drain["drain_s"] < 2.0 and drain["time"] - drained_at < 3.0, drain
         wait_for("the replacement job to join", lambda: run.world_size == 3 or run.world_size)
-        assert job not in {e.job for e in pool.engines}
+        assert job not in {e.job_id for e in pool.engines}
         wait_for("the drained job to end", lambda: job not in {
             j["id"] for j in slurm.jobs("running")} or slurm.jobs())
     finally:

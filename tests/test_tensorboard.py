@@ -72,3 +72,32 @@ def test_tensorboard_option_is_checked_before_anything_starts(idle_pool, tmp_pat
         TrainingRun(idle_pool, RunConfig(name="bad", steps=5, tensorboard=""), source=CELL,
                     workspace=str(tmp_path))
     assert not (tmp_path / "elastic-checkpoints").exists()
+
+
+def _record(step, loss):
+    return {"step": step, "epoch": 0, "loss": loss, "lr": 0.1, "world_size": 2,
+            "samples_per_s": 100.0, "time": 1_000_000.0 + step}
+
+
+def test_the_log_waits_for_a_missing_step_hides_a_rollback_and_ends_at_close(tmp_path):
+    from elastic_jupyter.runlog import RunLog
+    from elastic_jupyter.tensorboard import TensorBoardLog
+    log = RunLog(str(tmp_path / "logs"))
+    log.tensorboard = TensorBoardLog(str(tmp_path / "tb"))
+    log.merge({"records": [_record(1, 1.0), _record(2, 2.0), _record(4, 4.0)]})  # 3 skipped
+    assert log.complete_upto == 2
+    log.merge({"records": [_record(3, 3.0)]}, complete=True)  # delivered later
+    assert log.complete_upto == 4
+    log.roll_back(2)  # 3 and 4 are void: redone with other values
+    log.merge({"records": [_record(s, 10.0 + s) for s in (3, 4, 5)]}, complete=True)
+    log.event("fault", step=5, rolled_back_to=2, lost_steps=3, lost_slots=[1], hung_slots=[],
+              world_size=2)
+    log.tensorboard.close()
+    log.event("warning", message="after the end")  # dropped: the log is closed
+    events = _read(str(tmp_path / "tb"))
+    assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [
+        (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    texts = [make_ndarray(t.tensor_proto).item().decode()
+             for t in events.Tensors("events/text_summary")]
+    assert len(texts) == 1 and "rolled back to step 2" in texts[0], texts
+    assert len(os.listdir(tmp_path / "tb")) == 2  # one file a writer: none opened after close
