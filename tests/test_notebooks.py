@@ -62,7 +62,7 @@ def test_world_size_notebook_shows_resized_and_fixed_runs_agree(tmp_path):
     """Notebook 2: a run resized 2 -> 3 -> 1 ends with a fixed-size run's float64 parameters;
     its own last cells assert it (and that a per-GPU batch would not)."""
     text = execute("02_world_size.ipynb", tmp_path)
-    assert "resizes: [(2, 3, 81), (3, 1, 161)]" in text
+    assert "resizes (from, to, first step): [(2, 3, 81), (3, 1, 161)]" in text
     assert "elastic: parameters equal to" in text
 
 
