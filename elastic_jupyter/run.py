@@ -25,9 +25,9 @@ from .lease import LeasePolicy
 from .membership import Membership
 from .owner import background
 from .runlog import RunLog, describe_event
-from .tensorboard import TensorBoardLog, check_available
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
 from .snapshot import ACTIVE_STATES, RunSnapshot, of_run
+from .tensorboard import TensorBoardLog, check_available
 
 __all__ = ["TrainingRun", "RunSetupError", "CHECKPOINT_FOLDER", "describe_event"]
 
