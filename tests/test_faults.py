@@ -35,8 +35,8 @@ STEPS = 300
 def config(name, tmp_path, steps=STEPS, **extra):
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir(parents=True, exist_ok=True)
-    return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=25,
-                     collective_timeout=5, seed=11,
+    extra = {"collective_timeout": 5, **extra}
+    return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=25, seed=11,
                      fault_dir=str(fault_dir), **extra)
 
 
@@ -180,6 +180,41 @@ def test_crash_while_a_newcomer_receives_the_state(idle_pool, tmp_path):
     assert event["lost_slots"] == [sender.slot] and event["lost_steps"] == 0, event
     warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
     assert not any("disagree" in m or "no survivor" in m for m in warnings), warnings
+
+
+@pytest.mark.parametrize("phase", ["join", "resize"])
+def test_a_newcomer_that_dies_joining_costs_a_plain_crash(idle_pool, tmp_path, phase):
+    """A grow's newcomer is killed before it joins the new group ("join": its peers wait for
+    its key) or just after ("resize": before the state broadcast). The survivor is told by
+    the owner's abort, not left waiting for the collective timeout (30 s here) and judged
+    hung: it stays, with its state, and the run goes on at once."""
+    run = TrainingRun(idle_pool, config(f"newcomer-{phase}", tmp_path, steps=3000,
+                                        collective_timeout=30),
+                      source=CELL, engines=1, workspace=str(tmp_path)).start()
+    try:
+        wait_for(lambda: run.step >= 20, what="step 20")
+        survivor = run.members[0]
+        slot = min(set(range(idle_pool.max_size)) - {e.slot for e in idle_pool.engines})
+        with open(os.path.join(run.config.fault_dir, f"arm.{phase}"), "w") as f:
+            f.write(str(slot))
+        run.resize(2)
+        pattern = os.path.join(run.config.fault_dir, f"hit.{phase}.{slot}.*")
+        wait_for(lambda: glob.glob(pattern), what=f"the newcomer to reach {phase}")
+        reached = run.step
+        os.kill(int(open(glob.glob(pattern)[0]).read()), signal.SIGKILL)
+        killed_at = time.monotonic()
+        wait_for(lambda: fault_events(run) and run.step > reached, timeout=30,
+                 what="training again")
+        took = time.monotonic() - killed_at
+        print(f"newcomer killed at {phase}: training again {took:.2f} s after the kill")
+        assert took < 10, took  # far below the collective timeout the survivor waited before
+        fault = fault_events(run)[0]
+        assert fault["lost_slots"] == [slot] and fault["hung_slots"] == [], fault
+        assert fault["lost_steps"] == 0, fault
+        assert run.members[0].engine_id == survivor.engine_id and faults.alive(survivor)
+    finally:
+        run.stop()
+        run.wait(timeout=60)
 
 
 def test_hung_engine_is_detected_killed_and_replaced(idle_pool, tmp_path, expected):

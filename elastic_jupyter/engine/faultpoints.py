@@ -21,7 +21,7 @@ def fault_point(phase: str, worker) -> None:
     until it is killed (or for the config's ``fault_hold``, default ``FAULT_HOLD`` seconds).
 
     Args:
-        phase: "resize", "broadcast", "forward", "backward", "allreduce", "vote", "optimizer",
+        phase: "join" (before the process group forms), "resize" (just after), "broadcast", "forward", "backward", "allreduce", "vote", "optimizer",
             "evaluate" or "checkpoint".
         worker: the engine's Worker (its config, slot and progress), or None.
     """

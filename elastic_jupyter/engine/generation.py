@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import drain
 from . import state as state_mod
+from .abortable_store import AbortableStore
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .schedulers import step_lr_scheduler
@@ -109,8 +110,12 @@ class Generation:
         # a rank sent the state holds none until it is loaded (a transfer that fails leaves
         # part of it in the model); the others are the driver's holders
         w.holds_state = not spec["receive_state"]
+        fault_point("join", w)
         with collective("forming the process group"):
-            dist.init_process_group(spec["backend"], store=dist.PrefixStore("pg/", self.control),
+            # a peer that dies before it joins must not leave this rank waiting for its key
+            store = AbortableStore(dist.PrefixStore("pg/", self.control), self.control,
+                                   spec["timeout"])
+            dist.init_process_group(spec["backend"], store=store,
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=spec["timeout"]))
         try:
