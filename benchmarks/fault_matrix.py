@@ -1,12 +1,16 @@
 """The full fault matrix: SIGKILL an engine in every phase, many times, and check the result.
 
-For each phase (forward, backward, allreduce, optimizer, checkpoint, resize) one run on a pool
+For each phase (forward, backward, allreduce, vote, optimizer, checkpoint, resize, join) one run on a pool
 of 3 engines takes KILLS kills, each landing in that phase: the run's ``fault_dir`` arms the
 phase's fault point (engine.faultpoints) on one engine, which writes a marker and holds
 there until this script SIGKILLs it. Between kills the run recovers and a replacement joins. The
-"resize" kills arm the point and then request a resize, so they land while a generation forms.
-Afterwards the run's parameters are compared with a fault-free run's (float64, allclose rtol
-1e-7, atol 1e-9). Printed per phase: kills, recoveries, median seconds from the kill until the
+"resize" and "join" kills arm the point and then request a shrink, so they land while the next
+generation forms: "join" before the engine joined its process group (its peers wait for it in
+the rendezvous until the owner's abort), "resize" just after. Before each kill the run must be
+back at full size (after a slot's cooldown, if repeated faults left one out).
+After the last kill the run is stopped (at step N, with a checkpoint), and its parameters
+are compared with those of a fault-free run of N steps on the same pool (float64, allclose
+rtol 1e-7, atol 1e-9). Printed per phase: kills, recoveries, median seconds from the kill until the
 run was back at the step it had reached, median steps lost, and whether the result matched.
 
     .venv/bin/python benchmarks/fault_matrix.py [--kills 20]
@@ -18,6 +22,7 @@ import glob
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import time
 
@@ -38,9 +43,10 @@ def loss_fn(model, batch):
     x, y = batch
     return torch.nn.functional.cross_entropy(model(x), y)
 '''
-PHASES = ("forward", "backward", "allreduce", "optimizer", "checkpoint", "resize")
+PHASES = ("forward", "backward", "allreduce", "vote", "optimizer", "checkpoint", "resize", "join")
+FORMING = ("resize", "join")  # kills that land while a generation forms after a shrink
 SIZE = 3
-STEPS_PER_KILL = 1200
+STEPS = 10**7  # a run is stopped after its last kill
 
 
 def config(name: str, workspace: str, steps: int) -> RunConfig:
@@ -69,7 +75,7 @@ def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
     victim = run.members[0 if phase == "checkpoint" else 1]
     with open(os.path.join(run.config.fault_dir, f"arm.{phase}"), "w") as f:
         f.write(str(victim.slot))
-    if phase == "resize":
+    if phase in FORMING:
         run.resize(SIZE - 1)  # the next generation forms with the armed engine in it
     pattern = os.path.join(run.config.fault_dir, f"hit.{phase}.{victim.slot}.*")
     wait_for(lambda: glob.glob(pattern), what=f"{pattern} ({os.listdir(run.config.fault_dir)}, "
@@ -84,14 +90,13 @@ def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
     fault = faults()[kills_so_far]
     wait_for(lambda: run.step >= fault["step"] or not run.active)
     recovered = time.monotonic() - killed
-    if phase == "resize":
+    if phase in FORMING:
         run.resize(SIZE)
     return recovered, fault["lost_steps"]
 
 
-def matrix_row(pool, phase: str, kills: int, expected: dict, workspace: str) -> dict:
-    steps = STEPS_PER_KILL * kills  # room for every kill, its recovery and the replacement
-    run = TrainingRun(pool, config(phase, workspace, steps), source=CELL, engines=SIZE,
+def matrix_row(pool, phase: str, kills: int, workspace: str) -> dict:
+    run = TrainingRun(pool, config(phase, workspace, STEPS), source=CELL, engines=SIZE,
                       workspace=workspace).start()
     costs, lost = [], []
     for k in range(kills):
@@ -100,11 +105,14 @@ def matrix_row(pool, phase: str, kills: int, expected: dict, workspace: str) -> 
         cost, steps_lost = kill_once(run, phase, k)
         costs.append(cost)
         lost.append(steps_lost)
+    run.stop()
     run.wait(timeout=600)
-    got = run.state_dict()
+    got, expected = run.state_dict(), reference(pool, workspace, run.step)
     same = all(torch.allclose(got[k], expected[k], rtol=1e-7, atol=1e-9) for k in expected)
-    return {"phase": phase, "kills": len(costs), "state": run.state,
+    return {"phase": phase, "kills": len(costs), "state": run.state, "steps": run.step,
             "recoveries": sum(e["kind"] == "fault" for e in run.events),
+            "left_out": sum(e["kind"] == "slot" and "left out" in e["message"]
+                            for e in run.events),
             "cost": statistics.median(costs), "max_cost": max(costs),
             "lost": statistics.median(lost), "max_lost": max(lost), "same": same}
 
@@ -126,20 +134,22 @@ def main() -> None:
     rows = []
     try:
         with tempfile.TemporaryDirectory() as workspace:
-            expected = reference(pool, workspace, STEPS_PER_KILL * args.kills)
             for phase in args.phases.split(","):
-                row = matrix_row(pool, phase, args.kills, expected, workspace)
+                row = matrix_row(pool, phase, args.kills, workspace)
                 rows.append(row)
                 print(row, flush=True)
     finally:
         pool.stop()
     print("\nphase       kills  recoveries  recovery s (median/max)  steps lost (median/max)  "
-          "same result")
+          "slots left out  steps  same result")
     for r in rows:
         print(f"{r['phase']:<11} {r['kills']:>5}  {r['recoveries']:>10}  "
               f"{r['cost']:>10.2f} / {r['max_cost']:<5.2f}        {r['lost']:>6.0f} / "
-              f"{r['max_lost']:<4}            {r['same']}")
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+              f"{r['max_lost']:<4}            {r['left_out']:>14}  {r['steps']:>5}  {r['same']}")
+    passed = all(r["kills"] == r["recoveries"] == args.kills and r["same"] for r in rows)
+    print("PASS" if passed else "FAIL")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    sys.exit(0 if passed else 1)
 
 
 if __name__ == "__main__":

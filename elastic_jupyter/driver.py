@@ -204,6 +204,8 @@ class Driver:
         for request in self.sizer.take(self.policies, self.log.step, now):
             self.log.log(f"resize request size={request.size} at_step={request.at_step} "
                          f"from {request.source}")
+        self.membership.readmit()  # slots whose cooldown ended: the target grows back
+        self.sizer.set_usable(self.pool.usable_slots)
         if self.membership.gave_up:
             self.sizer.settle(len(self.members))
         if leaving := self.membership.leaving():  # slots the machine's arbiter wants back

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 import psutil
 
 HANG_GRACE = 3.0  # seconds the owner waits for the other ranks once one has failed
-MAX_SLOT_FAULTS = 3  # faults of one slot before it is left out of the pool
+MAX_SLOT_FAULTS = 3  # faults of one slot within FAULT_WINDOW that leave it out for a cooldown
+FAULT_WINDOW = 60.0  # seconds
+COOLDOWN = (10.0, 600.0)  # seconds a slot stays out: the first time, and at most (doubling)
+MAX_START_FAILURES = 2  # failed starts in a row that leave a slot out for good
 MIN_WAIT_TIMEOUT = 120.0  # seconds to wait for replacements when fewer than --min survive
 
 

@@ -16,7 +16,7 @@ from IPython.display import display
 
 from .config import RunConfig, UsageError
 from .launchers import make_launcher
-from .pool import EnginePool
+from .pool import EnginePool, Exclusion
 from .run import RunSetupError, TrainingRun
 
 
@@ -76,8 +76,9 @@ def _status_table(status: dict) -> str:
         + (e["job_id"],) * jobs for e in status["engines"]])
     for slot, job in status["queued"].items():
         lines.append(f"Slot {slot}: waiting in the queue, {job}")
-    for slot, reason in sorted(status["excluded_slots"].items()):
-        lines.append(f"Excluded slot {slot}: {reason}")
+    now = time.time()
+    for slot, exclusion in sorted(status["excluded_slots"].items()):
+        lines.append(f"Excluded slot {slot}: {Exclusion(**exclusion).describe(now)}")
     lease = status.get("lease")
     if lease is not None:
         lines.append(f"Lease: {'auto' if lease['auto'] else 'manual'}, weight {lease['weight']:g}"

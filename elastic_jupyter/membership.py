@@ -60,25 +60,60 @@ def plan_trim(spares: list, wanted: int, members: int) -> tuple[list, list]:
     return spares[:keep], spares[keep:]
 
 
-def restart_delay(faults_of_slot: int) -> float:
-    """Seconds to wait before restarting a slot with that many faults: 0, 0, 1, 2, 4... 16."""
-    return 0.0 if faults_of_slot <= 1 else min(2.0 ** (faults_of_slot - 2), 16.0)
+def restart_delay(recent_faults: int) -> float:
+    """Seconds to wait before restarting a slot with that many recent faults: 0, 0, 1, 2, 4...
+    16."""
+    return 0.0 if recent_faults <= 1 else min(2.0 ** (recent_faults - 2), 16.0)
+
+
+def cooldown(exclusions: int, first: float = faults.COOLDOWN[0],
+             most: float = faults.COOLDOWN[1]) -> float:
+    """Seconds a slot stays out the `exclusions`-th time it is left out: `first`, doubling each
+    time, at most `most`. Horovod's elastic blacklist grew such a cooldown (v0.24,
+    ``--blacklist-cooldown-range``, horovod/horovod#3319): a host that keeps failing is tried
+    again ever more rarely instead of never."""
+    return min(first * 2.0 ** (exclusions - 1), most)
 
 
 class SlotHealth:
-    """Faults per slot in this run; a slot with ``limit`` faults is left out."""
+    """Faults and failed starts per slot in this run, and what they decide.
 
-    def __init__(self, limit: int = faults.MAX_SLOT_FAULTS):
-        self.limit = limit
-        self.faults: dict[int, int] = {}
+    A slot with ``limit`` faults within ``window`` seconds is left out for a cooldown that
+    doubles with each time it was left out (:func:`cooldown`); its faults are then forgotten,
+    so it comes back with a clean count. A slot whose engine failed to start
+    ``start_limit`` times in a row is left out for good: nothing that trains ran there.
+    Times are the caller's clock (seconds); the decisions are pure.
+    """
 
-    def record(self, slot: int) -> bool:
-        """Count a fault of `slot`; True when it reached the limit (leave it out now)."""
-        self.faults[slot] = self.faults.get(slot, 0) + 1
-        return self.faults[slot] == self.limit
+    def __init__(self, limit: int = faults.MAX_SLOT_FAULTS, window: float = faults.FAULT_WINDOW,
+                 start_limit: int = faults.MAX_START_FAILURES):
+        self.limit, self.window, self.start_limit = limit, window, start_limit
+        self.recent: dict[int, list[float]] = {}  # slot -> times of its faults in the window
+        self.exclusions: dict[int, int] = {}  # slot -> times it was left out
+        self.failed_starts: dict[int, int] = {}  # slot -> failed starts in a row
 
-    def delay(self, slot: int | None) -> float:
-        return restart_delay(self.faults.get(slot, 0)) if slot is not None else 0.0
+    def record_fault(self, slot: int, now: float) -> float | None:
+        """Count a fault of `slot` at `now`; returns the cooldown (s) when the slot is to be
+        left out now, else None."""
+        times = [t for t in self.recent.get(slot, []) if now - t < self.window] + [now]
+        if len(times) < self.limit:
+            self.recent[slot] = times
+            return None
+        self.recent[slot] = []
+        self.exclusions[slot] = self.exclusions.get(slot, 0) + 1
+        return cooldown(self.exclusions[slot])
+
+    def record_start(self, slot: int, ok: bool) -> bool:
+        """Count a start on `slot`; True when it failed ``start_limit`` times in a row (leave
+        the slot out for good)."""
+        self.failed_starts[slot] = 0 if ok else self.failed_starts.get(slot, 0) + 1
+        return self.failed_starts[slot] == self.start_limit
+
+    def delay(self, slot: int | None, now: float) -> float:
+        """Seconds to wait before restarting `slot` (its recent faults back it off)."""
+        if slot is None:
+            return 0.0
+        return restart_delay(sum(now - t < self.window for t in self.recent.get(slot, [])))
 
 
 # ---------------------------------------------------------------------- carrying them out
@@ -99,6 +134,7 @@ class Membership:
         self.spares: list = []
         self.joining: list = []
         self.health = SlotHealth()
+        self._left_out: set[int] = set()  # slots this run left out for a cooldown
         self.boot_failures = 0
         self._booting: asyncio.Task | None = None
 
@@ -106,6 +142,15 @@ class Membership:
     def gave_up(self) -> bool:
         """Engines failed to start MAX_BOOT_FAILURES times in a row: no more boots."""
         return self.boot_failures >= MAX_BOOT_FAILURES
+
+    def hopeless(self) -> bool:
+        """No engine can come: no boot is under way, no slot is free, and every slot left out
+        stays out (a cooldown that ends gives one back; in lease mode the arbiter may grant
+        one later)."""
+        booting = self._booting is not None and not self._booting.done()
+        pool = self.pool
+        return not booting and pool.lease is None and pool.startable() <= 0 and all(
+            x.until is None for x in pool.excluded_slots.values())
 
     def start_with(self, engines: list) -> None:
         self.members = list(engines)
@@ -171,16 +216,27 @@ class Membership:
             await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
 
     async def _boot_together(self, k: int) -> None:
-        await asyncio.sleep(self.health.delay(self.pool.next_free_slot()))  # back off a bad slot
+        first = (self.pool.next_free_slots(1) or [None])[0]
+        await asyncio.sleep(self.health.delay(first, time.time()))  # back off a bad slot
+        slots = self.pool.next_free_slots(k)
+        if not slots:
+            return
         t0 = time.time()
         try:
-            engines = await self.pool.add_engines(k)
+            engines = await self.pool.add_engines(len(slots), slots)
         except StartWithdrawn as e:  # the slot went back before its job ran: no failure
             self.log.log(str(e))
             return
         except Exception as e:  # reported as an event; the run trains on
-            self._boot_failed(f"could not start {k} engine(s): {e}")
+            self._boot_failed(f"could not start {len(slots)} engine(s): {e}")
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            for slot in slots:
+                if self.health.record_start(slot, ok=False):
+                    self._leave_out(slot, f"its engine failed to start "
+                                    f"{self.health.start_limit} times in a row: {why}", None)
             return
+        for engine in engines:
+            self.health.record_start(engine.slot, ok=True)
         try:
             await self._prepare(engines)
         except asyncio.CancelledError:  # the run ended meanwhile (release)
@@ -213,7 +269,8 @@ class Membership:
     async def grow(self, target: int, poll: float) -> list:
         """Add ready spares until `target` members, waiting for boots still under way (the
         ranks wait too). Returns the newcomers; fewer when engines failed to start."""
-        while len(self.spares) < target - len(self.members) and not self.gave_up:
+        while (len(self.spares) < target - len(self.members) and not self.gave_up
+               and not self.hopeless()):
             self.boot(target)
             await asyncio.sleep(poll)
         newcomers = self.spares[:target - len(self.members)]
@@ -231,16 +288,33 @@ class Membership:
 
     def drop(self, lost: list) -> None:
         """Forget lost engines (dead or hung: they are killed), count their slots' faults and
-        leave out a slot that keeps failing."""
+        leave out a slot that keeps failing, for a cooldown (SlotHealth)."""
         for engine in lost:
             faults.kill(engine)
         self.members = [m for m in self.members if m not in lost]
         self.pool.remove_engines(lost)
+        now = time.time()
         for engine in lost:
-            if self.health.record(engine.slot):
-                self.pool.exclude_slot(engine.slot, f"{self.health.limit} faults in this run")
-                self.log.event("warning", message=f"slot {engine.slot} left out after "
-                               f"{self.health.limit} faults")
+            if (pause := self.health.record_fault(engine.slot, now)) is not None:
+                h = self.health
+                self._leave_out(engine.slot, f"{h.limit} faults within {h.window:.0f} s",
+                                now + pause)
+
+    def _leave_out(self, slot: int, reason: str, until: float | None) -> None:
+        """Leave `slot` out of engine starts until `until` (wall time; None: for good)."""
+        self.pool.exclude_slot(slot, reason, until)
+        self._left_out.add(slot)
+        back = "it stays out" if until is None else f"back in {until - time.time():.0f} s"
+        self.log.event("slot", slot=slot, until=until,
+                       message=f"slot {slot} left out: {reason}; {back}")
+
+    def readmit(self) -> None:
+        """Announce the slots this run left out whose cooldown ended (usable again)."""
+        back = {slot for slot in self._left_out if slot not in self.pool.excluded_slots}
+        for slot in sorted(back):
+            self.log.event("slot", slot=slot, message=f"slot {slot} is back after its "
+                           "cooldown")
+        self._left_out -= back
 
     def drop_dead(self) -> bool:
         """Drop members whose process died (a fault during recovery); True if any did."""
@@ -253,10 +327,10 @@ class Membership:
     async def wait_for_joiners(self, needed: int, wanted: int, deadline: float,
                                poll: float, stopped=lambda: False) -> bool:
         """Wait until `needed` spares are ready and move them to joining; False if the
-        monotonic `deadline` passed, engines keep failing to start or `stopped()` says the
-        run was told to stop."""
+        monotonic `deadline` passed, engines keep failing to start, none can come any more
+        (:meth:`hopeless`) or `stopped()` says the run was told to stop."""
         while len(self.spares) < needed:
-            if time.monotonic() > deadline or self.gave_up or stopped():
+            if time.monotonic() > deadline or self.gave_up or stopped() or self.hopeless():
                 return False
             self.boot(wanted)
             await asyncio.sleep(poll)

@@ -72,6 +72,24 @@ class Engine:
     job_id: str = ""
 
 
+@dataclass(frozen=True)
+class Exclusion:
+    """Why a slot is left out of engine starts, and until when.
+
+    Attributes:
+        reason: one line, such as "3 faults within 60 s".
+        until: wall time (s since the epoch) the slot comes back; None: it stays out.
+    """
+
+    reason: str
+    until: float | None = None
+
+    def describe(self, now: float) -> str:
+        if self.until is None:
+            return f"{self.reason}; stays out"
+        return f"{self.reason}; back in {max(0.0, self.until - now):.0f} s"
+
+
 def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool,
                 launcher: Launcher) -> dict:
     env = {
@@ -138,7 +156,7 @@ class EnginePool:
         self._run = None  # the run training on this pool (claim / release)
         self._stopping: set = set()  # background tasks stopping removed engines
         self._removing: set[psutil.Process] = set()  # the engines those tasks stop
-        self.excluded_slots: dict[int, str] = {}  # slot -> why it is left out
+        self._exclusions: dict[int, Exclusion] = {}  # slot -> why and until when it is out
         self._pidfile = None
         self._folder = None  # the pool's private folder (batch scripts)
         self._reaper = None  # subprocess.Popen of the reaper
@@ -333,7 +351,8 @@ class EnginePool:
     def status(self) -> dict:
         return {"running": self.running, "size": self.size, "min": self.min_size,
                 "max": self.max_size, "backend": self.backend,
-                "excluded_slots": dict(self.excluded_slots),
+                "excluded_slots": {slot: vars(x).copy()
+                                   for slot, x in self.excluded_slots.items()},
                 "engines": [vars(e).copy() for e in self.engines],
                 "launcher": self.launcher.describe(),
                 "queued": {slot: str(q) for slot, q in sorted(self.queued.items())},
@@ -560,6 +579,13 @@ class EnginePool:
         self._set_of, self._asking, self._forgotten = {}, {}, set()
 
     @property
+    def excluded_slots(self) -> dict[int, Exclusion]:
+        """Slots left out now (an exclusion whose cooldown ended is not)."""
+        now = time.time()
+        return {slot: x for slot, x in self._exclusions.items()
+                if x.until is None or x.until > now}
+
+    @property
     def usable_slots(self) -> int:
         return self.max_size - len(self.excluded_slots)
 
@@ -576,16 +602,23 @@ class EnginePool:
         leaving = self.leaving_slots()
         return [s for s in self.lease.leased if s not in used and s not in leaving]
 
-    def exclude_slot(self, slot: int, reason: str) -> None:
-        """Leave `slot` out of future engine starts (it keeps failing)."""
-        self.excluded_slots[slot] = reason
+    def exclude_slot(self, slot: int, reason: str, until: float | None = None) -> None:
+        """Leave `slot` out of engine starts until the wall time `until` (None: for good);
+        a run's Membership decides (membership.SlotHealth)."""
+        self._exclusions[slot] = Exclusion(reason, until)
 
-    def next_free_slot(self) -> int | None:
-        """The slot the next started engine gets (None if every slot is taken)."""
-        try:
-            return self._free_slots(1)[0]
-        except UsageError:
-            return None
+    def readmit_slot(self, slot: int) -> None:
+        """Take `slot` back now (`%elastic_pool readmit`, tests)."""
+        self._exclusions.pop(slot, None)
+
+    def next_free_slots(self, k: int) -> list[int]:
+        """The slots the next `k` started engines get (fewer when fewer are free)."""
+        for n in range(k, 0, -1):
+            try:
+                return self._free_slots(n)
+            except UsageError:
+                continue
+        return []
 
     def _free_slots(self, k: int) -> list[int]:
         if self.lease is not None:
@@ -598,11 +631,12 @@ class EnginePool:
         return free_slots(self.max_size, {e.slot for e in self.engines} | self._starting,
                           set(self.excluded_slots), k)
 
-    async def add_engines(self, k: int) -> list[Engine]:
-        """Start `k` engines on free slots (concurrently) and wait until they registered."""
+    async def add_engines(self, k: int, slots: list[int] | None = None) -> list[Engine]:
+        """Start `k` engines on free slots (concurrently; on `slots` when given, as
+        :meth:`next_free_slots` named them) and wait until they registered."""
         if k <= 0:
             return []
-        slots = self._free_slots(k)
+        slots = slots or self._free_slots(k)
         self._busy_slots.update(slots)
         self._starting.update(slots)
         try:

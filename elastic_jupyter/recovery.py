@@ -40,7 +40,7 @@ class Recovery:
         when the run keeps failing without progress."""
         members = self.membership
         members.drop(outcome.lost)
-        self.sizer.cap(self.pool.usable_slots)
+        self.sizer.set_usable(self.pool.usable_slots)
         self._count_fault()
         members.boot(self.sizer.engines_wanted(self.standby))
         await self.wait_for_minimum()
@@ -87,9 +87,11 @@ class Recovery:
             if self.sizer.stop_requested:
                 raise BelowMinimum("stopped while waiting for replacements below --min "
                                    f"{self.pool.min_size}")
-            raise BelowMinimum(
-                f"stopped: fewer than --min {self.pool.min_size} engines and no replacement "
-                f"started within {faults.MIN_WAIT_TIMEOUT:.0f} s; resume later with --resume")
+            why = ("no slot is left to start one on (see the slot events)"
+                   if self.membership.hopeless() else
+                   f"no replacement started within {faults.MIN_WAIT_TIMEOUT:.0f} s")
+            raise BelowMinimum(f"stopped: fewer than --min {self.pool.min_size} engines and "
+                               f"{why}; resume later with --resume")
 
     async def _roll_back_survivors(self) -> tuple[int, int, set]:
         """roll_back, dropping engines that die meanwhile (a fault during recovery)."""

@@ -121,7 +121,13 @@ class Sizer:
         self._last_request = now
 
     def _bounded(self, size: int) -> int:
-        return max(1, min(size, self.usable))
+        return max(1, size)
+
+    @property
+    def target(self) -> int:
+        """The size the run heads for now: the requested size within the usable slots (a
+        slot left out for a cooldown lowers it until the slot is back)."""
+        return max(1, min(self.requested, self.usable))
 
     def take(self, policies: list[SizePolicy], step: int, now: float) -> list[SizeRequest]:
         """Submit every policy's new requests; returns them."""
@@ -134,10 +140,10 @@ class Sizer:
         """The run should stop after the current step."""
         self.stop_requested = True
 
-    def cap(self, usable: int) -> None:
-        """Fewer slots are usable (a slot was left out): never ask for more."""
+    def set_usable(self, usable: int) -> None:
+        """The slots the run may use now (fewer while slots are left out): the target follows;
+        the requested size is kept, so the run grows back when they return."""
         self.usable = usable
-        self.requested = min(self.requested, usable)
 
     def settle(self, reached: int) -> None:
         """Growing stopped at `reached` engines (engines failed to start): ask for no more."""
@@ -161,7 +167,7 @@ class Sizer:
         grows in parts."""
         if self.stop_requested:
             return 0
-        missing = self.requested - world_size
+        missing = self.target - world_size
         if missing < 0 or 0 < missing <= ready_spares or (
                 missing > 0 and ready_spares and self.grow_in_parts):
             return 0
@@ -170,7 +176,7 @@ class Sizer:
     def engines_wanted(self, standby: int) -> int:
         """Engines to keep set up (members and ready spares): the largest size requested now
         or scheduled, at least the minimum, plus `standby`, within the usable slots."""
-        wanted = max([self.requested, self.min_size] + [size for _, size in self._schedule])
+        wanted = max([self.target, self.min_size] + [size for _, size in self._schedule])
         return min(wanted + standby, self.usable)
 
     def due(self, step: int, step_time: float) -> Change:
@@ -184,4 +190,4 @@ class Sizer:
             scheduled = True
         if scheduled:
             requested_time = step_time
-        return Change(self.requested, requested_time, scheduled)
+        return Change(self.target, requested_time, scheduled)

@@ -25,6 +25,8 @@ lease              None, or the pool's lease from the machine's arbiter: {auto, 
                    standby, target, queued, grantable} (EnginePool.lease_status)
 queued             engines waiting in a scheduler's queue, one line each, such as
                    "slot 2: job 41 pending (Resources)" (Slurm's state and reason)
+excluded           slots left out of engine starts: [{slot, reason, until}], until the wall
+                   time (s since the epoch) the slot comes back, None when it stays out
 resize             the latest resize's life: {from, to, step, requested_time, pending,
                    latency_s}; pending until the first completed step at the new size (the
                    one "done" for the chart, the widget and the panel), None before any
@@ -73,6 +75,7 @@ class RunSnapshot:
     slots: list = field(default_factory=list)
     lease: dict | None = None
     queued: list = field(default_factory=list)
+    excluded: list = field(default_factory=list)
     resize: dict | None = None
     kernel_id: str | None = None
     started: float | None = None
@@ -121,7 +124,8 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
         checkpoints=run.checkpoints, last_checkpoint=checkpoint["path"] if checkpoint else None,
         log_dir=run.log_dir, slots=[m.device for m in run.members],
         lease=run.pool.lease_status(), resize=log.resize,
-        queued=[f"slot {slot}: {job}" for slot, job in sorted(run.pool.queued.items())])
+        queued=[f"slot {slot}: {job}" for slot, job in sorted(run.pool.queued.items())],
+        excluded=[{"slot": slot, **vars(x)} for slot, x in sorted(run.pool.excluded_slots.items())])
 
 
 def last_snapshot(entry: dict) -> dict:

@@ -253,40 +253,60 @@ def test_below_the_minimum_without_replacements_stops_with_a_checkpoint(tmp_path
                           workspace=str(tmp_path)).start()
         wait_for(lambda: run.step >= 20, what="step 20")
         pool.config.engine_timeout = 0.01  # no replacement can register in time
+        slot = run.members[1].slot
         os.kill(run.members[1].pid, signal.SIGKILL)
         assert run.wait(timeout=120) == "stopped"
         last = run.checkpoints[-1]
         assert 0 < last["step"] < STEPS
+        # its slot, where no engine could start twice in a row, stays out; nothing else is left
+        assert pool.excluded_slots[slot].until is None
+        assert "failed to start 2 times in a row" in pool.excluded_slots[slot].reason
+        assert any(e["kind"] == "slot" and e["until"] is None for e in run.events), run.events
         warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
-        assert any("fewer than --min 2" in m for m in warnings), warnings
+        assert any("fewer than --min 2 engines and no slot is left" in m for m in warnings), \
+            warnings
     finally:
         pool.stop()
 
 
-def test_a_slot_that_keeps_failing_is_left_out(idle_pool, tmp_path):
-    run = TrainingRun(idle_pool, config("flaky-slot", tmp_path, steps=5000), source=CELL,
-                      engines=2, workspace=str(tmp_path)).start()
+def test_a_slot_that_keeps_failing_is_left_out_for_a_cooldown_and_comes_back(tmp_path):
+    """Six kills of one slot's engine: after each three (within FAULT_WINDOW) the slot is left
+    out for a cooldown, 10 s and then 20 s; the run trains at 1 meanwhile (the pool has no
+    other slot) and is back at 2 on that slot once each cooldown ended."""
+    pool = EnginePool(n=2, max_size=2, gpus="none").start()
+    run = TrainingRun(pool, config("flaky-slot", tmp_path, steps=20000), source=CELL,
+                      workspace=str(tmp_path)).start()
     slot = run.members[1].slot
+    left_out = lambda: [e for e in run.events if e["kind"] == "slot" and "left out" in e["message"]]  # noqa: E731
     try:
-        for kill in range(faults.MAX_SLOT_FAULTS):
-            wait_for(lambda: run.world_size == 2 and run.members[1].slot == slot or not run.active,
-                     timeout=120, what=f"slot {slot} to be back")
+        for kill in range(2 * faults.MAX_SLOT_FAULTS):
+            wait_for(lambda: run.world_size == 2 or not run.active, timeout=120,
+                     what=f"slot {slot} to be back")
+            assert run.active, run.logs()
+            assert [m.slot for m in run.members].count(slot) == 1
             back_at = run.step
-            wait_for(lambda: run.step > back_at + 5 or not run.active, what="training")
-            if not run.active:
-                break
-            os.kill(run.members[1].pid, signal.SIGKILL)
+            wait_for(lambda: run.step > back_at + 5, what="training at 2")
+            os.kill(run.members[[m.slot for m in run.members].index(slot)].pid, signal.SIGKILL)
             wait_for(lambda: len(fault_events(run)) > kill, timeout=60, what="recovery")
-        assert len(fault_events(run)) == faults.MAX_SLOT_FAULTS, run.events
-        assert slot in idle_pool.excluded_slots
-        warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
-        assert any(f"slot {slot} left out" in m for m in warnings), warnings
-        wait_for(lambda: run.world_size == 2, timeout=120, what="a replacement in another slot")
-        assert all(e.slot != slot for e in idle_pool.engines)
+            if kill % faults.MAX_SLOT_FAULTS == faults.MAX_SLOT_FAULTS - 1:
+                wait_for(lambda: len(left_out()) > kill // faults.MAX_SLOT_FAULTS, timeout=10,
+                         what="the slot to be left out")
+                event = left_out()[-1]
+                assert event["slot"] == slot and slot in pool.excluded_slots
+                assert run.world_size == 1 and run.requested_size == 1
+                pause = event["until"] - event["time"]
+                assert pause == pytest.approx(10.0 * 2 ** (kill // faults.MAX_SLOT_FAULTS),
+                                              abs=0.5), event
+                wait_for(lambda: run.world_size == 2, timeout=pause + 60, what="the cooldown")
+                assert time.time() >= event["until"] - 0.1  # not before its cooldown ended
+        wait_for(lambda: run.world_size == 2, timeout=60, what="the slot back")
+        back = [e for e in run.events if e["kind"] == "slot" and "is back" in e["message"]]
+        assert [e["slot"] for e in back] == [slot, slot], run.events
+        assert run.requested_size == 2 and not pool.excluded_slots
     finally:
         run.stop()
         run.wait(timeout=60)
-        idle_pool.excluded_slots.clear()
+        pool.stop()
 
 
 def test_chaos_random_kills(idle_pool, tmp_path, capsys):

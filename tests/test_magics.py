@@ -14,6 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.testing.globalipapp import start_ipython
 
 from elastic_jupyter import TrainingRun
+from elastic_jupyter.pool import Exclusion
 
 # DIGITS_CELL with ~5 ms of sleep per forward pass: a run lasts long enough to act on it.
 SLOW_CELL = DIGITS_CELL + '''
@@ -290,7 +291,9 @@ def test_pool_status(ip, magics):
 
 
 def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell, monkeypatch):
-    monkeypatch.setitem(magics.pool.excluded_slots, 3, "failed 3 times in a row")
+    monkeypatch.setitem(magics.pool._exclusions, 3, Exclusion("its engine failed to start"))
+    monkeypatch.setitem(magics.pool._exclusions, 2,
+                        Exclusion("3 faults within 60 s", time.time() + 30.4))
     result, out, err = cell("%elastic_pool status\nx = 1")  # not the cell's last line
     assert result.success, err
     lines = out.splitlines()
@@ -300,7 +303,9 @@ def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell,
     for line, engine in zip(lines[2:], magics.pool.engines):
         assert line.split() == [str(engine.slot), os.uname().nodename, engine.device,
                                 str(engine.pid), str(engine.engine_id)]
-    assert lines[2 + POOL_SIZE:] == ["Excluded slot 3: failed 3 times in a row"]
+    assert lines[2 + POOL_SIZE:] == [
+        "Excluded slot 2: 3 faults within 60 s; back in 30 s",
+        "Excluded slot 3: its engine failed to start; stays out"]
     # as the last line: the same table once, not followed by the raw dict (a terminal shell
     # still writes its bare output prompt; a notebook shows nothing more)
     result, last, err = cell("%elastic_pool status")

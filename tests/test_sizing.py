@@ -2,7 +2,7 @@
 import pytest
 
 from elastic_jupyter.config import UsageError
-from elastic_jupyter.membership import (SlotHealth, free_slots, plan_shrink, plan_trim,
+from elastic_jupyter.membership import (SlotHealth, cooldown, free_slots, plan_shrink, plan_trim,
                                         restart_delay)
 from elastic_jupyter.sizing import COALESCE_S, Schedule, SizeRequest, Sizer, UserRequests
 
@@ -77,21 +77,23 @@ def test_engines_wanted_counts_the_largest_wish_the_minimum_and_standby_within_b
     assert low.engines_wanted(standby=0) == 2
 
 
-def test_bounds_requests_and_caps_never_exceed_the_usable_slots():
+def test_the_target_stays_within_the_usable_slots_and_grows_back_when_they_return():
     s = sizer(size=4, usable=4)
-    s.cap(3)  # a slot was left out
-    assert s.requested == 3
-    s.submit(SizeRequest(4), now=0)
-    assert s.requested == 3
+    s.set_usable(3)  # a slot was left out for a cooldown
+    assert (s.requested, s.target) == (4, 3)
+    assert s.end_at(world_size=3, ready_spares=0) is None  # no grow into the missing slot
+    assert s.engines_wanted(standby=1) == 3
+    s.set_usable(4)  # its cooldown ended
+    assert s.target == 4 and s.end_at(world_size=3, ready_spares=1) == 0
     s.settle(2)  # engines failed to start: ask for no more than what runs
-    assert s.requested == 2
+    assert s.target == 2
 
 
 def test_a_schedule_is_kept_as_given_for_validation_and_bounded_when_it_falls_due():
     s = sizer(size=2, usable=4)
     s.take([Schedule([(10, 8)])], step=0, now=0)
     assert s.schedule == [(10, 8)]  # the run refuses it with the pool's bounds
-    s.cap(3)
+    s.set_usable(3)
     assert s.due(step=10, step_time=0.0).target == 3
 
 
@@ -137,13 +139,41 @@ def test_a_replacement_takes_the_lowest_free_slot_that_is_not_left_out():
         free_slots(3, used={0, 2}, excluded={1}, k=1)
 
 
-def test_a_slot_is_left_out_at_its_limit_and_restarted_ever_more_slowly():
-    health = SlotHealth(limit=3)
-    assert [health.record(1) for _ in range(3)] == [False, False, True]
-    assert health.record(1) is False  # reported once
+def test_a_slot_is_left_out_after_repeated_faults_within_the_window():
+    health = SlotHealth(limit=3, window=60)
+    assert [health.record_fault(1, t) for t in (0, 10, 20)] == [None, None, 10]
+    # its count starts again: three more faults, ever longer cooldowns
+    assert [health.record_fault(1, t) for t in (40, 41, 42)] == [None, None, 20]
+    assert [health.record_fault(1, t) for t in (50, 51, 52)] == [None, None, 40]
+    assert health.record_fault(0, 52) is None  # per slot
+
+
+def test_faults_spread_wider_than_the_window_never_leave_a_slot_out():
+    health = SlotHealth(limit=3, window=60)
+    assert [health.record_fault(2, 31.0 * k) for k in range(20)] == [None] * 20
+
+
+def test_cooldowns_double_up_to_the_most():
+    assert [cooldown(n, first=10, most=600) for n in (1, 2, 3, 6, 7, 20)] == \
+        [10, 20, 40, 320, 600, 600]
+
+
+def test_a_slot_whose_engine_cannot_start_is_left_out_for_good_after_failures_in_a_row():
+    health = SlotHealth(start_limit=2)
+    assert health.record_start(3, ok=False) is False
+    assert health.record_start(3, ok=True) is False  # a start in between clears it
+    assert [health.record_start(3, ok=False) for _ in range(3)] == [False, True, False]
+
+
+def test_a_slot_with_recent_faults_is_restarted_ever_more_slowly():
     assert [restart_delay(n) for n in range(7)] == [0, 0, 1, 2, 4, 8, 16]
     assert restart_delay(20) == 16
-    assert health.delay(0) == 0 and health.delay(None) == 0 and health.delay(1) == 4
+    health = SlotHealth(limit=10, window=60)
+    for t in (0, 1, 2, 3):
+        health.record_fault(1, t)
+    assert health.delay(1, now=4) == 4 and health.delay(0, now=4) == 0
+    assert health.delay(None, now=4) == 0
+    assert health.delay(1, now=61.5) == 1  # two of them left the window
 
 
 # ------------------------------------------------------------------ a resize's life in the run log

@@ -99,6 +99,10 @@ def init_engine(slot: int, device: str, threads: int) -> dict:
     Returns {"pid", "slot", "device", "host", "versions"} (see :func:`versions`).
     """
     torch.set_num_threads(threads)
+    # nccl's watchdog, at a collective's timeout, raises the error in the rank (2: clean up
+    # only) instead of ending the process (torch's default): a rank whose peer died is a
+    # survivor, never a casualty (engine.abort ends such waits sooner)
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     drain.install()  # a scheduler's SIGTERM: leave the run at a step boundary, then stop
     if owner := os.environ.get("ELASTIC_JUPYTER_OWNER_ADDRESS"):  # a pool across hosts
         use_interface_towards(owner)

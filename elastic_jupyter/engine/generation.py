@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import drain
-from . import state as state_mod
-from .abortable_store import AbortableStore
+from .abort import AbortableStore, AbortWatch
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .schedulers import step_lr_scheduler
@@ -118,15 +117,12 @@ class Generation:
             dist.init_process_group(spec["backend"], store=store,
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=spec["timeout"]))
+        # nccl waits for a dead peer until its timeout: the owner's abort ends the wait
+        watch = (AbortWatch(self.control, dist.group.WORLD.abort) if spec["backend"] == "nccl"
+                 else contextlib.nullcontext())
         try:
-            fault_point("resize", w)
-            if spec["broadcast"]:
-                self._broadcast_state(spec["receive_state"])
-            with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
-                event = w.start_generation(self.rank, self.world_size)
-            self.events += [event] if event else []
-            with _out_of_memory_hint(w.config):
-                return self._loop()
+            with watch:
+                return self._train()
         finally:
             w.end_generation()
             # closing this rank's sockets makes peers blocked in a collective fail now
@@ -135,6 +131,17 @@ class Generation:
                 dist.destroy_process_group()
             except Exception as e:  # noqa: BLE001 -- reported in the engine's log
                 print(f"destroying the process group failed: {e}", file=sys.stderr)
+
+    def _train(self) -> dict:
+        w = self.worker
+        fault_point("resize", w)
+        if self.spec["broadcast"]:
+            self._broadcast_state(self.spec["receive_state"])
+        with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
+            event = w.start_generation(self.rank, self.world_size)
+        self.events += [event] if event else []
+        with _out_of_memory_hint(w.config):
+            return self._loop()
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker

@@ -6,7 +6,7 @@ import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
 import { History, ema } from '../src/chart/history';
-import { describeQueued, isEnded, sliderMax } from '../src/common/snapshot';
+import { describeExcluded, describeQueued, isEnded, sliderMax } from '../src/common/snapshot';
 import { statusLine } from '../src/widget/view';
 import { HistoryCursor, RunList, describeLease, describeSlots, fingerprint, sparklinePoints } from '../src/panel/model';
 import { life, run } from './fixtures';
@@ -137,4 +137,14 @@ test('engines waiting in a scheduler\'s queue show with its reason, and redraw t
   assert.equal(describeQueued(run({ queued })), 'in the queue: slot 2: job 41 pending (Resources)');
   assert.ok(statusLine(run({ queued })).endsWith(' · in the queue: slot 2: job 41 pending (Resources)'));
   assert.notEqual(fingerprint([run({})]), fingerprint([run({ queued })]));
+});
+
+test('slots left out show why and when they come back, and redraw the panel', () => {
+  const excluded = [{ slot: 1, reason: '3 faults within 60 s', until: 1000 }, { slot: 3, reason: 'its engine failed to start', until: null }];
+  assert.equal(describeExcluded(run({}), 0), '');
+  assert.equal(describeExcluded(run({ excluded }), 975_400),
+    'slot 1 left out (3 faults within 60 s), back in 25 s; slot 3 left out (its engine failed to start), stays out');
+  assert.equal(describeExcluded(run({ excluded }), 2_000_000).split(';')[0], 'slot 1 left out (3 faults within 60 s), back in 0 s');
+  assert.ok(statusLine(run({ excluded })).includes(' · slot 1 left out (3 faults within 60 s)'));
+  assert.notEqual(fingerprint([run({})]), fingerprint([run({ excluded })]));
 });

@@ -61,6 +61,13 @@ export interface MachineView {
   runs?: { run: string; name: string; user: string; notebook: string; auto: boolean; weight: number; min: number; max: number; held: number; target: number; queued: number | null }[];
 }
 
+/** A slot left out of engine starts: why, and until when (s since the epoch; null: for good). */
+export interface Exclusion {
+  slot: number;
+  reason: string;
+  until: number | null;
+}
+
 export interface RunSnapshot {
   id: string | null;
   name: string;
@@ -88,6 +95,7 @@ export interface RunSnapshot {
   slots: string[];
   lease: LeaseState | null;
   queued?: string[]; // engines waiting in a scheduler's queue: "slot 2: job 41 pending (Resources)"
+  excluded?: Exclusion[]; // slots left out of engine starts
   resize: ResizeLife | null;
 }
 
@@ -95,12 +103,17 @@ const BLANK: RunSnapshot = {
   id: null, name: '', notebook: null, state: 'starting', step: 0, total_steps: null, epoch: null,
   world_size: 0, requested_size: 0, min_size: null, max_size: null, backend: null, loss: null,
   recent_loss: [], samples_per_s: null, eta_s: null, error: null, checkpoint_dir: '', checkpoints: [],
-  last_checkpoint: null, log_dir: null, slots: [], lease: null, queued: [], resize: null
+  last_checkpoint: null, log_dir: null, slots: [], lease: null, queued: [], excluded: [], resize: null
 };
 
 /** "in the queue: slot 2: job 41 pending (Resources)", or '' when no engine waits. */
 export function describeQueued(run: RunSnapshot): string {
   return run.queued?.length ? `in the queue: ${run.queued.join('; ')}` : '';
+}
+
+/** "slot 2 left out (3 faults within 60 s), back in 25 s" for each slot left out, or ''. */
+export function describeExcluded(run: RunSnapshot, nowMs: number): string {
+  return (run.excluded ?? []).map(x => `slot ${x.slot} left out (${x.reason}), ` + (x.until === null ? 'stays out' : `back in ${Math.max(0, Math.round(x.until - nowMs / 1000))} s`)).join('; ');
 }
 
 /**

@@ -38,7 +38,7 @@ export function describeLease(lease: LeaseState | null): string {
 export function fingerprint(runs: RunSnapshot[]): string {
   return JSON.stringify(runs.map(r => [
     r.id, r.state, r.step, r.world_size, r.requested_size, r.resize?.pending, r.checkpoints.length,
-    r.lease?.auto, r.lease?.slots, r.queued
+    r.lease?.auto, r.lease?.slots, r.queued, r.excluded
   ]));
 }
 

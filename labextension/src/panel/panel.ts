@@ -10,7 +10,7 @@ import { ApiError, RunsClient } from '../common/api';
 import { h } from '../common/dom';
 import { ResizeTracker } from '../common/resize';
 import { RunSnapshot, isActive, isEnded } from '../common/snapshot';
-import { MachineView, describeQueued, sliderMax } from '../common/snapshot';
+import { MachineView, describeExcluded, describeQueued, sliderMax } from '../common/snapshot';
 import { HistoryCursor, RunList, describeLease } from './model';
 import { ChangePoll } from './poller';
 import { buildDetail, renderCheckpoints, renderMachine, renderRow } from './view';
@@ -262,7 +262,7 @@ export class ElasticPanel extends Widget {
     d.slider.max = String(sliderMax(run));
     d.autoLabel.hidden = !run.lease;
     d.auto.checked = run.lease?.auto ?? false;
-    d.leaseInfo.textContent = [describeLease(run.lease), describeQueued(run)].filter(Boolean).join(' · ');
+    d.leaseInfo.textContent = [describeLease(run.lease), describeQueued(run), describeExcluded(run, Date.now())].filter(Boolean).join(' · ');
     if (document.activeElement !== d.slider) {
       d.slider.value = String(tracker.pending ?? (run.requested_size || run.world_size));
       d.value.textContent = d.slider.value;

@@ -4,7 +4,7 @@
  */
 import { h } from '../common/dom';
 import { Feedback } from '../common/resize';
-import { RunSnapshot, describeQueued } from '../common/snapshot';
+import { RunSnapshot, describeExcluded, describeQueued } from '../common/snapshot';
 
 export function buildDom(el: HTMLElement) {
   const title = h('span', { class: 'ej-title' });
@@ -72,9 +72,10 @@ export function statusLine(s: RunSnapshot): string {
     parts.push(`ETA ${formatSeconds(s.eta_s)}`);
   }
   parts.push(s.last_checkpoint ? `checkpoint ${s.last_checkpoint}` : 'no checkpoint yet');
-  const queued = describeQueued(s);
-  if (queued) {
-    parts.push(queued);
+  for (const extra of [describeQueued(s), describeExcluded(s, Date.now())]) {
+    if (extra) {
+      parts.push(extra);
+    }
   }
   return parts.join(' · ');
 }

@@ -1,13 +1,20 @@
-"""The store a generation's process group forms through: its waits end when the owner aborts.
+"""The owner's abort, as a rank sees it: waits that end when the owner says a peer died.
 
-Forming a group waits on the rendezvous store for every peer's address (gloo) or rank 0's
-unique id (nccl). A peer that died before it wrote its key leaves the others waiting there
-until the collective timeout, and the owner cannot tell such a survivor from a hung rank. So
-every wait of this store looks at the generation's ``abort`` key too, which the owner sets as
-soon as it sees a rank die (rendezvous.Rendezvous.abort): the survivors fail at once, with a
-:class:`~engine.collective.PeerFailure` the owner counts as secondary, and keep their state.
-This is the "abort the rendezvous watches" of torchelastic's and torchft's designs: a waiter
-never judges a peer alone when the one who saw it die can tell it.
+The owner sets a generation's ``abort`` key (rendezvous.Rendezvous.abort) as soon as it sees a
+rank die. A survivor waiting for that rank must stop waiting then, not at the collective
+timeout: the owner cannot tell a survivor waiting that long from a hung rank, and the run
+would lose the time (or the survivor). This is the "abort the rendezvous watches" of
+torchelastic's and torchft's designs: a waiter never judges a peer alone when the one who saw
+it die can tell it. Three waits watch it:
+
+- the commit vote (engine.vote) reads it between its slices;
+- forming the process group waits on the rendezvous for every peer's address (gloo) or rank
+  0's unique id (nccl): it forms through :class:`AbortableStore`, whose waits look at
+  ``abort`` too, so a peer that died before it wrote its key fails the others at once with a
+  :class:`~engine.collective.PeerFailure` the owner counts as secondary;
+- nccl collectives (the state broadcast, a reduction) do not fail when a peer dies: they wait
+  for their timeout. :class:`AbortWatch` aborts the process group when ``abort`` is set, which
+  fails them now. gloo's fail at once on the dead peer's closed socket and need no watch.
 
 The waits poll with ``check`` (one round trip each, about 0.1 ms here) instead of blocking
 reads with short timeouts: torch's TCPStore client stalls for seconds after some reads that
@@ -16,11 +23,14 @@ time out (engine.vote).
 from __future__ import annotations
 
 import datetime
+import sys
+import threading
 import time
 
 import torch.distributed as dist
 
 POLL = 0.01  # seconds between looks at a missing key and the abort key
+WATCH_POLL = 0.05  # seconds between an AbortWatch's looks at the abort key
 
 
 class GenerationAborted(RuntimeError):
@@ -84,3 +94,43 @@ class AbortableStore(dist.Store):
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
         self._timeout = timeout
+
+
+class AbortWatch:
+    """A thread that calls `abort` once `control` holds ``abort`` (use as a context manager
+    around the collectives of a generation on nccl).
+
+    Args:
+        control: the generation's control store.
+        abort: what to call, once: the process group's ``abort`` (its blocked collectives
+            raise, which the rank reports as a PeerFailure).
+    """
+
+    def __init__(self, control, abort):
+        self.control, self.abort = control, abort
+        self.fired = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="elastic-abort-watch",
+                                        daemon=True)
+
+    def __enter__(self) -> "AbortWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_POLL):
+            try:
+                if not self.control.check(["abort"]):
+                    continue
+            except Exception:  # noqa: BLE001 -- the store is gone: the owner ended the run
+                return
+            self.fired = True
+            try:
+                self.abort()
+            except Exception as e:  # noqa: BLE001 -- reported; the collective's timeout stays
+                print(f"aborting the process group failed: {e}", file=sys.stderr)
+            return

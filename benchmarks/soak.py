@@ -1,0 +1,232 @@
+"""A soak: one long run under mixed chaos, then checks that nothing was lost and nothing leaks.
+
+A real Jupyter server with the server extension and one of its kernels runs a training run
+(float64 digits model, a checkpoint every 100 steps, collective timeout 5 s) on a pool of up
+to 3 engines. For ``--minutes`` the script keeps doing one of, at random (seeded):
+
+- SIGKILL of a rank (not rank 0: its engine is the one whose leaks are judged);
+- SIGSTOP of a rank (a hang: the owner finds it at the collective timeout and kills it);
+- a resize through the REST API (PATCH elastic/api/runs/<id>, the side panel's path);
+- a resize through the kernel (``run.resize(n)``, the notebook's path);
+
+and after each waits until the run trains at its requested size again. At those moments, at
+world size 2, it samples the kernel's and rank 0's engine's open file descriptors, threads and
+resident memory. Then it stops the run (a checkpoint at step N), trains a fault-free run of N
+steps on the same pool and compares.
+
+Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1e-7, atol
+1e-9); every checkpoint left in the folder loads; descriptors and threads are the same at the
+last sample as at the first (after the first minute: thread pools fill up once); and memory
+grows by no more than the history's records: the least-squares slope of resident memory over
+steps is at most the size of the records one step adds (rank 0 keeps one per step; the
+kernel's run log too), with RSS_SLACK for the allocator's noise.
+
+    .venv/bin/python benchmarks/soak.py [--minutes 30] [--seed 1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from lab_harness import JupyterLab, ServerKernel, call, wait_for  # noqa: E402
+
+CELL = '''
+import time
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
+optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+def loss_fn(model, batch):
+    time.sleep(0.004)
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+'''
+SETUP = '''
+import json, os, sys, torch
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.engine import checkpoint as ckpt
+CELL = {cell!r}
+def soak_config(name, steps):
+    return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=100, keep=3,
+                     collective_timeout=5, seed=7)
+ROOT = {root!r}
+pool = EnginePool(n=2, max_size=3, gpus="none").start()
+run = TrainingRun(pool, soak_config("soak", 10**8), source=CELL, workspace=ROOT).start()
+def look():
+    print(json.dumps({{"state": run.state, "step": run.step, "world_size": run.world_size,
+                      "requested": run.requested_size, "pids": [m.pid for m in run.members],
+                      "faults": sum(e["kind"] == "fault" for e in run.events),
+                      "starting": len(pool.engines) != run.world_size}}))
+'''
+WARMUP_S = 60.0  # thread pools and caches fill up once
+RSS_SLACK = 2.0  # resident memory may grow by this many times the records' size per step
+ACTIONS = ("kill", "stop", "rest_resize", "kernel_resize")
+WEIGHTS = (4, 1, 3, 3)
+
+
+class Soak:
+    def __init__(self, server, kernel, rng: random.Random):
+        self.server, self.kernel, self.rng = server, kernel, rng
+        self.kernel_process = psutil.Process(kernel.pid())
+        self.run_id = None
+        self.samples: list[dict] = []
+        self.done: dict[str, int] = dict.fromkeys(ACTIONS, 0)
+        self.rank0_pid = None
+
+    def look(self) -> dict:
+        return json.loads(self.kernel.run("look()").strip().splitlines()[-1])
+
+    def settled(self) -> dict:
+        """Wait until the run trains at its requested size with no engine starting, and has
+        made 20 steps since; returns the look."""
+        def ready():
+            now = self.look()
+            assert now["state"] in ("training", "resizing"), now
+            return now if (now["state"] == "training" and now["world_size"] == now["requested"]
+                           and not now["starting"]) else None
+        first = wait_for(ready, 300, "the run to settle", interval=0.2)
+        wait_for(lambda: self.look()["step"] > first["step"] + 20, 120, "training", 0.2)
+        return self.look()
+
+    def sample(self, now: dict) -> None:
+        """Descriptors, threads and memory of the kernel and rank 0's engine, at world size 2."""
+        if now["world_size"] != 2:
+            return
+        if self.rank0_pid is None:
+            self.rank0_pid = now["pids"][0]
+        assert now["pids"][0] == self.rank0_pid, "rank 0 changed: it is never a victim"
+        row = {"time": time.monotonic(), "step": now["step"]}
+        for who, process in (("kernel", self.kernel_process),
+                             ("rank0", psutil.Process(self.rank0_pid))):
+            with process.oneshot():
+                row[who] = {"fds": process.num_fds(), "threads": process.num_threads(),
+                            "rss": process.memory_info().rss}
+        self.samples.append(row)
+
+    def act(self, action: str, now: dict) -> None:
+        victims = now["pids"][1:]
+        if action in ("kill", "stop") and not victims:
+            action = "rest_resize"
+        if action == "kill":
+            os.kill(self.rng.choice(victims), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(self.rng.choice(victims), signal.SIGSTOP)  # the owner kills it when hung
+        else:
+            size = self.rng.choice([n for n in (1, 2, 3) if n != now["world_size"]])
+            if action == "rest_resize":
+                status, model = call(self.server, "PATCH", f"elastic/api/runs/{self.run_id}",
+                                     {"world_size": size})
+                assert status == 202, model
+            else:
+                self.kernel.run(f"run.resize({size})")
+        self.done[action] += 1
+
+    def chaos(self, seconds: float) -> dict:
+        self.run_id = [r for r in call(self.server, "GET", "elastic/api/runs")[1]["runs"]
+                       if r["name"] == "soak"][0]["id"]
+        started = time.monotonic()
+        now = self.settled()
+        while time.monotonic() - started < seconds:
+            self.act(self.rng.choices(ACTIONS, WEIGHTS)[0], now)
+            time.sleep(self.rng.uniform(0.0, 0.5))
+            now = self.settled()
+            self.sample(now)
+            print(f"[{time.monotonic() - started:6.0f} s] step {now['step']}, world size "
+                  f"{now['world_size']}, faults {now['faults']}, actions {self.done}", flush=True)
+        if now["world_size"] != 2:  # end where the samples were taken
+            self.kernel.run("run.resize(2)")
+            now = self.settled()
+        self.sample(now)
+        return now
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
+
+
+def judge(samples: list[dict], record_bytes: float) -> tuple[bool, list[str]]:
+    """Flat descriptors and threads after the warm-up; memory slope within the records'."""
+    start = samples[0]["time"]
+    steady = [s for s in samples if s["time"] - start >= WARMUP_S] or samples[-1:]
+    ok, lines = True, []
+    for who in ("kernel", "rank0"):
+        for key in ("fds", "threads"):
+            values = [s[who][key] for s in steady]
+            flat = values[0] == values[-1]
+            ok &= flat
+            lines.append(f"{who:<7} {key:<8} first {values[0]:>5}  last {values[-1]:>5}  "
+                         f"min {min(values):>5}  max {max(values):>5}  "
+                         f"{'flat' if flat else 'NOT FLAT'}")
+        per_step = slope([s["step"] for s in steady], [s[who]["rss"] for s in steady])
+        within = per_step <= RSS_SLACK * record_bytes
+        ok &= within
+        lines.append(f"{who:<7} memory   {per_step:8.1f} bytes/step over {len(steady)} samples "
+                     f"(records: {record_bytes:.0f} bytes/step; bound x{RSS_SLACK:g}) "
+                     f"{'within' if within else 'ABOVE'}")
+    return ok, lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as root, \
+            JupyterLab(root, os.path.join(root, "lab.log")) as server:
+        kernel = ServerKernel(server)
+        kernel.run(SETUP.format(cell=CELL, root=root))
+        soak = Soak(server, kernel, random.Random(args.seed))
+        last = soak.chaos(args.minutes * 60)
+        kernel.run("run.stop(); print(run.wait(timeout=300))")
+        verdict = json.loads(kernel.run(VERDICT).strip().splitlines()[-1])
+        kernel.run("pool.stop()")
+    ok, lines = judge(soak.samples, verdict["record_bytes"])
+    same = verdict["max_difference"] <= 1e-7 and verdict["reference"] == "finished"
+    loads = verdict["checkpoints_loaded"] == verdict["checkpoints"] > 0
+    print(f"\nsoak of {args.minutes:g} min (seed {args.seed}): {verdict['steps']} steps, "
+          f"actions {soak.done}, {last['faults']} faults recovered, total "
+          f"{time.monotonic() - t0:.0f} s")
+    print(f"parameters against a fault-free run of {verdict['steps']} steps: max difference "
+          f"{verdict['max_difference']:.2e} ({'equal' if same else 'DIFFERENT'})")
+    print(f"checkpoints: {verdict['checkpoints_loaded']} of {verdict['checkpoints']} load")
+    print("\n".join(lines))
+    passed = ok and same and loads
+    print("PASS" if passed else "FAIL")
+    sys.exit(0 if passed else 1)
+
+
+VERDICT = '''
+steps = run.step
+reference = TrainingRun(pool, soak_config("soak-reference", steps), source=CELL, engines=2,
+                        workspace=ROOT).start()
+ended = reference.wait(timeout=3600)
+got, want = run.state_dict(), reference.state_dict()
+difference = max(float((got[k] - want[k]).abs().max()) for k in want)
+files = ckpt.list_checkpoints(run.checkpoint_dir)
+loaded = sum(bool(ckpt.load_checkpoint(c["path"])) for c in files)
+def deep_size(o):
+    return sys.getsizeof(o) + (sum(deep_size(k) + deep_size(v) for k, v in o.items())
+                               if isinstance(o, dict) else 0)
+print(json.dumps({"steps": steps, "reference": ended, "max_difference": difference,
+                  "checkpoints": len(files), "checkpoints_loaded": loaded,
+                  "record_bytes": 2 * deep_size(run.history[-1])}))
+'''
+
+if __name__ == "__main__":
+    main()
