@@ -9,9 +9,9 @@ to 3 engines. For ``--minutes`` the script keeps doing one of, at random (seeded
 - a resize through the REST API (PATCH elastic/api/runs/<id>, the side panel's path);
 - a resize through the kernel (``run.resize(n)``, the notebook's path);
 
-and after each waits until the run trains at its requested size again. At those moments, at
-world size 2, it samples the kernel's and rank 0's engine's open file descriptors, threads and
-resident memory. Then it stops the run (a checkpoint at step N), trains a fault-free run of N
+and after each waits until the run trains at its requested size again, then resizes it back
+to 2 (by either path) if it is not there. At world size 2 it samples the kernel's and rank
+0's engine's open file descriptors, threads and resident memory. Then it stops the run (a checkpoint at step N), trains a fault-free run of N
 steps on the same pool and compares.
 
 Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1e-7, atol
@@ -26,6 +26,7 @@ kernel's run log too), with RSS_SLACK for the allocator's noise.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import random
@@ -68,7 +69,7 @@ def look():
     print(json.dumps({{"state": run.state, "step": run.step, "world_size": run.world_size,
                       "requested": run.requested_size, "pids": [m.pid for m in run.members],
                       "faults": sum(e["kind"] == "fault" for e in run.events),
-                      "starting": len(pool.engines) != run.world_size}}))
+                      "starting": len(pool.engines) != run.world_size or bool(pool._removing)}}))
 '''
 WARMUP_S = 60.0  # thread pools and caches fill up once
 RSS_SLACK = 2.0  # resident memory may grow by this many times the records' size per step
@@ -112,7 +113,7 @@ class Soak:
                              ("rank0", psutil.Process(self.rank0_pid))):
             with process.oneshot():
                 row[who] = {"fds": process.num_fds(), "threads": process.num_threads(),
-                            "rss": process.memory_info().rss}
+                            "rss": process.memory_info().rss, "kinds": kinds(process.pid)}
         self.samples.append(row)
 
     def act(self, action: str, now: dict) -> None:
@@ -124,14 +125,17 @@ class Soak:
         elif action == "stop":
             os.kill(self.rng.choice(victims), signal.SIGSTOP)  # the owner kills it when hung
         else:
-            size = self.rng.choice([n for n in (1, 2, 3) if n != now["world_size"]])
-            if action == "rest_resize":
-                status, model = call(self.server, "PATCH", f"elastic/api/runs/{self.run_id}",
-                                     {"world_size": size})
-                assert status == 202, model
-            else:
-                self.kernel.run(f"run.resize({size})")
+            self.resize(self.rng.choice([n for n in (1, 2, 3) if n != now["world_size"]]),
+                        action)
         self.done[action] += 1
+
+    def resize(self, size: int, how: str) -> None:
+        if how == "rest_resize":
+            status, model = call(self.server, "PATCH", f"elastic/api/runs/{self.run_id}",
+                                 {"world_size": size})
+            assert status == 202, model
+        else:
+            self.kernel.run(f"run.resize({size})")
 
     def chaos(self, seconds: float) -> dict:
         self.run_id = [r for r in call(self.server, "GET", "elastic/api/runs")[1]["runs"]
@@ -142,14 +146,32 @@ class Soak:
             self.act(self.rng.choices(ACTIONS, WEIGHTS)[0], now)
             time.sleep(self.rng.uniform(0.0, 0.5))
             now = self.settled()
+            if now["world_size"] != 2:  # back to the size the samples are taken at
+                self.resize(2, self.rng.choice(ACTIONS[2:]))
+                now = self.settled()
             self.sample(now)
-            print(f"[{time.monotonic() - started:6.0f} s] step {now['step']}, world size "
-                  f"{now['world_size']}, faults {now['faults']}, actions {self.done}", flush=True)
-        if now["world_size"] != 2:  # end where the samples were taken
-            self.kernel.run("run.resize(2)")
-            now = self.settled()
-        self.sample(now)
+            print(f"[{time.monotonic() - started:6.0f} s] step {now['step']}, faults "
+                  f"{now['faults']}, actions {self.done}", flush=True)
         return now
+
+
+def kinds(pid: int) -> collections.Counter:
+    """What a process's descriptors and threads are (socket, pipe, a file's folder...; a
+    thread's name), counted: the difference between two samples says what leaked."""
+    counts = collections.Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        counts["fd " + (target.split(":")[0] if ":" in target else os.path.dirname(target))] += 1
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/comm") as f:
+                counts["thread " + f.read().strip()] += 1
+        except OSError:
+            continue
+    return counts
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -172,6 +194,9 @@ def judge(samples: list[dict], record_bytes: float) -> tuple[bool, list[str]]:
             lines.append(f"{who:<7} {key:<8} first {values[0]:>5}  last {values[-1]:>5}  "
                          f"min {min(values):>5}  max {max(values):>5}  "
                          f"{'flat' if flat else 'NOT FLAT'}")
+        first, last = steady[0][who]["kinds"], steady[-1][who]["kinds"]
+        if first != last:
+            lines.append(f"{who:<7} changed: more {dict(last - first)}, fewer {dict(first - last)}")
         per_step = slope([s["step"] for s in steady], [s[who]["rss"] for s in steady])
         within = per_step <= RSS_SLACK * record_bytes
         ok &= within

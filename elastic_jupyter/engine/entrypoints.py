@@ -268,9 +268,23 @@ def train_generation(spec: dict, log_path: str | None) -> dict:
     with _logging_to(log_path):
         try:
             return run_generation(_state.worker, spec, _state.store)
-        except Exception:
+        except Exception as e:
             traceback.print_exc(file=sys.stderr)
+            _release_frames(e)
             raise
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the local variables of the frames `error` (and its causes) went through. The
+    engine's kernel keeps errors it reported alive, and those locals
+    hold the failed group's pending collectives, which hold its gloo or nccl connections,
+    listening socket and threads: without this a survivor kept such a set for some of its
+    faults (benchmarks/soak.py found it)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def training_state() -> dict:
