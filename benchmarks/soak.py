@@ -17,9 +17,9 @@ steps on the same pool and compares.
 Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1e-7, atol
 1e-9); every checkpoint left in the folder loads; descriptors and threads are the same at the
 last sample as at the first (after the first minute: thread pools fill up once); and memory
-grows by no more than the history's records: the least-squares slope of resident memory over
-steps is at most the size of the records one step adds (rank 0 keeps one per step; the
-kernel's run log too), with RSS_SLACK for the allocator's noise.
+grows by no more than the history's records: the least-squares slope of each process's
+resident memory over steps is at most the size of the records one step adds to the run (one
+in rank 0's history, one in the kernel's run log), times RSS_SLACK for the allocator.
 
     .venv/bin/python benchmarks/soak.py [--minutes 30] [--seed 1]
 """
@@ -72,7 +72,7 @@ def look():
                       "starting": len(pool.engines) != run.world_size or bool(pool._removing)}}))
 '''
 WARMUP_S = 60.0  # thread pools and caches fill up once
-RSS_SLACK = 2.0  # resident memory may grow by this many times the records' size per step
+RSS_SLACK = 2.0  # resident memory may grow by this many times a record's size per step
 ACTIONS = ("kill", "stop", "rest_resize", "kernel_resize")
 WEIGHTS = (4, 1, 3, 3)
 
