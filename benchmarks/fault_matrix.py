@@ -113,8 +113,8 @@ def matrix_row(pool, phase: str, kills: int, workspace: str) -> dict:
             "recoveries": sum(e["kind"] == "fault" for e in run.events),
             "left_out": sum(e["kind"] == "slot" and "left out" in e["message"]
                             for e in run.events),
-            "cost": statistics.median(costs), "max_cost": max(costs),
-            "lost": statistics.median(lost), "max_lost": max(lost), "same": same}
+            "cost": statistics.median(costs or [0]), "max_cost": max(costs or [0]),
+            "lost": statistics.median(lost or [0]), "max_lost": max(lost or [0]), "same": same}
 
 
 def reference(pool, workspace: str, steps: int) -> dict:
@@ -146,7 +146,8 @@ def main() -> None:
         print(f"{r['phase']:<11} {r['kills']:>5}  {r['recoveries']:>10}  "
               f"{r['cost']:>10.2f} / {r['max_cost']:<5.2f}        {r['lost']:>6.0f} / "
               f"{r['max_lost']:<4}            {r['left_out']:>14}  {r['steps']:>5}  {r['same']}")
-    passed = all(r["kills"] == r["recoveries"] == args.kills and r["same"] for r in rows)
+    passed = all(r["kills"] == r["recoveries"] == args.kills and r["same"]
+                 and r["state"] == "stopped" for r in rows)
     print("PASS" if passed else "FAIL")
     print(f"total {time.perf_counter() - t0:.0f} s")
     sys.exit(0 if passed else 1)

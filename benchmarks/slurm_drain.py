@@ -22,8 +22,9 @@ pass (a step takes ~10-20 ms on 2 cores), global batch 64, 2 engine jobs (gloo o
   user's job asking for 2 arrives: its submission to the run at 2 and to its start; it runs
   10 s; its end to the run's first step at 4 again.
 
-The phases run one after the other: grows, drains, crashes (a slot that crashed 3 times is
-left out of the run, faults.MAX_SLOT_FAULTS: the crashes come last, with a spare slot).
+The phases run one after the other: grows, drains, crashes (a slot with 3 faults within a
+minute is left out for a cooldown, faults.MAX_SLOT_FAULTS: the crashes come last, with a
+spare slot).
 
 Run with ``.venv/bin/python benchmarks/slurm_drain.py`` (as root, with Debian's slurm-wlm and
 munge installed: ``make test`` installs them); figures are recorded in BENCHMARKS.md.

@@ -15,8 +15,9 @@ to 2 (by either path) if it is not there. At world size 2 it samples the kernel'
 steps on the same pool and compares.
 
 Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1e-7, atol
-1e-9); every checkpoint left in the folder loads; descriptors and threads are the same at the
-last sample as at the first (after the first minute: thread pools fill up once); and memory
+1e-9); every checkpoint left in the folder loads; descriptors and threads are not more at the
+last sample than at the first (after the first minute: thread pools fill up once; at least 3
+samples); and memory
 grows by no more than the history's records: the least-squares slope of each process's
 resident memory over steps is at most the size of the records one step adds to the run (one
 in rank 0's history, one in the kernel's run log), times RSS_SLACK for the allocator.
@@ -184,16 +185,18 @@ def slope(xs: list[float], ys: list[float]) -> float:
 def judge(samples: list[dict], record_bytes: float) -> tuple[bool, list[str]]:
     """Flat descriptors and threads after the warm-up; memory slope within the records'."""
     start = samples[0]["time"]
-    steady = [s for s in samples if s["time"] - start >= WARMUP_S] or samples[-1:]
+    steady = [s for s in samples if s["time"] - start >= WARMUP_S]
+    if len(steady) < 3:
+        return False, [f"only {len(steady)} samples after the warm-up: run longer"]
     ok, lines = True, []
     for who in ("kernel", "rank0"):
         for key in ("fds", "threads"):
             values = [s[who][key] for s in steady]
-            flat = values[0] == values[-1]
+            flat = values[-1] <= values[0]  # fewer at the end: something transient at first
             ok &= flat
             lines.append(f"{who:<7} {key:<8} first {values[0]:>5}  last {values[-1]:>5}  "
                          f"min {min(values):>5}  max {max(values):>5}  "
-                         f"{'flat' if flat else 'NOT FLAT'}")
+                         f"{'flat' if flat else 'GREW'}")
         first, last = steady[0][who]["kinds"], steady[-1][who]["kinds"]
         if first != last:
             lines.append(f"{who:<7} changed: more {dict(last - first)}, fewer {dict(first - last)}")
@@ -222,7 +225,7 @@ def main() -> None:
         verdict = json.loads(kernel.run(VERDICT).strip().splitlines()[-1])
         kernel.run("pool.stop()")
     ok, lines = judge(soak.samples, verdict["record_bytes"])
-    same = verdict["max_difference"] <= 1e-7 and verdict["reference"] == "finished"
+    same = verdict["same"] and verdict["reference"] == "finished"
     loads = verdict["checkpoints_loaded"] == verdict["checkpoints"] > 0
     print(f"\nsoak of {args.minutes:g} min (seed {args.seed}): {verdict['steps']} steps, "
           f"actions {soak.done}, {last['faults']} faults recovered, total "
@@ -243,12 +246,13 @@ reference = TrainingRun(pool, soak_config("soak-reference", steps), source=CELL,
 ended = reference.wait(timeout=3600)
 got, want = run.state_dict(), reference.state_dict()
 difference = max(float((got[k] - want[k]).abs().max()) for k in want)
+same = all(torch.allclose(got[k], want[k], rtol=1e-7, atol=1e-9) for k in want)
 files = ckpt.list_checkpoints(run.checkpoint_dir)
 loaded = sum(bool(ckpt.load_checkpoint(c["path"])) for c in files)
 def deep_size(o):
     return sys.getsizeof(o) + (sum(deep_size(k) + deep_size(v) for k, v in o.items())
                                if isinstance(o, dict) else 0)
-print(json.dumps({"steps": steps, "reference": ended, "max_difference": difference,
+print(json.dumps({"steps": steps, "reference": ended, "max_difference": difference, "same": same,
                   "checkpoints": len(files), "checkpoints_loaded": loaded,
                   "record_bytes": 2 * deep_size(run.history[-1])}))
 '''

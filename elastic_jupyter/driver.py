@@ -175,8 +175,10 @@ class Driver:
             if failed and first_failure is None:
                 first_failure = time.monotonic()
                 rendezvous.abort(generation)  # ranks waiting for a vote stop waiting
-            # a rank forming a group with a dead peer waits on the store until the collective
-            # timeout: give it that long before calling it hung
+            # a rank blocked with a dead peer fails at once (a closed socket, the owner's abort:
+            # engine.abort) except where it cannot be told (gloo connecting to an address
+            # that no longer answers; nccl before torch 2.7): give it the collective timeout
+            # before calling it hung
             grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)
             if first_failure is not None and time.monotonic() - first_failure > grace:
                 break  # the ranks still out are hung
@@ -239,9 +241,10 @@ class Driver:
             newcomers = await self.membership.grow(target, POLL)
             if len(self.members) < target:
                 self.sizer.settle(len(self.members))
+                why = (f"after {self.membership.boot_failures} failed starts"
+                       if self.membership.gave_up else "no slot is free (see the slot events)")
                 self.log.event("warning", message=f"could not grow to {target} engines "
-                               f"after {self.membership.boot_failures} failed starts; training "
-                               f"goes on with {len(self.members)}")
+                               f"{why}; training goes on with {len(self.members)}")
             self.log.resize_settled(len(self.members))
         self.membership.trim(self._wanted())
         self.membership.boot(self._wanted())  # standby engines used by this grow are replaced

@@ -66,12 +66,13 @@ def restart_delay(recent_faults: int) -> float:
     return 0.0 if recent_faults <= 1 else min(2.0 ** (recent_faults - 2), 16.0)
 
 
-def cooldown(exclusions: int, first: float = faults.COOLDOWN[0],
-             most: float = faults.COOLDOWN[1]) -> float:
+def cooldown(exclusions: int, first: float | None = None, most: float | None = None) -> float:
     """Seconds a slot stays out the `exclusions`-th time it is left out: `first`, doubling each
     time, at most `most`. Horovod's elastic blacklist grew such a cooldown (v0.24,
     ``--blacklist-cooldown-range``, horovod/horovod#3319): a host that keeps failing is tried
-    again ever more rarely instead of never."""
+    again ever more rarely instead of never. Defaults: ``faults.COOLDOWN``."""
+    first = faults.COOLDOWN[0] if first is None else first
+    most = faults.COOLDOWN[1] if most is None else most
     return min(first * 2.0 ** (exclusions - 1), most)
 
 
@@ -82,12 +83,15 @@ class SlotHealth:
     doubles with each time it was left out (:func:`cooldown`); its faults are then forgotten,
     so it comes back with a clean count. A slot whose engine failed to start
     ``start_limit`` times in a row is left out for good: nothing that trains ran there.
-    Times are the caller's clock (seconds); the decisions are pure.
+    Times are the caller's clock (seconds); the decisions are pure. Defaults: ``faults``'
+    MAX_SLOT_FAULTS, FAULT_WINDOW and MAX_START_FAILURES, read when it is made.
     """
 
-    def __init__(self, limit: int = faults.MAX_SLOT_FAULTS, window: float = faults.FAULT_WINDOW,
-                 start_limit: int = faults.MAX_START_FAILURES):
-        self.limit, self.window, self.start_limit = limit, window, start_limit
+    def __init__(self, limit: int | None = None, window: float | None = None,
+                 start_limit: int | None = None):
+        self.limit = faults.MAX_SLOT_FAULTS if limit is None else limit
+        self.window = faults.FAULT_WINDOW if window is None else window
+        self.start_limit = faults.MAX_START_FAILURES if start_limit is None else start_limit
         self.recent: dict[int, list[float]] = {}  # slot -> times of its faults in the window
         self.exclusions: dict[int, int] = {}  # slot -> times it was left out
         self.failed_starts: dict[int, int] = {}  # slot -> failed starts in a row
@@ -230,7 +234,8 @@ class Membership:
         except Exception as e:  # reported as an event; the run trains on
             self._boot_failed(f"could not start {len(slots)} engine(s): {e}")
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            for slot in slots:
+            # engines started together fail together: only a lone start blames its slot
+            for slot in slots if len(slots) == 1 else ():
                 if self.health.record_start(slot, ok=False):
                     self._leave_out(slot, f"its engine failed to start "
                                     f"{self.health.start_limit} times in a row: {why}", None)
@@ -332,7 +337,8 @@ class Membership:
         while len(self.spares) < needed:
             if time.monotonic() > deadline or self.gave_up or stopped() or self.hopeless():
                 return False
-            self.boot(wanted)
+            # `wanted` was capped to the usable slots: a slot whose cooldown ends counts too
+            self.boot(max(wanted, len(self.members) + needed))
             await asyncio.sleep(poll)
         self.joining, self.spares = self.spares[:needed], self.spares[needed:]
         return True

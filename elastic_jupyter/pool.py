@@ -608,7 +608,8 @@ class EnginePool:
         self._exclusions[slot] = Exclusion(reason, until)
 
     def readmit_slot(self, slot: int) -> None:
-        """Take `slot` back now (`%elastic_pool readmit`, tests)."""
+        """Take `slot` back now (say, one left out for good after its engine failed to start,
+        once the cause is fixed)."""
         self._exclusions.pop(slot, None)
 
     def next_free_slots(self, k: int) -> list[int]:

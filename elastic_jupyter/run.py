@@ -143,7 +143,7 @@ class TrainingRun:
 
     @property
     def requested_size(self) -> int:
-        return self._sizer.target
+        return self._sizer.requested
 
     @property
     def members(self) -> list:

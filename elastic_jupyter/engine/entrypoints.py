@@ -280,11 +280,14 @@ def _release_frames(error: BaseException) -> None:
     hold the failed group's pending collectives, which hold its gloo or nccl connections,
     listening socket and threads: without this a survivor kept such a set for some of its
     faults (benchmarks/soak.py found it)."""
-    seen = set()
-    while error is not None and id(error) not in seen:
+    seen, todo = set(), [error]
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
         traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
+        todo += [error.__cause__, error.__context__]
 
 
 def training_state() -> dict:

@@ -117,11 +117,12 @@ class Generation:
             dist.init_process_group(spec["backend"], store=store,
                                     rank=self.rank, world_size=self.world_size,
                                     timeout=datetime.timedelta(seconds=spec["timeout"]))
-        # nccl waits for a dead peer until its timeout: the owner's abort ends the wait
-        watch = (AbortWatch(self.control, dist.group.WORLD.abort) if spec["backend"] == "nccl"
-                 else contextlib.nullcontext())
         try:
-            with watch:
+            # nccl waits for a dead peer until its timeout: the owner's abort ends the wait
+            # (ProcessGroup.abort came with torch 2.7; before, the watchdog's timeout does)
+            abort = getattr(dist.group.WORLD, "abort", None)
+            with (AbortWatch(self.control, abort) if spec["backend"] == "nccl" and abort
+                  else contextlib.nullcontext()):
                 return self._train()
         finally:
             w.end_generation()
