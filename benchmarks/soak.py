@@ -40,21 +40,9 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+from fault_matrix import CELL  # noqa: E402 -- the same float64 digits model
 from lab_harness import JupyterLab, ServerKernel, call, wait_for  # noqa: E402
 
-CELL = '''
-import time
-import torch
-from sklearn.datasets import load_digits
-X, y = load_digits(return_X_y=True)
-dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
-model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
-optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
-def loss_fn(model, batch):
-    time.sleep(0.004)
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-'''
 SETUP = '''
 import json, os, sys, torch
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun

@@ -1,8 +1,10 @@
 """Shared fixtures: one real ipyparallel pool for the whole session (starting one costs seconds)."""
+import datetime
 import os
 import tempfile
 
 import pytest
+import torch.distributed as dist
 
 # The tests' runs, kernels and servers register in a runtime dir of their own, not in the
 # user's (where the side panel would list them as lost runs forever).
@@ -40,3 +42,12 @@ def idle_pool(pool):
     if pool.run is not None and pool.run.active:
         pool.run.stop()
         pool.run.wait(timeout=60)
+
+
+@pytest.fixture
+def store():
+    """A rendezvous TCPStore server in this process (clients connect to its port)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=30))
+    yield server
+    del server

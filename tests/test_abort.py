@@ -12,14 +12,6 @@ import torch.distributed as dist
 from elastic_jupyter.engine.abort import AbortableStore, AbortWatch, GenerationAborted
 
 
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-    yield server
-    del server
-
-
 def control(server):
     tcp = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                         timeout=datetime.timedelta(seconds=30))

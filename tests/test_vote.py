@@ -13,14 +13,6 @@ from elastic_jupyter.engine import vote as vote_mod
 from elastic_jupyter.engine.vote import StepAborted, Vote
 
 
-@pytest.fixture
-def store():
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=datetime.timedelta(seconds=30))
-    yield server
-    del server
-
-
 def client(server, generation: int = 0):
     tcp = dist.TCPStore("127.0.0.1", server.port, is_master=False,
                         timeout=datetime.timedelta(seconds=30))
