@@ -33,16 +33,19 @@ from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 CELL = '''
 import time
 import torch
+PACE = 0.004  # seconds a step sleeps, so that kills land at a step rate like a real model's
 from sklearn.datasets import load_digits
 X, y = load_digits(return_X_y=True)
 dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
 model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
 optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
 def loss_fn(model, batch):
-    time.sleep(0.004)
+    time.sleep(PACE)
     x, y = batch
     return torch.nn.functional.cross_entropy(model(x), y)
 '''
+# The fault-free reference: the sleep only paces the steps, so N steps of it give the same result.
+UNPACED = CELL.replace("PACE = 0.004", "PACE = 0")
 PHASES = ("forward", "backward", "allreduce", "vote", "optimizer", "checkpoint", "resize", "join")
 FORMING = ("resize", "join")  # kills that land while a generation forms after a shrink
 SIZE = 3
@@ -69,7 +72,7 @@ def wait_for(predicate, timeout: float = 120.0, what: str = ""):
 def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
     """One kill landing in `phase`; returns (seconds until back at the step reached, steps
     lost)."""
-    start = run.step
+    start, began = run.step, time.monotonic()
     wait_for(lambda: (run.world_size == SIZE and run.state == "training" and run.step > start + 20)
              or not run.active, what="the run to be back at full size")
     victim = run.members[0 if phase == "checkpoint" else 1]
@@ -81,6 +84,7 @@ def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
     wait_for(lambda: glob.glob(pattern), what=f"{pattern} ({os.listdir(run.config.fault_dir)}, "
              f"{run.summary()}, members {[e.slot for e in run.members]})")
     marker = glob.glob(pattern)[0]
+    waited = time.monotonic() - began
     os.kill(int(open(marker).read()), signal.SIGKILL)
     killed = time.monotonic()
     os.rename(marker, os.path.join(os.path.dirname(marker), f"done{kills_so_far}." +
@@ -92,6 +96,8 @@ def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
     recovered = time.monotonic() - killed
     if phase in FORMING:
         run.resize(SIZE)
+    print(f"  {phase} kill {kills_so_far + 1}: {waited:.1f} s until armed and hit, recovered in "
+          f"{recovered:.2f} s, {fault['lost_steps']} steps lost", file=sys.stderr, flush=True)
     return recovered, fault["lost_steps"]
 
 
@@ -118,7 +124,7 @@ def matrix_row(pool, phase: str, kills: int, workspace: str) -> dict:
 
 
 def reference(pool, workspace: str, steps: int) -> dict:
-    run = TrainingRun(pool, config(f"clean-{steps}", workspace, steps), source=CELL,
+    run = TrainingRun(pool, config(f"clean-{steps}", workspace, steps), source=UNPACED,
                       engines=SIZE, workspace=workspace).start()
     assert run.wait(timeout=600) == "finished", run.logs()
     return run.state_dict()

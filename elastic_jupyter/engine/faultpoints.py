@@ -37,8 +37,11 @@ def fault_point(phase: str, worker) -> None:
         os.rename(arm, f"{arm}.claimed")  # atomic: one hit per arming
     except (OSError, ValueError):
         return
-    with open(os.path.join(folder, f"hit.{phase}.{slot}.{worker.progress.step}"), "w") as f:
+    hit = f"hit.{phase}.{slot}.{worker.progress.step}"
+    # Written under a hidden name, then renamed: a watcher globbing hit.* never reads it empty.
+    with open(os.path.join(folder, f".{hit}"), "w") as f:
         f.write(str(os.getpid()))
+    os.rename(os.path.join(folder, f".{hit}"), os.path.join(folder, hit))
     hold = float(worker.config.get("fault_hold", FAULT_HOLD))
     deadline = time.monotonic() + hold
     while time.monotonic() < deadline:
