@@ -19,7 +19,7 @@ Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1
 last sample than at the first (after the first minute: thread pools fill up once; at least 3
 samples); and memory grows by no more than the history's records: the least-squares slope of
 each process's resident memory over steps is at most what the one record a step adds to it
-costs (rank 0's history, the kernel's run log), times RSS_SLACK for the allocator. A record's
+costs (rank 0's history, the kernel's run log), times --rss-slack for the allocator. A record's
 cost is measured (tracemalloc) on fresh copies of the run's newest records: its dict, values
 and list slot; the keys are shared.
 
@@ -64,6 +64,7 @@ def look():
 '''
 WARMUP_S = 60.0  # thread pools and caches fill up once
 RSS_SLACK = 1.5  # resident memory may grow by this many times a record's cost per step
+# (the target; .ci/run passes a looser bound that catches a leak, see BENCHMARKS.md "Soak")
 ACTIONS = ("kill", "stop", "rest_resize", "kernel_resize")
 WEIGHTS = (4, 1, 3, 3)
 
@@ -172,7 +173,8 @@ def slope(xs: list[float], ys: list[float]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
-def judge(samples: list[dict], record_bytes: float) -> tuple[bool, list[str]]:
+def judge(samples: list[dict], record_bytes: float, rss_slack: float = RSS_SLACK
+          ) -> tuple[bool, list[str]]:
     """Flat descriptors and threads after the warm-up; memory slope within the records'."""
     start = samples[0]["time"]
     steady = [s for s in samples if s["time"] - start >= WARMUP_S]
@@ -191,10 +193,10 @@ def judge(samples: list[dict], record_bytes: float) -> tuple[bool, list[str]]:
         if first != last:
             lines.append(f"{who:<7} changed: more {dict(last - first)}, fewer {dict(first - last)}")
         per_step = slope([s["step"] for s in steady], [s[who]["rss"] for s in steady])
-        within = per_step <= RSS_SLACK * record_bytes
+        within = per_step <= rss_slack * record_bytes
         ok &= within
         lines.append(f"{who:<7} memory   {per_step:8.1f} bytes/step over {len(steady)} samples "
-                     f"(a record: {record_bytes:.0f} bytes; bound x{RSS_SLACK:g}) "
+                     f"(a record: {record_bytes:.0f} bytes; bound x{rss_slack:g}) "
                      f"{'within' if within else 'ABOVE'}")
     return ok, lines
 
@@ -203,6 +205,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--rss-slack", type=float, default=RSS_SLACK,
+                        help="memory growth allowed per step, in records (default %(default)s)")
     args = parser.parse_args()
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as root, \
@@ -214,7 +218,7 @@ def main() -> None:
         kernel.run("run.stop(); print(run.wait(timeout=300))")
         verdict = json.loads(kernel.run(VERDICT).strip().splitlines()[-1])
         kernel.run("pool.stop()")
-    ok, lines = judge(soak.samples, verdict["record_bytes"])
+    ok, lines = judge(soak.samples, verdict["record_bytes"], args.rss_slack)
     same = verdict["same"] and verdict["reference"] == "finished"
     loads = verdict["checkpoints_loaded"] == verdict["checkpoints"] > 0
     print(f"\nsoak of {args.minutes:g} min (seed {args.seed}): {verdict['steps']} steps, "

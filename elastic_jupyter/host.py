@@ -8,13 +8,30 @@ import stat
 import psutil
 
 
-def alive(pid: int, start_time: float) -> bool:
-    """Whether the process `pid` that started at `start_time` (s since the epoch) still runs:
-    a reused pid has another start time, and a zombie has ended."""
+def process_start(pid: int) -> float:
+    """When process `pid` started, as a stamp that tells it from a later process with its pid:
+    on Linux its start after boot in clock ticks (``/proc/<pid>/stat``, field 22), which no
+    clock adjustment moves; elsewhere psutil's ``create_time`` (s since the epoch). Not
+    ``create_time`` on Linux: it adds the boot time that /proc/stat derives from the adjusted
+    wall clock, in whole seconds, so it moves by a second as the clock is slewed, and a live
+    kernel would read as gone. Raises psutil.NoSuchProcess when there is no such process."""
     try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            raise psutil.NoSuchProcess(pid) from None
+        return psutil.Process(pid).create_time()
+    # the command name (field 2) may hold spaces and parentheses: count from the last ")"
+    return float(stat_line[stat_line.rindex(b")") + 2:].split()[19])
+
+
+def alive(pid: int, start: float) -> bool:
+    """Whether the process `pid` whose :func:`process_start` was `start` still runs: a reused
+    pid has another start, and a zombie has ended."""
+    try:
+        return process_start(pid) == start and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, OSError):
         return False
 
 

@@ -22,15 +22,12 @@ import time
 
 import psutil
 
+try:
+    from .host import alive, process_start
+except ImportError:  # run as a script (above): host.py lies beside it, and imports no torch
+    from host import alive, process_start
+
 POLL = 0.5  # seconds
-
-
-def _owner_alive(pid: int, start_time: float) -> bool:
-    try:
-        proc = psutil.Process(pid)
-        return abs(proc.create_time() - start_time) < 1.0 and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def _kill_listed(pidfile: str) -> None:
@@ -48,21 +45,21 @@ def _kill_listed(pidfile: str) -> None:
     for pid, start_time in listed["pids"]:
         try:
             proc = psutil.Process(pid)
-            if abs(proc.create_time() - start_time) < 1.0:
+            if process_start(pid) == start_time:
                 # the controller runs its schedulers as child processes
                 for child in proc.children(recursive=True) + [proc]:
                     try:
                         child.kill()
                     except psutil.Error:
                         pass
-        except psutil.Error:
+        except (psutil.Error, OSError):
             pass
     os.unlink(pidfile)
 
 
 def main(owner_pid: int, owner_start: float, pidfile: str) -> None:
     while os.path.exists(pidfile):
-        if not _owner_alive(owner_pid, owner_start):
+        if not alive(owner_pid, owner_start):
             _kill_listed(pidfile)
             return
         time.sleep(POLL)
@@ -74,8 +71,8 @@ def write_pidfile(pidfile: str, pids: list[int], jobs: list[str] = ()) -> None:
     listed = []
     for pid in pids:
         try:
-            listed.append((pid, psutil.Process(pid).create_time()))
-        except psutil.Error:
+            listed.append((pid, process_start(pid)))
+        except (psutil.Error, OSError):
             pass
     tmp = f"{pidfile}.tmp"
     with open(tmp, "w") as f:
@@ -87,7 +84,7 @@ def start_reaper(pidfile: str) -> subprocess.Popen:
     """Start the reaper for this process; it outlives us (own session, no pipes)."""
     me = psutil.Process()
     return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), str(me.pid), repr(me.create_time()),
+        [sys.executable, os.path.abspath(__file__), str(me.pid), repr(process_start(me.pid)),
          pidfile], start_new_session=True, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

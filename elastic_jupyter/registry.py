@@ -21,7 +21,7 @@ import uuid
 import psutil
 
 from .control import ControlServer
-from .host import alive, own_folder
+from .host import alive, own_folder, process_start
 from .owner import background
 from .snapshot import FINAL_STATES, last_snapshot
 
@@ -74,7 +74,7 @@ class Registration:
         self.socket_path = socket_path(self.run_id)
         me = psutil.Process()
         self.entry = {"id": self.run_id, "name": run.name, "pid": me.pid,
-                      "pid_start_time": me.create_time(), "kernel_id": kernel_id(),
+                      "pid_start_time": process_start(me.pid), "kernel_id": kernel_id(),
                       "notebook": run.notebook or os.environ.get("JPY_SESSION_NAME"),
                       "checkpoint_dir": run.checkpoint_dir, "started": time.time(),
                       "control": self.socket_path}

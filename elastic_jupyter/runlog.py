@@ -12,6 +12,7 @@ rollback).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -148,11 +149,12 @@ class RunLog:
 
 
 def _plain(record: dict) -> dict:
-    """The record with numpy numbers (a numpy learning rate lands in "lr") as Python ones, so
-    every view can send it as JSON."""
-    if all(type(v) in (int, float, str, bool) for v in record.values()):
-        return record
-    return {k: v.item() if isinstance(v, np.generic) else v for k, v in record.items()}
+    """A copy of the record with numpy numbers (a numpy learning rate lands in "lr") as Python
+    ones, so every view can send it as JSON, and its keys interned: each message from rank 0
+    unpickles its own copy of every key, which the records kept from it would otherwise hold
+    (as much again as the values, per record, at a few records per message)."""
+    return {sys.intern(k) if type(k) is str else k: v.item() if isinstance(v, np.generic) else v
+            for k, v in record.items()}
 
 
 def describe_event(event: dict) -> str | None:

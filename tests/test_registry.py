@@ -9,6 +9,7 @@ import time
 import psutil
 
 from elastic_jupyter import RunConfig, TrainingRun, control, registry
+from elastic_jupyter.host import alive, process_start
 
 CELL = '''
 import time
@@ -93,7 +94,7 @@ def test_ended_runs_are_pruned_by_age_and_count_live_runs_never(tmp_path, monkey
     now = time.time()
 
     def entry(run_id, live, age_days, state):
-        pid, start = (me.pid, me.create_time()) if live else (me.pid, 1.0)  # wrong start: gone
+        pid, start = (me.pid, process_start(me.pid)) if live else (me.pid, 1.0)  # wrong start: gone
         data = {"id": run_id, "name": run_id, "pid": pid, "pid_start_time": start,
                 "checkpoint_dir": str(tmp_path), "started": now - age_days * 86400,
                 "control": str(tmp_path / f"{run_id}.sock"), "snapshot": {"state": state}}
@@ -168,3 +169,14 @@ def test_a_control_channel_that_cannot_start_is_reported(idle_pool, tmp_path, mo
     finally:
         run.stop()
         run.wait(timeout=60)
+
+
+def test_a_process_is_told_by_its_start_in_ticks_not_by_the_wall_clock():
+    """psutil's create_time adds a boot time that /proc/stat derives from the slewed wall clock
+    in whole seconds: it moved by 1 s under a soak, and the server read a live kernel as gone.
+    The start in clock ticks after boot does not move."""
+    me = os.getpid()
+    start = process_start(me)
+    with open(f"/proc/{me}/stat") as f:
+        assert start == float(f.read().rsplit(")", 1)[1].split()[19])
+    assert alive(me, start) and not alive(me, start + 1) and not alive(2 ** 22 + 1, start)

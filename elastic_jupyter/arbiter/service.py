@@ -44,7 +44,7 @@ import time
 
 import psutil
 
-from ..host import alive, own_folder
+from ..host import alive, own_folder, process_start
 from .providers import SlotProvider, provider
 from .settings import SYSTEM_CONFIG, Settings
 from .table import ArbiterError, SlotTable
@@ -253,7 +253,7 @@ def _natural(v) -> bool:
 
 def _start_time(pid: int) -> float:
     try:
-        return psutil.Process(pid).create_time()
+        return process_start(pid)
     except psutil.Error:
         raise ArbiterError(f"process {pid} ended while registering") from None
 
