@@ -156,6 +156,8 @@ class Driver:
         end_at = self._end_at()
         rendezvous = self.cell.rendezvous
         rendezvous.request_end(generation, end_at)
+        acknowledged = self.log.complete_upto
+        rendezvous.acknowledge(generation, acknowledged)
         W = len(self.members)
         tasks = [self.calls.train_generation(engine, {
             "rank": rank, "world_size": W, "generation": generation,
@@ -167,6 +169,9 @@ class Driver:
         while not all(t.future.done() for t in tasks):
             await asyncio.sleep(POLL)
             self.log.merge(tasks[0].live_data())
+            if self.log.complete_upto != acknowledged:
+                acknowledged = self.log.complete_upto
+                rendezvous.acknowledge(generation, acknowledged)
             failed = [(e, t.error()) for e, t in zip(self.members, tasks) if t.error()]
             for engine, error in failed:
                 if not self.pool.alive(engine) or faults.is_engine_death(error):

@@ -46,6 +46,12 @@ class Rendezvous:
         control.set("end_at", "none" if end_at is None else str(end_at))
         control.add("version", 1)
 
+    def acknowledge(self, generation: int, step: int) -> None:
+        """Tell generation `generation`'s ranks that the run log holds every record up to
+        `step`: they may forget those (engine.history). Call before its ranks start, and again
+        whenever the run log's complete step moved."""
+        self.control(generation).set("acknowledged", str(step))
+
     def abort(self, generation: int) -> None:
         """Tell the ranks of `generation` that one of them failed: a rank waiting for a vote
         that will not come aborts the step now instead of at the collective timeout

@@ -21,6 +21,7 @@ from .cellsetup import CellSetup, RunSetupError, pickle_by_value, prepare_checkp
 from .config import COMMIT_EVERY_NOTICE, RunConfig, UsageError
 from .driver import Driver
 from .engine import checkpoint as ckpt
+from .engine.history import whole_history
 from .lease import LeasePolicy
 from .membership import Membership
 from .owner import background
@@ -341,18 +342,26 @@ class TrainingRun:
         Once the run ended, its final weights; while it trains, the newest checkpoint's.
         Raises UsageError if there is neither.
         """
-        return self.training_state()["model"]
+        return self._state()[1]["model"]
 
     def training_state(self) -> dict:
         """Full training state (model, optimizer, scheduler, progress, RNG, history, config):
         the final state once the run ended; while it trains (the engines are busy), the newest
-        checkpoint's."""
+        checkpoint's. Its history is the whole run's (engines hold only the newest records)."""
+        folder, state = self._state()
+        history = self.history if folder is None else whole_history(folder, state)
+        return dict(state, history=history)
+
+    def _state(self) -> tuple[str | None, dict]:
+        """(None, the final state) once the run ended, else (its folder, the newest
+        checkpoint's state)."""
         if self._driver.final_state is not None:
-            return self._driver.final_state
+            return None, self._driver.final_state
         try:
-            return ckpt.load_latest(self.checkpoint_dir)[1]
+            path, state, _ = ckpt.load_latest(self.checkpoint_dir)
         except ckpt.CheckpointError as e:
             raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
+        return os.path.dirname(path), state
 
     def load_into(self, model):
         """Copy the trained weights into `model` (a torch.nn.Module of the same architecture)."""

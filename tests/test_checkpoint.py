@@ -137,7 +137,8 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path):
     with pytest.raises(Exception):
         ckpt.write_checkpoint(str(tmp_path), bad, keep=3)
     assert ckpt.latest_checkpoint(str(tmp_path)).endswith("step-00000010.pt")
-    assert sorted(os.listdir(tmp_path)) == ["latest.json", "step-00000010.json", "step-00000010.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["history.jsonl", "latest.json", "step-00000010.json",
+                                           "step-00000010.pt"]
 
 
 def test_a_runs_listing_is_read_again_only_when_its_folder_changes(idle_pool, tmp_path,

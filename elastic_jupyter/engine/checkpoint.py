@@ -5,6 +5,7 @@ Layout of a checkpoint folder::
     step-00000040.pt      torch.save of the plain-data state (see engine.state)
     step-00000040.json    {"file", "step", "sha256", "bytes", "time"} of that file
     latest.json           the same record for the newest complete file
+    history.jsonl         the run's per-step records, appended by each write (engine.history)
 
 A file is written to a temporary name, fsynced, then renamed; its record and the pointer are
 replaced the same way afterwards, so a crash at any point leaves the previous checkpoint
@@ -26,6 +27,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 
+from . import history
 from .direct_io import DirectFile, open_for_writing
 
 
@@ -132,6 +134,8 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
     if problem:  # a file nothing could load is not written: the previous one stays the latest
         raise CheckpointError(f"could not write checkpoint {path}: {problem}")
     try:
+        # the records the folder's history file lacks, before the file that needs them lands
+        history.append(folder, state.get("history") or [])
         import torch  # here, not at the top: the server lists checkpoints without torch
         digest = hashlib.sha256()
         with _without_crc32():
@@ -389,6 +393,8 @@ class CheckpointWriter:
         self.process_min_bytes = process_min_bytes
         self._process: WriterProcess | None = WriterProcess()
         self._lost = 0  # writer processes lost in a row
+        # the step of the last checkpoint written (its history is in the folder's file)
+        self.saved_step: int | None = None
         self._queue: queue.Queue = queue.Queue()
         self._done: list[dict] = []
         self._lock = threading.Lock()
@@ -421,6 +427,7 @@ class CheckpointWriter:
                 if self._before_write is not None:
                     self._before_write()
                 record = self._write(state, arena)
+                self.saved_step = step
                 event = {"kind": "checkpoint", "step": step, "path": record["path"],
                          "bytes": record["bytes"], "seconds": time.time() - queued}
             except Exception as e:

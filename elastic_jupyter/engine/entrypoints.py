@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import drain, schedulers
+from . import drain, history, schedulers
 from . import state as state_mod
 from . import workdir as workdir_mod
 from .checkpoint import CheckpointError, load_latest, unloadable
@@ -194,7 +194,7 @@ def _check_worker(worker: Worker) -> None:
     scheduler options do not fit."""
     schedulers.check(worker)
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
-                              worker.progress, worker.history, worker.config, copy_tensors=False,
+                              worker.progress, worker.history.records, worker.config, copy_tensors=False,
                               grad_scaler=worker.precision.scaler)
     problem = unloadable(state)
     if problem:
@@ -233,7 +233,8 @@ def load_state(folder: str) -> dict:
     """Called on rank 0 for ``--resume``, and after a fault that left no survivor: restore this
     engine's Worker from the newest usable checkpoint in `folder`.
 
-    Returns {"path", "warnings", "progress", "config", "history"}; warnings name newer files
+    Returns {"path", "warnings", "progress", "config", "history"} (the whole history: the
+    folder's history file with the checkpoint's own records); warnings name newer files
     that were skipped, one short line each; torch's full errors go to the engine's log.
     Raises CheckpointError when none is usable.
     """
@@ -251,7 +252,7 @@ def load_state(folder: str) -> dict:
     w = _state.worker
     w.restore(state)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
-            "config": state["config"], "history": w.history}
+            "config": state["config"], "history": history.whole_history(folder, state)}
 
 
 def connect_store(host: str, port: int, timeout: float) -> None:
@@ -320,5 +321,6 @@ def progress() -> dict:
 
 def history_since(step: int) -> list[dict]:
     """Called on rank 0 after a fault, for the records the live stream had not delivered:
-    this engine's history records after `step`."""
-    return [r for r in _state.worker.history if r["step"] > step]
+    this engine's history records after `step` (it holds every one the owner lacks:
+    engine.history)."""
+    return _state.worker.history.since(step)

@@ -31,6 +31,7 @@ from .worker import Worker
 
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
 PUBLISH_WINDOW = 512  # records per update: more than the owner can miss between two polls
+ACKNOWLEDGED_EVERY = 32  # steps between two reads of the owner's acknowledged step
 
 
 def _publish(data: dict) -> None:
@@ -99,6 +100,7 @@ class Generation:
         self._version: int | None = None
         self.end_at = spec.get("end_at")
         self.events: list[dict] = []  # rank 0's, for the owner's run log
+        self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
 
     def run(self) -> dict:
         with drain.training():  # from here a SIGTERM waits for the next step boundary
@@ -176,8 +178,9 @@ class Generation:
         w, rank, world_size = self.worker, self.rank, self.world_size
         cfg, p = w.config, w.progress
         events, last_publish = self.events, 0.0
-        first = len(w.history)
-        published = [first, first]  # history lengths at the last two updates
+        # this generation's records: those after `first` (a pending step's too)
+        first = p.step - 1 if w.pending is not None else p.step
+        published = [first, first]  # newest steps at the last two updates
         reason = "left"
         if rank == 0:  # the key each vote reads: made here if the owner never wrote a request
             self.control.add("version", 0)
@@ -194,11 +197,11 @@ class Generation:
                 now = time.time()
                 if now - last_publish >= PUBLISH_INTERVAL:
                     # the owner sees only the newest update: overlapping windows survive one
-                    # missed poll, and the generation's result carries every record anyway
-                    window = min(len(w.history) - published[0], PUBLISH_WINDOW)
-                    _publish({"records": w.history[len(w.history) - window:],
+                    # missed poll, and the generation's result carries what it still lacks
+                    _publish({"records": w.history.since(max(published[0],
+                                                             p.step - PUBLISH_WINDOW)),
                               "events": events})
-                    published = [published[1], len(w.history)]
+                    published = [published[1], p.step]
                     last_publish = now
             if leave and p.step < cfg["total_steps"]:
                 break
@@ -206,9 +209,17 @@ class Generation:
             reason = "finished"
         if rank == 0 and w.writer:
             events += w.writer.drain()
+        acknowledged = self._acknowledged()
         return {"reason": reason, "progress": p.as_dict(),
-                "records": w.history[first:] if rank == 0 else [], "events": events,
-                "drained": drain.served()}
+                "records": w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],
+                "events": events, "drained": drain.served()}
+
+    def _acknowledged(self) -> int | None:
+        """The newest step up to which the owner's run log holds every record (it writes it
+        under ``acknowledged``), or None when no owner writes it (a run driven by a test)."""
+        if not self.control.check(["acknowledged"]):
+            return None
+        return int(self.control.get("acknowledged"))
 
     def _finish_step(self, record: dict) -> None:
         """After a committed step, on every rank: its evaluation when one is due, its history
@@ -222,6 +233,9 @@ class Generation:
         w.history.append(record)
         step_lr_scheduler(w, record)
         w.pending = None
+        if step % ACKNOWLEDGED_EVERY == 0 or self._acknowledged_step is None:
+            self._acknowledged_step = self._acknowledged()
+        w.forget_history(self._acknowledged_step)
         if self.rank == 0:
             self._maybe_checkpoint(step, cfg)
 

@@ -119,7 +119,7 @@ _SCALARS = frozenset({float, int, str, bool, type(None)})
 
 
 def _plain_records(records: list, tensor) -> list:
-    """History records as plain data. A capture copies the whole history, so a record that is
+    """History records as plain data. A capture copies every held record, so a record that is
     plain already (nearly all) is kept after a check at C speed rather than walked."""
     return [r if _SCALARS.issuperset(map(type, r.values())) else _plain(r, None, None, tensor)
             for r in records]

@@ -25,6 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from . import calibration
 from . import state as state_mod
@@ -33,6 +34,7 @@ from .batching import (BatchPlan, micro_batch_bounds, micro_batches, rank_share,
 from .checkpoint import CheckpointWriter
 from .collective import collective
 from .faultpoints import fault_point
+from .history import History
 from .loader import PassSampler, pass_batches
 from .losses import read_loss
 from .precision import Precision, PrecisionError
@@ -132,7 +134,7 @@ class Worker:
         if not config.get("total_steps"):
             epochs = config.get("epochs") or 1
             config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
-        self.history: list[dict] = []
+        self.history = History()  # the newest records only (engine.history)
         # a step begun and not yet committed (what a fault now would lose)
         self.in_flight = False
         # whether this engine holds the run's state: a generation's rank that is sent none (its
@@ -214,21 +216,44 @@ class Worker:
         live tensors, for a reader done before training goes on; `staging` reused buffers to
         copy into (a checkpoint's)."""
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                 self.history, self.config, copy_tensors=copy_tensors,
+                                 self.history.records, self.config, copy_tensors=copy_tensors,
                                  grad_scaler=self.precision.scaler, staging=staging)
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (a broadcast or a checkpoint)."""
         self.staging.wait()  # a checkpoint's copies read the tensors this overwrites
         self.pending, self.in_flight = None, False
-        self.progress, self.history = state_mod.restore(
+        self.progress, records = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
+        self.history = History(records)
         self.holds_state = True
         given = self._given_pass_cost()
         if given is not None:
             self.progress.pass_cost = given
         self.plan.pass_cost = self.progress.pass_cost or 0.0
         self._check_batchnorm_samples()  # another pass cost may cut steps into more
+
+    def forget_history(self, acknowledged: int | None) -> None:
+        """Drop the records no one will ask this rank for (engine.history): those the kernel
+        acknowledged (`acknowledged`: its complete step; None when no kernel reads the run),
+        that are in the checkpoint folder's history file (up to the checkpoint before the
+        newest scheduled one, or this rank's last written one if older: any rank may write
+        the next), and not of the current epoch when ReduceLROnPlateau steps by its loss."""
+        step = self.progress.step
+        # with no kernel to fill, whoever drives the run reads the engine's whole history
+        keep_after = 0 if acknowledged is None else min(step, acknowledged)
+        if self.writer is not None:
+            every = self.config.get("checkpoint_every") or 0
+            # without periodic checkpoints the last one holds every record
+            keep_after = min(keep_after, max(0, (step // every - 1) * every) if every else 0)
+            if self.writer.saved_step is not None:
+                keep_after = min(keep_after, self.writer.saved_step)
+        if isinstance(self.lr_scheduler, ReduceLROnPlateau) \
+                and not self.config.get("plateau_metric"):
+            start = self.history.epoch_start(self.progress.epoch)
+            if start is not None:
+                keep_after = min(keep_after, start - 1)
+        self.history.forget_upto(keep_after)
 
     # a generation's start -------------------------------------------------------------------
 
