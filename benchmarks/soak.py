@@ -18,8 +18,9 @@ Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1
 1e-9); every checkpoint left in the folder loads; descriptors and threads are not more at the
 last sample than at the first (after the first minute: thread pools fill up once; at least 3
 samples); and memory grows by no more than the history's records: the least-squares slope of
-each process's resident memory over steps is at most what the one record a step adds to it
-costs (rank 0's history, the kernel's run log), times --rss-slack for the allocator. A record's
+each process's resident memory over steps is at most what one record costs (the kernel's run
+log keeps one a step; an engine keeps only the newest: engine.history), times --rss-slack
+for the allocator. A record's
 cost is measured (tracemalloc) on fresh copies of the run's newest records: its dict, values
 and list slot; the keys are shared.
 

@@ -19,12 +19,18 @@ import numpy as np
 
 
 class RunLog:
-    """Records (step -> dict), events (list of dicts, in order) and ``<log_dir>/run.log``."""
+    """Records (step -> dict), events (list of dicts, in order) and ``<log_dir>/run.log``.
+
+    A record is held as a tuple: its keys (one tuple shared by every record with the same
+    keys), then its values; half a dict's size, which matters at a record a step for days
+    (the readers get dicts).
+    """
 
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
         self.events: list[dict] = []
-        self._records: dict[int, dict] = {}
+        self._records: dict[int, tuple] = {}  # step -> (keys, *values)
+        self._keys: dict[tuple, tuple] = {}  # one tuple of each record shape's keys
         self._merged_upto = 0  # newest step merged from rank 0's stream
         self._complete_upto = 0  # newest step with no record missing before it
         self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
@@ -41,16 +47,17 @@ class RunLog:
 
     def record(self, step: int) -> dict:
         """The record of `step`, or {} if there is none."""
-        return self._records.get(step, {})
+        held = self._records.get(step)
+        return _as_dict(held) if held is not None else {}
 
     def history(self) -> list[dict]:
-        return [r for _, r in sorted(self._records.items())]
+        return [_as_dict(r) for _, r in sorted(self._records.items())]
 
     def records_since(self, step: int) -> list[dict]:
         """Records after `step`, oldest first (cost: the new records only)."""
         records = self._records  # the owner thread may delete entries meanwhile (a rollback)
         found = (records.get(s) for s in range(step + 1, self.step + 1))
-        return [r for r in found if r is not None]
+        return [_as_dict(r) for r in found if r is not None]
 
     def last_event(self, kind: str) -> dict | None:
         return next((e for e in reversed(self.events) if e["kind"] == kind), None)
@@ -105,7 +112,7 @@ class RunLog:
         for record in data.get("records", ()):
             if complete or record["step"] > self._merged_upto:
                 added.append(_plain(record))
-                self._records[record["step"]] = added[-1]
+                self._hold(added[-1])
                 self._merged_upto = max(self._merged_upto, record["step"])
         while self._complete_upto + 1 in self._records:
             self._complete_upto += 1
@@ -121,6 +128,7 @@ class RunLog:
         life = self._resize
         first = self._records.get(life["step"] + 1) if life and life["pending"] else None
         if first is not None:  # the first step at the new size: the resize is done
+            first = _as_dict(first)
             life.update(pending=False, latency_s=first["time"] - life["requested_time"],
                         step=first["step"])
             self.event("resized", step=first["step"], latency_s=life["latency_s"],
@@ -129,8 +137,13 @@ class RunLog:
     def load(self, history: list[dict], upto: int) -> None:
         """Start from a checkpoint's history (a resumed run)."""
         for record in history:
-            self._records[record["step"]] = record
+            self._hold(_plain(record))
         self._merged_upto = self._complete_upto = upto
+
+    def _hold(self, record: dict) -> None:
+        keys = tuple(record)
+        keys = self._keys.setdefault(keys, keys)
+        self._records[record["step"]] = (keys, *record.values())
 
     def roll_back(self, step: int) -> None:
         """Forget records after `step` (a fault rolled the ranks back to it)."""
@@ -155,6 +168,10 @@ def _plain(record: dict) -> dict:
     (as much again as the values, per record, at a few records per message)."""
     return {sys.intern(k) if type(k) is str else k: v.item() if isinstance(v, np.generic) else v
             for k, v in record.items()}
+
+
+def _as_dict(held: tuple) -> dict:
+    return dict(zip(held[0], held[1:]))
 
 
 def describe_event(event: dict) -> str | None:
