@@ -47,7 +47,11 @@ from lab_harness import JupyterLab, ServerKernel, call, wait_for  # noqa: E402
 
 SETUP = '''
 import json, os, sys, torch
-from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun, faults
+# a slot killed 3 times within a minute is left out, for 10 s doubling with each time: capped
+# at a minute here (the soak's kills are transient by design; the doubling up to 10 minutes
+# is test_faults'), else after ~15 minutes of chaos the soak mostly waits for cooldowns
+faults.COOLDOWN = (faults.COOLDOWN[0], 60.0)
 from elastic_jupyter.engine import checkpoint as ckpt
 CELL = {cell!r}
 UNPACED = {unpaced!r}
@@ -90,7 +94,12 @@ class Soak:
             assert now["state"] in ("training", "resizing"), now
             return now if (now["state"] == "training" and now["world_size"] == now["requested"]
                            and not now["starting"]) else None
-        first = wait_for(ready, 300, "the run to settle", interval=0.2)
+        try:
+            first = wait_for(ready, 300, "the run to settle", interval=0.2)
+        except AssertionError:  # the folder goes with the soak: say why here
+            print(self.kernel.run("print(json.dumps(run.snapshot(), default=str)); "
+                                  "print(run.logs(tail=30))"), flush=True)
+            raise
         wait_for(lambda: self.look()["step"] > first["step"] + 20, 120, "training", 0.2)
         return self.look()
 

@@ -11,6 +11,8 @@ import torch
 from conftest import DIGITS_CELL
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun, UsageError
+from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.history import whole_history
 
 CELL = '''
 import time
@@ -55,6 +57,12 @@ def test_resume_in_another_pool_equals_an_uninterrupted_run(idle_pool, tmp_path)
     finally:
         fresh.stop()
     assert [r["step"] for r in second.history] == list(range(1, STEPS + 1))
+    # a checkpoint carries only its newest records: the folder's history file holds the rest
+    for written in second.checkpoints:
+        held = ckpt.load_checkpoint(written["path"])["history"]
+        assert held[-1]["step"] == written["step"] and len(held) < written["step"], written
+    _, newest, _ = ckpt.load_latest(second.checkpoint_dir)
+    assert whole_history(second.checkpoint_dir, newest) == second.history
     # a pool of 1..3 instead of 1..4 cuts steps into other micro-batches: said, and harmless here
     cut = [e["message"] for e in second.events if e["kind"] == "warning"]
     assert any("a pool of 1..4, this run cuts them for --micro-batch None, --pass-cost "

@@ -194,8 +194,8 @@ def _check_worker(worker: Worker) -> None:
     scheduler options do not fit."""
     schedulers.check(worker)
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
-                              worker.progress, worker.history.records, worker.config, copy_tensors=False,
-                              grad_scaler=worker.precision.scaler)
+                              worker.progress, worker.history.records, worker.config,
+                              copy_tensors=False, grad_scaler=worker.precision.scaler)
     problem = unloadable(state)
     if problem:
         raise SetupError(f"the training state could not be checkpointed: {problem}")

@@ -41,9 +41,6 @@ class History:
     def __iter__(self):
         return iter(self.records)
 
-    def __getitem__(self, index):
-        return self.records[index]
-
     def append(self, record: dict) -> None:
         self.records.append(record)
 
@@ -138,7 +135,8 @@ def whole_history(folder: str, state: dict) -> list[dict]:
                     record = json.loads(line)
                 except ValueError:
                     continue
-                if record.get("step", upto + 1) <= upto:
+                if isinstance(record, dict) and isinstance(record.get("step"), int) \
+                        and record["step"] <= upto:
                     by_step[record["step"]] = record
     except OSError:
         pass

@@ -226,6 +226,8 @@ class Worker:
         self.progress, records = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
         self.history = History(records)
+        if self.writer is not None:  # what it wrote before may be of another timeline
+            self.writer.saved_step = None
         self.holds_state = True
         given = self._given_pass_cost()
         if given is not None:
