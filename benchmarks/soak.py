@@ -166,7 +166,11 @@ def kinds(pid: int) -> collections.Counter:
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:  # closed meanwhile
             continue
-        counts["fd " + (target.split(":")[0] if ":" in target else os.path.dirname(target))] += 1
+        # an anon_inode keeps its kind ([eventfd], [eventpoll], [pidfd]...); a socket or pipe
+        # its type only; a file its folder
+        kind = target if target.startswith("anon_inode:") else \
+            target.split(":")[0] if ":" in target else os.path.dirname(target)
+        counts["fd " + kind] += 1
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/comm") as f:
@@ -199,6 +203,12 @@ def judge(samples: list[dict], record_bytes: float, rss_slack: float = RSS_SLACK
             lines.append(f"{who:<7} {key:<8} first {values[0]:>5}  last {values[-1]:>5}  "
                          f"min {min(values):>5}  max {max(values):>5}  "
                          f"{'flat' if flat else 'GREW'}")
+            if not flat:  # a leak stays up from where it began; a transient comes and goes
+                rose = next(i for i, v in enumerate(values) if v > values[0])
+                above = sum(v > values[0] for v in values[rose:])
+                lines.append(f"{who:<7} {key:<8} above the first from sample {rose + 1} of "
+                             f"{len(values)} (step {steady[rose]['step']}), in {above} of the "
+                             f"{len(values) - rose} since")
         first, last = steady[0][who]["kinds"], steady[-1][who]["kinds"]
         if first != last:
             lines.append(f"{who:<7} changed: more {dict(last - first)}, fewer {dict(first - last)}")
