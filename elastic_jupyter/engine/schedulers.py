@@ -51,8 +51,8 @@ def step_lr_scheduler(worker, record: dict) -> None:
         if evaluated:
             scheduler.step(record[metric])
     elif worker.progress.epoch != record["epoch"]:  # this step ended an epoch
-        scheduler.step(epoch_mean_loss(worker.history, record["epoch"], len(worker.dataset),
-                                       worker.config["global_batch"]))
+        scheduler.step(epoch_mean_loss(worker.history.records, record["epoch"],
+                                       len(worker.dataset), worker.config["global_batch"]))
 
 
 def epoch_mean_loss(history: list[dict], epoch: int, samples: int, global_batch: int) -> float:
