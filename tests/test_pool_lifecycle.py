@@ -85,3 +85,33 @@ def test_stop_is_quick_and_leaves_no_process_of_the_pool():
     left = [f"{p.pid} {' '.join(p.cmdline()[1:3])}" for p in ours if _alive(p)]
     assert not left, f"still running after stop: {left}"
     assert took <= 2.0, f"stop took {took:.2f} s"
+
+
+def _anon_inodes(pid: int) -> int:
+    """Its eventfd, epoll and other anon_inode descriptors."""
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            count += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("anon_inode:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
+
+
+# what torch's c10d does on a store read that timed out: write to fd 2, below Python (then
+# ipykernel's thread forwards it)
+C_LEVEL_WARNING = "import os, time; os.write(2, b'[W] a warning from C code\\n'); time.sleep(1)"
+
+
+def test_an_engine_opens_nothing_when_c_code_first_writes_to_stderr(monkeypatch):
+    """The soak's check that descriptors stay flat: the first C-level write to stderr must not
+    add one (ipykernel's forwarding thread opens its socket when the engine is bound)."""
+    monkeypatch.delenv("PYTEST_CURRENT_TEST")  # else ipykernel forwards nothing (pytest's own)
+    pool = EnginePool(n=1, gpus="none").start()
+    try:
+        engine = pool.engines[0]
+        before = _anon_inodes(engine.pid)
+        pool.client[engine.engine_id].execute(C_LEVEL_WARNING, block=True)
+        assert _anon_inodes(engine.pid) == before
+    finally:
+        pool.stop()

@@ -109,8 +109,24 @@ def init_engine(slot: int, device: str, threads: int) -> dict:
     if device.startswith("cuda"):
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds exactly this slot's GPU
     _state.slot, _state.device = slot, device
+    _say_bound(slot, device)
     return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename,
             "versions": versions()}
+
+
+def _say_bound(slot: int, device: str) -> None:
+    """One line to the process's stderr descriptor (the engine's log), below Python.
+
+    Under ipengine, a thread of ipykernel forwards what C code writes there (torch's c10d
+    warnings) and opens a zmq socket, one eventfd, at its first write. Without this line that
+    first write comes mid-run (the first vote read that times out while a peer hangs) and the
+    process ends the run with one descriptor more, which a leak check cannot tell from a leak
+    (benchmarks/soak.py)."""
+    try:
+        os.write(2, f"elastic-jupyter: engine {os.getpid()} bound to slot {slot} ({device})\n"
+                 .encode())
+    except OSError:  # no stderr: nothing to say it to
+        pass
 
 
 def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,
