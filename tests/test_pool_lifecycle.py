@@ -1,4 +1,5 @@
-"""Stopping a pool: quick, complete, and with no background task left failing silently."""
+"""A pool's life: stopping is quick and complete, no background task fails silently, and an
+engine opens no descriptor mid-run when C code first writes to its stderr."""
 import os
 import subprocess
 import sys
