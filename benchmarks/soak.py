@@ -11,19 +11,19 @@ to 3 engines. For ``--minutes`` the script keeps doing one of, at random (seeded
 
 and after each waits until the run trains at its requested size again, then resizes it back
 to 2 (by either path) if it is not there. At world size 2 it samples the kernel's and rank
-0's engine's open file descriptors, threads and resident memory. Then it stops the run (a checkpoint at step N), trains a fault-free run of N
-steps on the same pool and compares.
+0's engine's open file descriptors, threads and resident memory. Then it stops the run (a
+checkpoint at step N), trains a fault-free run of N steps on the same pool and compares.
 
 Passes when: the parameters equal the fault-free run's (float64, allclose rtol 1e-7, atol
 1e-9); every checkpoint left in the folder loads; descriptors and threads are not more at the
 last sample than at the first (after the first minute: thread pools fill up once; at least 3
 samples; a sample counts what is there in each of 5 looks over 0.4 s, so a connection held for
-a moment is not a leak); and memory grows by no more than the history's records: the least-squares slope of
-each process's resident memory over steps is at most what one record costs (the kernel's run
-log keeps one a step; an engine keeps only the newest: engine.history), times --rss-slack
-for the allocator. A record's
-cost is measured (tracemalloc) on fresh copies of the run's newest records: its dict, values
-and list slot; the keys are shared.
+a moment is not a leak); and memory grows by no more than the history's records: the
+least-squares slope of each process's resident memory over steps is at most what one record
+costs (the kernel's run log keeps one a step; an engine keeps only the newest:
+engine.history), times --rss-slack for the allocator. A record's cost is measured
+(tracemalloc) on fresh copies of the run's newest records: its dict, values and list slot; the
+keys are shared.
 
     .venv/bin/python benchmarks/soak.py [--minutes 30] [--seed 1]
 """
