@@ -11,11 +11,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
+import threading
 
 import nbformat
 from nbclient import NotebookClient
-from test_arbiter import start_arbiter, stop, two_users  # noqa: F401 (a fixture, by name)
+from test_arbiter import UserClient, start_arbiter, stop, two_users  # noqa: F401 (a fixture)
 
 from elastic_jupyter.arbiter.service import SOCKET
 
@@ -80,31 +80,18 @@ def test_faults_notebook_survives_a_killed_engine_and_a_kernel_restart(tmp_path)
     assert "the engine fault and the kernel restart left the result unchanged" in text
 
 
-# A neighbour's run in auto mode, as another user: plain Python speaking the arbiter's wire
-# protocol (that user may not be able to read this checkout). It gives back what the arbiter
-# asks for and prints the slots it holds whenever they change.
-NEIGHBOUR = textwrap.dedent("""
-    import json, socket, sys, time
-    sock = socket.socket(socket.AF_UNIX)
-    sock.connect(sys.argv[1])
-    wire = sock.makefile("rwb")
-    def ask(**request):
-        wire.write(json.dumps(request).encode() + b"\\n")
-        wire.flush()
-        reply = json.loads(wire.readline())
-        assert reply["ok"], reply
-        return reply
-    grant, held = ask(op="register", run="neighbour", name="neighbour", min=1, max=4,
-                      auto=True), None
-    while True:
+def neighbour(client: UserClient, done: threading.Event, held: list) -> None:
+    """Another user's run in auto mode, through that user's wire-protocol client: gives back
+    what the arbiter asks for and appends the slots it holds to `held` whenever they change,
+    until `done`."""
+    grant = client.ask(op="poll", run="neighbour")
+    while not done.wait(0.25):
         if grant["give_back"] or grant["revoke"]:
-            grant = ask(op="release", run="neighbour", slots=grant["give_back"] + grant["revoke"])
-        if grant["slots"] != held:
-            held = grant["slots"]
-            print(len(held), flush=True)
-        time.sleep(0.25)
-        grant = ask(op="poll", run="neighbour")
-""")
+            grant = client.ask(op="release", run="neighbour",
+                               slots=grant["give_back"] + grant["revoke"])
+        if grant["slots"] != held[-1]:
+            held.append(grant["slots"])
+        grant = client.ask(op="poll", run="neighbour")
 
 
 def test_sharing_notebook_runs_beside_another_users_run(tmp_path, monkeypatch, request):
@@ -119,23 +106,26 @@ def test_sharing_notebook_runs_beside_another_users_run(tmp_path, monkeypatch, r
     os.chmod(folder, 0o755)
     arbiter = start_arbiter(str(folder), {"cpu_slots": 4, "hold_s": 30}, shared=True)
     monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))  # the kernel's machine
-    neighbour, held = None, []
+    client, polls, done, held = None, None, threading.Event(), []
     try:
         if os.getuid() == 0:
-            neighbour = subprocess.Popen(
-                ["/usr/bin/python3", "-c", NEIGHBOUR, str(folder / SOCKET)],
-                stdout=subprocess.PIPE, text=True, cwd="/",
-                user=request.getfixturevalue("two_users")[0])
-            assert neighbour.stdout.readline().strip() == "4"  # alone: all of the machine
+            client = UserClient(request.getfixturevalue("two_users")[0], str(folder / SOCKET))
+            held.append(client.ask(op="register", run="neighbour", name="neighbour", min=1,
+                                   max=4, auto=True)["slots"])
+            assert len(held[0]) == 4  # alone on the machine: all of it
+            polls = threading.Thread(target=neighbour, args=(client, done, held))
+            polls.start()
         text = execute("04_sharing_a_machine.ipynb", tmp_path)
     finally:
-        if neighbour is not None:
-            neighbour.kill()
-            held = [int(n) for n in neighbour.communicate()[0].split()]
+        done.set()
+        if polls is not None:
+            polls.join()  # its last request answered before its client goes
+        if client is not None:
+            client.close()
         stop(arbiter)
         shutil.rmtree(folder, ignore_errors=True)
     assert "the grower grew, gave a slot back and grew again" in text
-    assert neighbour is None or min(held) == 2  # gave back the student's half, never more
+    assert client is None or min(map(len, held)) == 2  # gave back the student's half, no more
 
 
 def test_gpt_notebook_learns_python_and_writes_some(tmp_path):
