@@ -23,7 +23,7 @@ from .config import UsageError
 from .engine import checkpoint as ckpt
 from .engine_calls import remote_message, remote_summary
 from .owner import background
-from .recovery import BelowMinimum, Recovery
+from .recovery import BelowMinimum, Recovery, RepeatedFailure
 
 POLL = 0.05  # seconds between the driver's looks at a running generation
 
@@ -336,8 +336,10 @@ class Driver:
             await self._release()
 
     async def _fail(self, error: Exception) -> None:
-        if isinstance(error, GenerationError):
-            self.error = (f"training failed on engine slot {error.engine.slot}: "
+        if isinstance(error, (GenerationError, RepeatedFailure)):
+            again = (" (the same failure after a retry, with no engine lost: not a fault)"
+                     if isinstance(error, RepeatedFailure) else "")
+            self.error = (f"training failed on engine slot {error.engine.slot}{again}: "
                           f"{remote_summary(error.error)}\n--- engine traceback ---\n"
                           f"{remote_message(error.error)}")
         else:

@@ -10,7 +10,11 @@ secondary errors are neither.
 Faults are told from errors by signals only: an engine that is gone, a rank that did not return,
 or the engine-side ``PeerFailure`` (engine.collective), raised when one of this package's own
 collectives fails. The words of a message never count: a dataset raising
-``TimeoutError("read timed out")`` is the user's error.
+``TimeoutError("read timed out")`` is the user's error. Any other exception on a live rank, the
+user's or this package's own, is an error: it fails the run with its traceback even when the
+other ranks only wait for it (hung) or failed because of it. And a failure that is none of these
+but comes back the same after a retry (the same exception types and messages, no engine lost,
+no step made) is an error too (:meth:`Outcome.signature`): retrying it cannot help.
 """
 from __future__ import annotations
 
@@ -75,7 +79,22 @@ class Outcome:
 
     @property
     def fault(self) -> bool:
-        return bool(self.lost) or (bool(self.collective) and not self.errors)
+        """An engine died, or no live rank raised an error of its own (ranks only hung or
+        failed in a collective)."""
+        dead = [e for e in self.lost if e not in self.hung]
+        return bool(dead) or (not self.errors and bool(self.hung or self.collective))
+
+    def signature(self) -> frozenset | None:
+        """What a fault with no engine lost looked like: the (type, message) of each failed
+        collective (None when an engine was lost or hung: that is a fault whatever it said)."""
+        if self.lost or not self.collective:
+            return None
+        return frozenset(_words(error) for _, error in self.collective)
+
+
+def _words(error: BaseException) -> tuple[str, str]:
+    return (getattr(error, "ename", None) or type(error).__name__,
+            str(getattr(error, "evalue", None) or error))
 
 
 def classify(members, futures) -> Outcome:

@@ -22,6 +22,16 @@ class BelowMinimum(Exception):
     """Fewer than --min engines and no replacement started in time."""
 
 
+class RepeatedFailure(Exception):
+    """A failure with no engine lost came back the same after a retry: the run ends with it.
+
+    Attributes: engine (one of the ranks that raised it), error (its remote error)."""
+
+    def __init__(self, engine, error):
+        super().__init__(str(error))
+        self.engine, self.error = engine, error
+
+
 class Recovery:
     """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, checkpoint_dir,
     standby (engines kept set up besides the members), poll (s between looks while waiting)."""
@@ -33,11 +43,13 @@ class Recovery:
         self.checkpoint_dir, self.standby, self.poll = checkpoint_dir, standby, poll
         self._restored_step = 0
         self._faults_without_progress = 0
+        self._last_signature: frozenset | None = None  # the last fault's (Outcome.signature)
 
     async def recover(self, outcome) -> set:
         """Recover from `outcome` (a faulted generation); returns the engine ids that receive
         the state by broadcast in the next generation. Raises BelowMinimum, or RuntimeError
         when the run keeps failing without progress."""
+        self._check_repeated(outcome)
         members = self.membership
         members.drop(outcome.lost)
         self.sizer.set_usable(self.pool.usable_slots)
@@ -55,6 +67,15 @@ class Recovery:
                        hung_slots=[e.slot for e in outcome.hung],
                        world_size=len(members.members))
         return newcomers
+
+    def _check_repeated(self, outcome) -> None:
+        """Raise RepeatedFailure when `outcome` failed as the last fault did, with no step
+        made since and no engine lost either time (a local error taken for a peer's)."""
+        signature = outcome.signature()
+        if signature is not None and signature == self._last_signature \
+                and self.log.step <= self._restored_step:
+            raise RepeatedFailure(*outcome.collective[0])
+        self._last_signature = signature
 
     def _count_fault(self) -> None:
         if self.log.step > self._restored_step:

@@ -111,3 +111,67 @@ def test_buckets_keep_sections_and_devices_apart_and_stay_small():
         assert plan_buckets(meta) == [[(3, 0)], [(0, 0), (1, 48), (5, 64)], [(2, 0)], [(4, 0)]]
     finally:
         state_transfer.BUCKET_BYTES, state_transfer.DIRECT_BYTES = original
+
+
+class _Layouts(torch.nn.Module):
+    """Every layout a model's state holds in the field: a positional-encoding table built as
+    pytorch/examples' (``pe.unsqueeze(0).transpose(0, 1)``: contiguous to torch, strides not the
+    standard ones; over 1 MiB, so it travels alone), an embedding tied to the output layer,
+    two overlapping views of one storage, a non-contiguous slice, an empty and a 0-dim buffer,
+    a complex buffer and a float64 one."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = torch.nn.Embedding(11, 8)
+        self.head = torch.nn.Linear(8, 11, bias=False)
+        self.head.weight = self.embed.weight  # tied, as GPT-2's lm_head
+        self.register_buffer("pe", torch.randn(1, 4096, 80).transpose(0, 1))
+        base = torch.randn(10, dtype=torch.float64)
+        self.register_buffer("front", base[:6])
+        self.register_buffer("back", base[4:])
+        self.register_buffer("columns", torch.randn(5, 6)[:, 1::2])
+        self.register_buffer("nothing", torch.empty(3, 0))
+        self.register_buffer("scalar", torch.tensor(seed, dtype=torch.int64))
+        self.register_buffer("phase", torch.randn(4, dtype=torch.complex64))
+
+
+def _layouts_rank(rank: int, store_path: str, bucket_bytes: int, out: str) -> None:
+    state_transfer.BUCKET_BYTES = bucket_bytes
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 3), rank=rank, world_size=3)
+    try:
+        model = _Layouts(seed=rank)
+        live = {"model": model.state_dict()}
+        addresses = {k: t.data_ptr() for k, t in live["model"].items() if t.numel()}
+        # rank 1 receives into its own model's tensors, rank 2 into new memory
+        state = broadcast_state(live if rank == 0 else None, rank, torch.device("cpu"),
+                                into=live if rank == 1 else None)
+        received = state["model"]
+        layout = {k: (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+                  for k, t in received.items()}
+        shares = {k: t.untyped_storage().data_ptr() for k, t in received.items() if t.numel()}
+        in_place = sorted(k for k, t in received.items()
+                          if k in addresses and t.data_ptr() == addresses[k])
+        model.load_state_dict(received)
+        torch.save({"values": {k: t.clone() for k, t in received.items()}, "layout": layout,
+                    "tied": model.head.weight is model.embed.weight,
+                    "same_storage": (shares["embed.weight"] == shares["head.weight"],
+                                     shares["front"] == shares["back"]),
+                    "in_place": in_place}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bucket_bytes", [16 * 2**20, 64])
+def test_every_layout_arrives_as_sent_and_shared_storages_stay_shared(tmp_path, bucket_bytes):
+    spawn(_layouts_rank, (str(tmp_path / "store"), bucket_bytes, str(tmp_path)), 3)
+    sent, *received = [torch.load(tmp_path / f"rank{r}.pt") for r in range(3)]
+    assert sent["layout"]["pe"][2] == (80, 80 * 4096, 1)  # the layout of the issue's crash
+    for rank, got in enumerate(received, start=1):
+        _assert_same(got["values"], sent["values"])
+        assert got["layout"] == sent["layout"], rank
+        assert got["tied"] and got["same_storage"] == (True, True), rank
+    # the receiver's own tensors took the bytes: the table, the tied weight, the views
+    assert received[0]["in_place"] == sorted(k for k, (_, shape, _, _) in
+                                             sent["layout"].items() if 0 not in shape)
+    assert received[1]["in_place"] == []

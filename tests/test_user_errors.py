@@ -20,6 +20,7 @@ from worlds import cell_namespace, config, spawn
 
 from elastic_jupyter import RunConfig, TrainingRun, faults
 from elastic_jupyter.engine.collective import PeerFailure, collective
+from elastic_jupyter.recovery import Recovery, RepeatedFailure
 from elastic_jupyter.engine.generation import run_generation
 from elastic_jupyter.engine.worker import Worker
 
@@ -64,6 +65,41 @@ def test_our_collectives_failing_or_an_engine_dying_is_a_fault():
     assert faults.classify(members, [finished_with(peer), finished_with(peer)]).fault
     outcome = faults.classify(members, [finished_with(peer), finished_with(EngineError("gone"))])
     assert outcome.fault and [e.slot for e in outcome.lost] == [1]
+
+
+def test_an_error_on_a_live_rank_is_an_error_while_its_peers_wait_or_fail_with_it():
+    """The issue's broadcast crash: only the receivers raised, rank 0 waited in the next
+    collective. An error of a live rank ends the run; the waiting rank is no fault."""
+    members = [FakeEngine(0, 0), FakeEngine(1, 1), FakeEngine(2, 2)]
+    local = remote("RuntimeError", "unsupported operation: some elements of the input tensor "
+                   "and the written-to tensor refer to a single memory location")
+    waiting = concurrent.futures.Future()  # still running: hung
+    outcome = faults.classify(members, [waiting, finished_with(local), finished_with(local)])
+    assert not outcome.fault and len(outcome.errors) == 2 and outcome.hung == [members[0]]
+    dead = remote("EngineError", "engine 2 died")
+    outcome = faults.classify(members, [waiting, finished_with(local), finished_with(dead)])
+    assert outcome.fault  # an engine died: a fault whatever the others raised
+
+
+def test_a_failure_that_comes_back_the_same_with_no_engine_lost_ends_the_run():
+    members = [FakeEngine(0, 0), FakeEngine(1, 1)]
+    peer = remote("PeerFailure", "state broadcast failed: unsupported operation")
+    first = faults.classify(members, [finished_with(peer), finished_with(peer)])
+    assert first.fault and first.signature() == {("PeerFailure",
+                                                  "state broadcast failed: unsupported operation")}
+    lost = faults.classify(members, [finished_with(peer), finished_with(EngineError("gone"))])
+    assert lost.signature() is None  # an engine lost: a fault, whatever it said
+
+    class Log:
+        step = 0
+
+    recovery = Recovery(None, None, Log(), None, None, "", 0, 0.05)
+    recovery._check_repeated(first)
+    with pytest.raises(RepeatedFailure) as raised:
+        recovery._check_repeated(faults.classify(members, [finished_with(peer)] * 2))
+    assert raised.value.engine is members[0]
+    Log.step = 1  # a step made since: the same words may be two real faults
+    recovery._check_repeated(first)
 
 
 def test_collective_turns_failures_into_peer_failures_and_nothing_else():

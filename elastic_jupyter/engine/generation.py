@@ -154,8 +154,8 @@ class Generation:
         # a receiver's model tensors take the bytes in place
         into = w.capture(copy_tensors=False) if receive else None
         fault_point("broadcast", w)
-        with collective("state broadcast"):
-            state = broadcast_state(live, self.rank, w.device, into=into)
+        # its collectives raise PeerFailure; a local error (a layout it cannot take) is an error
+        state = broadcast_state(live, self.rank, w.device, into=into)
         if receive:
             w.restore(state)
             w.pending = state["pending"]
