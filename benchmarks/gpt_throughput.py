@@ -1,12 +1,14 @@
 """Throughput and memory at real model sizes: an elastic run of the GPT decoder of
 benchmarks/gpt.py against the same cell under torchrun + DistributedDataParallel.
 
-Both sides: 2 processes, gloo, one thread each, AdamW, byte-level text from the standard
+Both sides: ``--world-size`` processes (2 by default), gloo, one thread each, AdamW, byte-level text from the standard
 library, global batch ``--global-batch`` sequences of ``--seq-len`` bytes; with
 ``--transform-ms`` each sample costs that much CPU time to fetch (benchmarks/gpt.py
 ``StdlibText``: a data-bound run), read through ``--workers`` loader processes per rank
 (ours: ``RunConfig(workers=N)``; DDP: ``DataLoader(num_workers=N)``). The elastic run
-trains on a fresh pool of 2 engines (bounds 1..2, so each step is cut for 1 and 2 ranks); its
+trains on a fresh pool of that many engines (bounds 1..``--pool-max``, by default the world
+size; the default cut is one micro-batch per slot of ``--pool-max``, ``--cut measured`` the
+tuned one of ``--pass-cost measure``); its
 throughput comes from the per-step time stamps of ``run.history`` after ``--warmup`` steps,
 DDP's from its own clock over the same number of steps (benchmarks/gpt_ddp.py). The sides
 alternate, ours first, ``--pairs`` times, because this machine's speed drifts by tens of
@@ -45,12 +47,14 @@ def _vm_hwm(pid: int) -> int:
 
 def ours(size: str, args) -> dict:
     from elastic_jupyter import EnginePool, RunConfig, TrainingRun
-    pool = EnginePool(n=2, min_size=1, max_size=2, gpus="none").start()
+    pool = EnginePool(n=args.world_size, min_size=1, max_size=args.pool_max or args.world_size,
+                      gpus="none").start()
     try:
         with tempfile.TemporaryDirectory() as workspace:
             config = RunConfig(name=f"gpt-{size}", global_batch=args.global_batch,
                                steps=args.warmup + args.steps, checkpoint_every=0,
-                               seed=args.seed, workers=args.workers)
+                               seed=args.seed, workers=args.workers,
+                               pass_cost="measure" if args.cut == "measured" else None)
             source = gpt.cell(size, args.seq_len, transform_ms=args.transform_ms)
             run = TrainingRun(pool, config, source=source, workspace=workspace).start()
             ranks = run.members  # rank order (no resizes here): rank 0 writes the checkpoint
@@ -69,7 +73,8 @@ def ours(size: str, args) -> dict:
 def ddp(size: str, args) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(args.world_size),
            os.path.join(HERE, "gpt_ddp.py"), "--size", size, "--seq-len", str(args.seq_len),
            "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
            "--steps", str(args.steps), "--seed", str(args.seed),
@@ -93,8 +98,17 @@ def main() -> None:
                         help="CPU time of each sample's transform (0: plain byte windows)")
     parser.add_argument("--workers", type=int, default=0,
                         help="loader processes per rank, both sides (0: in the training process)")
+    parser.add_argument("--world-size", type=int, default=2,
+                        help="ranks on both sides (ours: a pool of that many engines)")
+    parser.add_argument("--pool-max", type=int, default=None,
+                        help="our pool's --max (default: the world size), which sets the "
+                             "default cut: one micro-batch per slot")
+    parser.add_argument("--cut", choices=("default", "measured"), default="default",
+                        help="ours: the default cut, or the tuned one (--pass-cost measure)")
     args = parser.parse_args()
-    print(f"seq-len {args.seq_len}, global batch {args.global_batch}, {args.warmup} warm-up + "
+    print(f"world size {args.world_size}, our pool's --max {args.pool_max or args.world_size}, "
+          f"{args.cut} cut; "
+          f"seq-len {args.seq_len}, global batch {args.global_batch}, {args.warmup} warm-up + "
           f"{args.steps} timed steps, {args.pairs} pairs; per-sample transform "
           f"{args.transform_ms:g} ms CPU, {args.workers} loader workers per rank")
     print("| model | ours samples/s | DDP samples/s | ours / DDP (median, range) | "

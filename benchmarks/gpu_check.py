@@ -557,7 +557,7 @@ def shared_gpt(ctx: Ctx):
         try:
             size, seq, batch = ("tiny", 32, 8) if ctx.quick else ("50M", 256, 16)
             dataset = text_dataset(seq, 2**18 if ctx.quick else 2**22, need=4 * batch)
-            cfg = config(steps=2, global_batch=batch, pass_cost=None, pool_max_size=8)
+            cfg = config(steps=2, global_batch=batch, pass_cost="measure", pool_max_size=8)
             worker = Worker(gpt_objects(size, seq, dataset), cfg, str(ctx.device))
             log(f"  shared GPT {size}: measuring its pass cost, 2 steps of {batch} x {seq}")
             ctx.cache["gpt"] = (worker, train(ctx, worker, 2), size)

@@ -203,15 +203,24 @@ class CellSetup:
             await self.calls.connect_store(engines, rdv.host, rdv.port,
                                            self.config["collective_timeout"])
 
-    def _warn_if_cut_otherwise(self, old: dict) -> None:
-        """Steps are cut into micro-batches by --micro-batch and the pool's bounds: a resume
-        with others is correct, but not the uninterrupted run where randomness is involved."""
-        if any(old.get(k) != self.config[k] for k in PLAN_KEYS):
-            self.log.event("warning", message=(
-                f"the checkpoint's steps were cut into micro-batches for {_plan(old)}, this run "
-                f"cuts them for {_plan(self.config)}: each update is still the mean gradient of "
-                "the same samples, but dropout draws and BatchNorm statistics (per micro-batch) "
-                "differ from the uninterrupted run"))
+    def _warn_if_cut_otherwise(self, old: dict, cut: dict | None) -> None:
+        """A resume keeps the cut its checkpoint recorded (engine.batching.Cut), so it goes on
+        as the uninterrupted run would; options that would cut otherwise are said to be
+        unused. A checkpoint from before cuts were recorded is cut by this run's options:
+        correct, but dropout draws and BatchNorm statistics differ from the uninterrupted
+        run."""
+        if not any(old.get(k) != self.config[k] for k in PLAN_KEYS):
+            return
+        if cut is not None:
+            self.log.event("micro_batches", message=(
+                f"the checkpoint's steps were cut for {_plan(old)}; this run keeps that cut "
+                f"(one run, one cut), not {_plan(self.config)}"))
+            return
+        self.log.event("warning", message=(
+            f"the checkpoint's steps were cut into micro-batches for {_plan(old)}, this run "
+            f"cuts them for {_plan(self.config)}: each update is still the mean gradient of "
+            "the same samples, but dropout draws and BatchNorm statistics (per micro-batch) "
+            "differ from the uninterrupted run"))
 
     def _check_resumed_dataset(self, saved: dict | None) -> None:
         """Raise UsageError when the checkpoint's dataset fingerprint is not this run's: its
@@ -239,14 +248,15 @@ class CellSetup:
                              "): use the checkpoint's values, or start a new run with another "
                              "--name")
         self._check_resumed_dataset(old.get("dataset"))
-        self._warn_if_cut_otherwise(old)
-        self.log.load(loaded["history"], loaded["progress"]["step"])
+        self._warn_if_cut_otherwise(old, loaded["progress"].get("cut"))
+        # a checkpoint whose last step is to finish (pending) holds the records before it
+        self.log.load(loaded["history"], loaded["progress"]["step"] - bool(loaded.get("pending")))
         return loaded["path"]
 
 
 def _plan(config: dict) -> str:
     return (f"--micro-batch {config.get('micro_batch')}, --pass-cost "
-            f"{config.get('pass_cost') if config.get('pass_cost') is not None else 'measured'}, a pool of "
+            f"{config.get('pass_cost')}, a pool of "
             f"{config.get('pool_min_size')}..{config.get('pool_max_size')}")
 
 

@@ -9,8 +9,11 @@ pool ``--max``         number of GPUs; 4 without GPUs
 pool ``--gpus``        all (``none`` forces CPU slots; ``0,2`` picks GPUs)
 engine start timeout   60 s
 ``--global-batch``     64
-``--micro-batch``      no cap (the count of micro-batches follows from the pool's bounds)
-``--pass-cost``        measured at the run's start (a pass's fixed cost, in samples)
+``--micro-batch``      none: a step is cut into one micro-batch per ``--max`` slot (N: into
+                       micro-batches of N samples)
+``--pass-cost``        none (P: the fewest micro-batches that balance when a pass costs P
+                       samples; ``measure``: P timed at the run's start)
+``--drop-last``        off: an epoch's short last step trains on the remainder
 ``--epochs``           1 (unless ``--steps``)
 ``--workers``          0 loader processes per engine: samples are fetched in the training
                        process when a pass needs them (N: fetched ahead in N processes)
@@ -105,16 +108,17 @@ class RunConfig:
     """A run's options; plain data, stored in every checkpoint.
 
     Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given.
-    ``micro_batch`` caps a micro-batch's size; ``pool_min_size`` and ``pool_max_size`` are the
-    pool's bounds, filled in by the run; ``pass_cost`` is a forward/backward pass's fixed cost
-    in samples, measured when None (engine.calibration). engine.batching derives the
-    micro-batches from these.
+    How steps are cut into micro-batches (engine.batching.Cut, fixed at the run's start and kept
+    by a resume): ``micro_batch`` (N samples each), else ``pass_cost`` (a number, or
+    ``"measure"``: engine.calibration), else one per slot of the pool's ``pool_max_size``;
+    ``pool_min_size`` and ``pool_max_size`` are filled in by the run.
     """
 
     name: str
     global_batch: int = 64
     micro_batch: int | None = None
-    pass_cost: float | None = None
+    pass_cost: float | str | None = None
+    drop_last: bool = False
     epochs: int | None = None
     workers: int = 0  # DataLoader processes per engine (engine.loader)
     steps: int | None = None
@@ -165,10 +169,17 @@ class RunConfig:
         if self.precision not in PRECISIONS:
             raise UsageError(f"--precision takes bf16 or fp16 (leave it out for fp32), got "
                              f"{self.precision!r}")
-        if self.pass_cost is not None and (isinstance(self.pass_cost, bool) or not isinstance(
-                self.pass_cost, (int, float)) or not 0 <= self.pass_cost < float("inf")):
+        if self.pass_cost not in (None, "measure") and (isinstance(self.pass_cost, bool) or
+                not isinstance(self.pass_cost, (int, float)) or
+                not 0 <= self.pass_cost < float("inf")):
             raise UsageError(f"--pass-cost is a number of samples >= 0 (as the run's "
-                             f"micro_batches event reports it), got {self.pass_cost!r}")
+                             f"micro_batches event reports it) or measure, got "
+                             f"{self.pass_cost!r}")
+        if self.micro_batch is not None and self.pass_cost is not None:
+            raise UsageError("give --micro-batch or --pass-cost, not both: each chooses how "
+                             "steps are cut into micro-batches")
+        if not isinstance(self.drop_last, bool):
+            raise UsageError(f"drop_last is True or False, got {self.drop_last!r}")
         if isinstance(self.tensorboard, os.PathLike):
             self.tensorboard = os.fspath(self.tensorboard)
         if not isinstance(self.tensorboard, (bool, str)) or self.tensorboard == "":
@@ -195,4 +206,4 @@ COMMIT_EVERY_NOTICE = (
     "in-memory copies of the state are kept")
 
 # options that fix the data order and the update: a resume must keep them
-RESUME_KEYS = ("global_batch", "seed")
+RESUME_KEYS = ("global_batch", "seed", "drop_last")

@@ -26,6 +26,7 @@ from .owner import background
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
 
 POLL = 0.05  # seconds between the driver's looks at a running generation
+RECORDS_TIMEOUT = 10.0  # seconds rank 0 has to send its last records after an error
 
 
 class GenerationError(Exception):
@@ -195,6 +196,7 @@ class Driver:
         if outcome.fault:
             return {"reason": "fault", "outcome": outcome}
         if outcome.errors:
+            await self._records_before_error(tasks[0])
             raise GenerationError(*outcome.errors[0])
         result = outcome.results[self.members[0].engine_id]
         self.log.merge(result, complete=True)
@@ -202,6 +204,20 @@ class Driver:
         result["drained"] = [(e, outcome.results[e.engine_id]["drained"]) for e in self.members
                              if outcome.results[e.engine_id].get("drained")]
         return result
+
+    async def _records_before_error(self, task) -> None:
+        """An error ends the run: take rank 0's records the live stream had not delivered, the
+        step whose evaluation failed among them, so the history keeps every committed step.
+        Skipped when rank 0 is still out (hung) or does not answer."""
+        if not task.future.done():
+            return
+        try:
+            records = await asyncio.wait_for(self.calls.history_since(
+                self.members[0], self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
+            self.log.log(f"rank 0's last records could not be read: {e}")
+            return
+        self.log.merge({"records": records}, complete=True)
 
     def take_requests(self) -> None:
         """Feed the size policies' new requests to the sizer, and keep as many engines set up

@@ -113,8 +113,9 @@ class EngineCalls:
     async def progress(self, engines) -> list[dict]:
         return await self._each(engines, entrypoints.progress)
 
-    async def history_since(self, engine, step: int) -> list[dict]:
-        return await asyncio.wrap_future(self._submit(engine, entrypoints.history_since, step))
+    async def history_since(self, engine, step: int, pending: bool = False) -> list[dict]:
+        return await asyncio.wrap_future(self._submit(engine, entrypoints.history_since, step,
+                                                      pending))
 
     async def drop_run(self, engines) -> None:
         """Make the engines forget the run (errors ignored: an engine may be gone)."""

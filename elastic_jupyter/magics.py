@@ -32,6 +32,16 @@ class _HelpShown(Exception):
     pass
 
 
+def _pass_cost(text: str) -> float | str:
+    if text == "measure":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of samples or 'measure', got "
+                                         f"{text!r}") from None
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -79,6 +89,10 @@ def _status_table(status: dict) -> str:
     now = time.time()
     for slot, exclusion in sorted(status["excluded_slots"].items()):
         lines.append(f"Excluded slot {slot}: {Exclusion(**exclusion).describe(now)}")
+    if status.get("size_note"):  # a run left the pool at another size than it started with
+        note = status["size_note"]
+        lines.append(f"{note[0].upper()}{note[1:]}: a run without --engines starts at "
+                     f"{status['size']}; %elastic_pool resize {status['start_size']} goes back.")
     lease = status.get("lease")
     if lease is not None:
         lines.append(f"Lease: {'auto' if lease['auto'] else 'manual'}, weight {lease['weight']:g}"
@@ -204,12 +218,14 @@ def _train_parser() -> _Parser:
     p.add_argument("--global-batch", type=_positive_int, default=64,
                    help="samples per optimizer step, whatever the world size (default 64)")
     p.add_argument("--micro-batch", type=_positive_int,
-                   help="cap on a micro-batch's size (default: none; the micro-batches follow "
-                        "from the global batch and the pool's --min/--max)")
-    p.add_argument("--pass-cost", type=float,
-                   help="a forward/backward pass's fixed cost in samples, which sets how many "
-                        "micro-batches a step is cut into (default: measured at the start; the "
-                        "run's log gives the value, to cut another run's steps the same way)")
+                   help="samples per micro-batch: a step of b samples is cut into ceil(b/N) "
+                        "(default: one micro-batch per slot of the pool's --max)")
+    p.add_argument("--pass-cost", type=_pass_cost,
+                   help="opt-in tuning: a forward/backward pass's fixed cost in samples; a "
+                        "step is cut into the fewest micro-batches that keep every world size "
+                        "balanced ('measure': timed at the start, the value is logged)")
+    p.add_argument("--drop-last", action="store_true",
+                   help="leave out each epoch's short last step, as DataLoader(drop_last=True)")
     p.add_argument("--epochs", type=_positive_int, help="epochs to train (default 1)")
     p.add_argument("--steps", type=_positive_int, help="optimizer steps to train (instead of --epochs)")
     p.add_argument("--eval-every", type=_positive_int,
@@ -352,7 +368,7 @@ class ElasticMagics(Magics):
         push = self._pushed(args.push)
         config = RunConfig(
             name=args.name, global_batch=args.global_batch, micro_batch=args.micro_batch,
-            pass_cost=args.pass_cost,
+            pass_cost=args.pass_cost, drop_last=args.drop_last,
             epochs=args.epochs, steps=args.steps, eval_every=args.eval_every,
             clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
             checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,

@@ -154,6 +154,7 @@ class EnginePool:
         self.client = None
         self.calls = EngineCalls(self)
         self._run = None  # the run training on this pool (claim / release)
+        self._left_by: str | None = None  # the last run to end, which left the pool at its size
         self._stopping: set = set()  # background tasks stopping removed engines
         self._removing: set[psutil.Process] = set()  # the engines those tasks stop
         self._exclusions: dict[int, Exclusion] = {}  # slot -> why and until when it is out
@@ -231,9 +232,20 @@ class EnginePool:
         """`run` no longer holds the pool (its spares are gone: no standby slots wanted)."""
         if self._run is run:
             self._run = None
+            self._left_by = run.name
             if self.lease is not None:
                 self.lease.active = False
                 background(self.lease.update(standby=0), self._lease_warning)
+
+    def size_note(self) -> str | None:
+        """A line saying the pool stands at another size than it started with (``-n``) where
+        the last run left it (its schedule, resizes or faults), while it does; else None. Not
+        in lease mode, where the arbiter's grant sets the size."""
+        n, size = self.config.n, self.size
+        if self._left_by is None or self.lease is not None or not self.running or size == n:
+            return None
+        return (f"the pool stands at {size} engine{'s' * (size != 1)}, where run "
+                f"{self._left_by!r} left it (it started with {n})")
 
     def check_size(self, n) -> int:
         """Validate a requested size; returns it as int or raises UsageError saying the bounds."""
@@ -349,7 +361,8 @@ class EnginePool:
                 "grantable": g.get("grantable", 0)}
 
     def status(self) -> dict:
-        return {"running": self.running, "size": self.size, "min": self.min_size,
+        return {"running": self.running, "size": self.size, "start_size": self.config.n,
+                "size_note": self.size_note(), "min": self.min_size,
                 "max": self.max_size, "backend": self.backend,
                 "excluded_slots": {slot: vars(x).copy()
                                    for slot, x in self.excluded_slots.items()},
@@ -455,6 +468,7 @@ class EnginePool:
         if self.lease is not None:
             await self.lease.update(wanted=n, auto=False)
             n = min(n, self.lease.kept)
+        self._left_by = None  # the size is the user's now
         await self.resize_idle(n)
 
     # lease mode --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ events, checkpoints, weights). The work happens on the owner thread, split by co
 from __future__ import annotations
 
 import os
+import sys
 import time
 import warnings
 
@@ -115,6 +116,8 @@ class TrainingRun:
         self._resumed_from = None
         self._folder_lock = None  # held from setup to the run's end (cellsetup.FolderLock)
         self._listing: tuple[int, list] | None = None  # the checkpoints, by the folder's mtime
+        self._error_shown = False  # a wait() showed the run's error
+        self._start_note = None  # said as the run starts: why at this size (pool.size_note)
 
     # ---------------------------------------------------------------- what views read
 
@@ -209,11 +212,15 @@ class TrainingRun:
     def start(self) -> "TrainingRun":
         """Set up the run on every engine and start training in the background.
 
-        Blocks until the setup succeeded everywhere. Raises UsageError (bad options, busy pool,
-        checkpoint folder problems) or RunSetupError (the cell failed on an engine, with its
-        traceback); either way the pool stays usable.
+        Without ``engines``, training starts at the pool's size; where the last run left the
+        pool at another size than it started with, a line says so. Blocks until the setup
+        succeeded everywhere. Raises UsageError (bad options, busy pool, checkpoint folder
+        problems) or RunSetupError (the cell failed on an engine, with its traceback); either
+        way the pool stays usable.
         """
         self.pool.wait_printing_queue(self._start())
+        if self._start_note:
+            print(self._start_note, flush=True)
         return self
 
     def resize(self, n: int, at_step: int | None = None) -> None:
@@ -278,7 +285,9 @@ class TrainingRun:
 
         With progress=True, prints the loss about twice a second and every resize and
         checkpoint as it happens. Interrupting the wait (the kernel's stop button) only stops
-        waiting: the run keeps training.
+        waiting: the run keeps training. The first wait that sees the run failed shows why:
+        its error (``run.error``, with the engine's traceback) on stderr, or with progress=True
+        in the printed events.
         """
         if self.state == "created":
             raise UsageError(f"run {self.name!r} was not started: call run.start() first")
@@ -302,7 +311,12 @@ class TrainingRun:
         if progress:
             self._print_events(printed_events)
             print(self.summary(), flush=True)
-        return self.state
+        state = self.state
+        if state == "failed" and not self._error_shown:
+            self._error_shown = True
+            if not progress:  # the events printed it
+                print(f"run {self.name!r} failed: {self.error}", file=sys.stderr, flush=True)
+        return state
 
     def _print_events(self, printed: int) -> int:
         for event in self.events[printed:]:
@@ -336,13 +350,26 @@ class TrainingRun:
         return plot_run(self.history, self.events, title=f"run {self.name!r}", save=save,
                         smoothing=smoothing, log=log, metric=metric)
 
-    def state_dict(self) -> dict:
-        """The model's trained weights (tensors on the CPU), keyed like ``model.state_dict()``.
+    def state_dict(self, part: str = "model") -> dict:
+        """The model's trained weights (tensors on the CPU), keyed like ``model.state_dict()``
+        of the plain model: a ``torch.compile``d model's (or submodule's) ``_orig_mod.`` is left
+        out of the keys, so a model loads them whether it is compiled or not. `part`: a name of
+        the cell's ``extra_state`` gives that object's ``state_dict()`` instead (``"ema"``: the
+        moving average an ``after_step`` hook kept).
 
         Once the run ended, its final weights; while it trains, the newest checkpoint's.
-        Raises UsageError if there is neither.
+        Raises UsageError if there is neither, or no such part.
         """
-        return self._state()[1]["model"]
+        state = self._state()[1]
+        if part == "model":
+            return plain_keys(state["model"])
+        extra = state.get("extra") or {}
+        if part not in extra:
+            raise UsageError(f"run {self.name!r} has no part {part!r}: its parts are "
+                             f"{', '.join(['model', *extra])} (the cell's extra_state names "
+                             "the others)")
+        keyed = isinstance(extra[part], dict) and all(isinstance(k, str) for k in extra[part])
+        return plain_keys(extra[part]) if keyed else extra[part]
 
     def training_state(self) -> dict:
         """Full training state (model, optimizer, scheduler, progress, RNG, history, config):
@@ -363,16 +390,22 @@ class TrainingRun:
             raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
         return os.path.dirname(path), state
 
-    def load_into(self, model):
-        """Copy the trained weights into `model` (a torch.nn.Module of the same architecture)."""
-        model.load_state_dict(self.state_dict())
+    def load_into(self, model, part: str = "model"):
+        """Copy the trained weights into `model` (a torch.nn.Module of the same architecture,
+        compiled with ``torch.compile`` or not, whether the trained one was); `part` as in
+        :meth:`state_dict`."""
+        weights = self.state_dict(part)
+        own = {_plain_key(key): key for key in model.state_dict()}
+        model.load_state_dict({own.get(key, key): value for key, value in weights.items()})
         return model
 
-    def export(self, path: str) -> str:
-        """Write the model's plain ``state_dict`` to `path`, loadable by ``torch.load`` alone."""
+    def export(self, path: str, part: str = "model") -> str:
+        """Write the model's plain ``state_dict`` to `path` (keys as :meth:`state_dict`'s),
+        loadable by ``torch.load`` alone; `part` as in :meth:`state_dict`."""
         import torch
         path = os.path.abspath(path)
-        ckpt.atomic_write(path, lambda f: torch.save(self.state_dict(), f))
+        weights = self.state_dict(part)
+        ckpt.atomic_write(path, lambda f: torch.save(weights, f))
         return path
 
     def logs(self, tail: int = 40) -> str:
@@ -399,6 +432,8 @@ class TrainingRun:
         if self.tensorboard_dir:  # with the history so far: a resume's is known now
             self.log.tensorboard = TensorBoardLog(self.tensorboard_dir, self.log.history(),
                                                   self.log.events)
+        if self._start_note:
+            self.log.log(self._start_note)
         self.log.event("start", world_size=self.world_size, resumed_from=self._resumed_from)
         self._driver.launch()
         self._registration = registry.register(self)
@@ -412,6 +447,10 @@ class TrainingRun:
                 size = await self._lease_slots()
             else:
                 size = pool.check_size(self.engines_at_start or pool.size)
+                note = pool.size_note() if self.engines_at_start is None else None
+                if note:  # the user may expect the -n the pool started with
+                    self._start_note = (f"{note}: training starts at {size}; give --engines N "
+                                        "(engines=N) to choose")
             if self.config.global_batch < size:
                 raise UsageError(
                     f"--global-batch {self.config.global_batch} is smaller than the world size "
@@ -461,3 +500,19 @@ class TrainingRun:
 _LEASED_SCHEDULE = ("this pool takes its slots from the machine's arbiter, which decides when "
                     "it changes size: resize it now (run.resize(n)), or start a pool with "
                     "--no-arbiter (EnginePool(arbiter=False)) for resizes at given steps")
+
+
+# the submodule torch.compile's OptimizedModule wraps: its name is in every key of a compiled
+# model's (or compiled submodule's) state dict
+_COMPILED = "_orig_mod"
+
+
+def _plain_key(key: str) -> str:
+    """`key` of a state dict without the names torch.compile's wrappers add."""
+    return ".".join(part for part in key.split(".") if part != _COMPILED)
+
+
+def plain_keys(state_dict: dict) -> dict:
+    """`state_dict` keyed as the model's would be without torch.compile: ``_orig_mod.0.weight``
+    -> ``0.weight`` (also inside a compiled submodule: ``enc._orig_mod.w`` -> ``enc.w``)."""
+    return {_plain_key(key): value for key, value in state_dict.items()}

@@ -16,13 +16,20 @@ MAX_EPOCH_LINES = 50  # more epoch boundaries than this are not drawn (they woul
 
 
 def column_names(records: list[dict]) -> list[str]:
-    """BASE_COLUMNS, then every other numeric field (extra and val_* metrics) in first-seen order."""
+    """BASE_COLUMNS, then every other numeric field (extra and val_* metrics) in first-seen order;
+    not the learning rates (``lr``, and ``lr_1``... of further param groups)."""
     names = list(BASE_COLUMNS)
     for record in records:
         for key, value in record.items():
-            if key not in names and key != "lr" and isinstance(value, (int, float)):
+            if key not in names and not is_lr(key) and isinstance(value, (int, float)):
                 names.append(key)
     return names
+
+
+def is_lr(key: str) -> bool:
+    """Whether a record's field is a learning rate: ``lr`` (the first param group's) or
+    ``lr_<k>`` (param group k's, k >= 1)."""
+    return key == "lr" or key.startswith("lr_") and key[3:].isdigit()
 
 
 def columns(records: list[dict], names: list[str]) -> dict[str, np.ndarray]:

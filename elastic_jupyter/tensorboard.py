@@ -16,9 +16,10 @@ every event at step ``s`` or later written before it (its Rust data server drops
 points when the tag's step goes back, which the rewritten steps' scalars do). So TensorBoard
 shows each step once, with the values the run kept.
 
-Tags: ``train/loss``, ``train/lr``, ``elastic/world_size``, ``elastic/samples_per_s``, the
-cell's extra metrics under ``train/``, validation metrics (``val_*``) under ``val/``; resizes,
-faults, drains, checkpoints, warnings and the run's start and end as text under ``events``.
+Tags: ``train/loss``, ``train/lr`` (with several param groups also ``train/lr_1``...),
+``elastic/world_size``, ``elastic/samples_per_s``, the cell's extra metrics under ``train/``,
+validation metrics (``val_*``) under ``val/``; resizes, faults, drains, checkpoints, warnings
+and the run's start and end as text under ``events``.
 """
 from __future__ import annotations
 

@@ -37,6 +37,9 @@ def test_setup_function_and_export_without_the_package(idle_pool, tmp_path):
     assert "0.weight" in out
     model = run.load_into(digits_setup()["model"])
     assert torch.equal(model.state_dict()["0.weight"], run.state_dict()["0.weight"])
+    # a compiled model takes the plain model's weights (compiling waits for its first call)
+    compiled = run.load_into(torch.compile(digits_setup()["model"], backend="eager"))
+    assert torch.equal(compiled.state_dict()["_orig_mod.0.weight"], run.state_dict()["0.weight"])
 
 
 SLOW_CELL = DIGITS_CELL.replace("def loss_fn(model, batch):",

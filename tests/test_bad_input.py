@@ -131,12 +131,17 @@ def test_setup_traceback_is_plain_text(idle_pool, tmp_path):
     assert "\x1b[" not in _setup_error(idle_pool, tmp_path)
 
 
-def test_loss_fn_raising_during_training_fails_the_run(idle_pool, tmp_path):
+def test_loss_fn_raising_during_training_fails_the_run(idle_pool, tmp_path, capsys):
     run = TrainingRun(idle_pool, RunConfig(name=unique("lossfail"), steps=50,
                                            collective_timeout=30),
                       source=FAILING_LOSS_CELL, workspace=tmp_path).start()
+    capsys.readouterr()
     assert run.wait(timeout=90) == "failed"
     assert not run.active
+    # a plain wait says why, once
+    shown = capsys.readouterr()
+    assert shown.err == f"run {run.name!r} failed: {run.error}\n" and not shown.out
+    assert run.wait() == "failed" and capsys.readouterr() == ("", "")
     first_line = run.error.splitlines()[0]
     # the cause, not the peer's broken collective
     assert "ValueError: bad sample in batch 4" in first_line, run.error

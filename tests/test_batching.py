@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_jupyter.engine.batching import (BatchPlan, busiest_rank, micro_batch_bounds,
+from elastic_jupyter.engine.batching import (BatchPlan, Cut, busiest_rank, choose_cut,
+                                             epoch_permutation, micro_batch_bounds,
                                              micro_batch_count, micro_batches, rank_share,
                                              steps_per_epoch)
 
@@ -102,11 +103,41 @@ def test_a_costly_pass_gives_fewer_micro_batches():
 
 def test_a_rank_without_micro_batches():
     # the last step of an epoch may hold fewer samples than ranks: 2 samples on 3 ranks
-    plan = BatchPlan(n=10, global_batch=8, seed=0, min_size=1, max_size=3)
+    plan = BatchPlan(n=10, global_batch=8, seed=0, cut=Cut(virtual=3, max_size=3))
     batch = plan.batch(0, 8)
     assert len(batch) == 2 and plan.micro_batch_count(2) == 2
     parts = [plan.rank_micro_batches(batch, r, 3) for r in range(3)]
     assert [[k for k, _ in p] for p in parts] == [[0], [1], []]
+
+
+def test_the_default_cut_is_one_micro_batch_per_virtual_worker_and_never_below_the_floor():
+    """The issue's numbers: 32 samples on a pool of --max 4 are 4 micro-batches of 8, whatever
+    a clock says; digits' short last step (1797 % 32 = 5) is one micro-batch under BatchNorm."""
+    bn = choose_cut(32, None, None, 1, 4, 8, "BatchNorm")
+    assert [bn.count(b) for b in (32, 5, 16, 17)] == [4, 1, 2, 2]
+    assert "4 micro-batches of 8" in bn.describe(32) and "floor 8: BatchNorm" in bn.describe(32)
+    plain = choose_cut(32, None, None, 1, 4, 1, "")
+    assert [plain.count(b) for b in (32, 5, 3)] == [4, 4, 3]
+    assert choose_cut(30, 7, None, 1, 4, 1, "").count(30) == 5  # --micro-batch: ceil(b / N)
+    assert choose_cut(32, None, 16.0, 1, 4, 1, "").count(32) == micro_batch_count(32, None, 1, 4,
+                                                                                   16.0)
+    with pytest.raises(ValueError, match=r"micro-batches of 4 samples, below the floor of 8 "
+                       r"\(BatchNorm\): raise --global-batch to 32 or more, start the pool "
+                       r"with --max 2 or fewer, or declare min_micro_batch = 4"):
+        choose_cut(16, None, None, 1, 4, 8, "BatchNorm")
+    with pytest.raises(ValueError, match="--micro-batch 3 is below the floor of 4"):
+        choose_cut(32, 3, None, 1, 4, 4, "the cell's min_micro_batch")
+
+
+def test_drop_last_leaves_out_the_short_step_as_a_dataloader_does():
+    plan = BatchPlan(n=10, global_batch=4, seed=1, drop_last=True)
+    assert steps_per_epoch(10, 4, drop_last=True) == 2
+    epoch, position, seen = 0, 0, []
+    for _ in range(2):
+        seen.append(plan.batch(epoch, position))
+        epoch, position = plan.advance(epoch, position)
+    assert (epoch, position) == (1, 0)
+    assert sorted(torch.cat(seen).tolist()) == sorted(epoch_permutation(1, 0, 10)[:8].tolist())
 
 
 def test_micro_batch_count_rejects_bad_plans():
@@ -118,47 +149,46 @@ def test_micro_batch_count_rejects_bad_plans():
 
 @st.composite
 def runs(draw):
-    """A dataset, a global batch, a micro-batch cap, pool bounds and a world size per step."""
+    """A dataset, a global batch, a cut (each rule, a floor), drop_last, a world size per step."""
     n = draw(st.integers(1, 300))
     global_batch = draw(st.integers(1, n))
-    cap = draw(st.none() | st.integers(1, global_batch))
     lo = draw(st.integers(1, 6))
     hi = draw(st.integers(lo, 8))
-    steps = 2 * steps_per_epoch(n, global_batch)
+    floor = draw(st.integers(1, max(1, global_batch // hi)))
+    rule = draw(st.sampled_from(["virtual workers", "micro_batch", "pass_cost"]))
+    cut = Cut(rule, virtual=hi, micro_batch=draw(st.integers(floor, global_batch)),
+              pass_cost=float(draw(st.sampled_from([0, 1, 4, 16, 256]))), min_size=lo,
+              max_size=hi, floor=floor, floor_why="a test")
+    drop_last = draw(st.booleans())
+    steps = 2 * steps_per_epoch(n, global_batch, drop_last)
     sizes = draw(st.lists(st.integers(lo, hi), min_size=steps, max_size=steps))
-    pass_cost = draw(st.sampled_from([0, 1, 4, 16, 256]))
-    return n, global_batch, cap, lo, hi, sizes, pass_cost
+    return n, global_batch, cut, drop_last, sizes
 
 
 @settings(max_examples=150, deadline=None)
 @given(runs(), st.integers(0, 2**32))
 def test_plan_properties(run, seed):
-    """Every sample once per epoch at any resize schedule; micro-batches as documented."""
-    n, global_batch, cap, lo, hi, sizes, pass_cost = run
-    plan = BatchPlan(n, global_batch, seed, cap, lo, hi)
-    plan.pass_cost = float(pass_cost)
+    """Every sample once per epoch at any resize schedule (all but the short step's with
+    drop_last); micro-batches as documented."""
+    n, global_batch, cut, drop_last, sizes = run
+    plan = BatchPlan(n, global_batch, seed, cut, drop_last)
     epoch, position, seen = 0, 0, {0: [], 1: []}
     for world_size in sizes:
         batch = plan.batch(epoch, position)
         b = len(batch)
+        assert b == global_batch or not drop_last
         micro = plan.micro_batches(batch)
         count = len(micro)
         lengths = [len(m) for m in micro]
-        # boundaries: consecutive slices, sizes differing by at most one, within the cap
+        # boundaries: consecutive slices, sizes differing by at most one, none below the floor
         assert torch.equal(torch.cat(micro), batch)
         assert max(lengths) - min(lengths) <= 1 and min(lengths) >= 1
-        assert cap is None or max(lengths) <= cap
-        # the count is the documented rule's: the smallest that meets 1.1 at every pool size
-        lowest = max(-(-b // cap) if cap else 1, min(b, hi))
-        worst = worst_slowdown(b, count, lo, hi, pass_cost)
-        if worst <= LIMIT:
-            assert all(worst_slowdown(b, k, lo, hi, pass_cost) > LIMIT
-                       for k in range(lowest, count))
-        else:  # no count meets 1.1: the smallest with the lowest worst ratio
-            assert all(worst_slowdown(b, k, lo, hi, pass_cost) > worst
-                       for k in range(lowest, count))
-            assert all(worst_slowdown(b, k, lo, hi, pass_cost) >= worst
-                       for k in range(count, b + 1))
+        assert count == 1 or min(lengths) >= cut.floor
+        # the count is the rule's, never the world size's
+        wanted = {"virtual workers": cut.virtual, "micro_batch": -(-b // cut.micro_batch),
+                  "pass_cost": micro_batch_count(b, None, cut.min_size, cut.max_size,
+                                                 cut.pass_cost)}[cut.rule]
+        assert count == max(1, min(wanted, b // cut.floor))
         # each rank: a contiguous run of whole micro-batches, the plan's own (independent of W)
         parts = [plan.rank_micro_batches(batch, r, world_size) for r in range(world_size)]
         indices = [[k for k, _ in part] for part in parts]
@@ -166,8 +196,9 @@ def test_plan_properties(run, seed):
         assert all(torch.equal(chunk, micro[k]) for part in parts for k, chunk in part)
         counts = [len(i) for i in indices]
         assert max(counts) - min(counts) <= 1 and counts == sorted(counts, reverse=True)
-        if b >= world_size:
-            assert min(counts) >= 1
         seen[epoch] += [int(i) for part in parts for _, chunk in part for i in chunk]
         epoch, position = plan.advance(epoch, position)
-    assert sorted(seen[0]) == list(range(n)) and sorted(seen[1]) == list(range(n))
+    used = n - n % global_batch if drop_last else n
+    for e in (0, 1):
+        assert len(seen[e]) == len(set(seen[e])) == used
+        assert sorted(seen[e]) == sorted(epoch_permutation(seed, e, n)[:used].tolist())

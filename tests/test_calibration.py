@@ -46,61 +46,71 @@ def test_measure_pass_cost_times_real_passes():
     assert sizes == [2, 16] * (1 + calibration.REPEATS)  # untimed first, then interleaved
 
 
-def test_calibration_leaves_no_trace():
-    """Buffers (a cumulative BatchNorm counts its batches), gradients, the optimizer and the
-    RNG are as before; the run then cuts its steps by the measured cost."""
+def test_measuring_leaves_no_trace():
+    """--pass-cost measure: buffers (a cumulative BatchNorm counts its batches), gradients, the
+    optimizer and the RNG are as before; the run then cuts its steps by the measured cost."""
     worker = Worker(cell_namespace(CELL, 3), config(global_batch=32, steps=2, pool_min_size=1,
-                                                    pool_max_size=4), "cpu")
-    assert worker.progress.pass_cost is None
+                                                    pool_max_size=4, pass_cost="measure"), "cpu")
+    assert worker.progress.cut is None
     state = {k: v.clone() for k, v in worker.model.state_dict().items()}
     rng = torch.get_rng_state()
-    event = worker.calibrate(0, 1)
+    event = worker.record_cut(0, 1)
     assert all(torch.equal(v, state[k]) for k, v in worker.model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in worker.model.parameters())
     assert worker.optimizer.state_dict()["state"] == {}
     cost = worker.progress.pass_cost
-    assert cost is not None and worker.plan.pass_cost == cost and event["pass_cost"] == cost
+    assert cost is not None and worker.plan.cut.pass_cost == cost and event["pass_cost"] == cost
+    assert worker.progress.cut == worker.plan.cut.as_dict() and worker.plan.cut.rule == "pass_cost"
     count = worker.plan.micro_batch_count(32)
     assert event["kind"] == "micro_batches" and f"cut into {count} micro-batches" in event["message"]
     assert f"--pass-cost {cost:g}" in event["message"]
 
 
-def test_a_given_pass_cost_is_kept_over_a_restored_one():
-    """--pass-cost is not measured, and wins over the cost a resumed checkpoint holds."""
-    worker = Worker(cell_namespace(CELL, 3), config(global_batch=32, steps=1, pass_cost=4),
-                    "cpu")
-    assert worker.progress.pass_cost == worker.plan.pass_cost == 4.0
+def test_the_default_cut_is_a_rule_and_a_restore_keeps_the_states_cut():
+    """No clock by default: 32 samples on a pool of --max 4 are 4 micro-batches of 8 (floor 8:
+    BatchNorm), on every engine; a state's recorded cut wins over this run's options."""
+    worker = Worker(cell_namespace(CELL, 3), config(global_batch=32, steps=2, pool_min_size=1,
+                                                    pool_max_size=4), "cpu")
+    event = worker.record_cut(0, 1)
+    assert event["micro_batches"] == 4 and event["floor"] == 8 and event["pass_cost"] is None
+    assert "4 micro-batches of 8 (one per virtual worker: the pool's --max 4; floor 8: " \
+        "BatchNorm" in event["message"]
     state = worker.capture()
-    state["progress"]["pass_cost"] = 64.0
-    worker.restore(state)
-    assert worker.progress.pass_cost == worker.plan.pass_cost == 4.0
+    other = Worker(cell_namespace(CELL, 3), config(global_batch=32, steps=2, micro_batch=16),
+                   "cpu")
+    assert other.plan.micro_batch_count(32) == 2
+    other.restore(state)
+    assert other.plan.micro_batch_count(32) == 4 and other.progress.cut == state["progress"]["cut"]
 
 
 def test_every_rank_gets_rank0s_cost(tmp_path):
-    ranks = train(CELL, config(global_batch=32, pool_min_size=1, pool_max_size=4), 2, 3,
-                  tmp_path)
+    ranks = train(CELL, config(global_batch=32, pool_min_size=1, pool_max_size=4,
+                               pass_cost="measure"), 2, 3, tmp_path)
     assert ranks[0].pass_cost is not None and ranks[0].pass_cost == ranks[1].pass_cost
     assert all(torch.equal(ranks[0].params[k], ranks[1].params[k]) for k in ranks[0].params)
 
 
-def test_a_run_measures_once_and_a_resume_keeps_the_cut(idle_pool, tmp_path):
+def test_a_resume_keeps_the_cut_its_checkpoint_recorded(idle_pool, tmp_path):
     config_ = RunConfig(name="cut", global_batch=32, steps=4, checkpoint_every=2, seed=1)
     run = TrainingRun(idle_pool, config_, source=CELL, engines=2, schedule=[(2, 3)],
                       workspace=str(tmp_path)).start()
     assert run.wait(timeout=240) == "finished", run.logs()
     cut, = [e for e in run.events if e["kind"] == "micro_batches"]
-    assert cut["step"] == 0 and "cut into" in run.logs()
+    assert cut["step"] == 0 and cut["micro_batches"] == 4 and "cut into" in run.logs()
     saved = torch.load(run.checkpoints[-1]["path"], weights_only=True)
-    assert saved["progress"]["pass_cost"] == cut["pass_cost"]
+    recorded = saved["progress"]["cut"]
+    assert recorded["rule"] == "virtual workers" and recorded["virtual"] == 4
 
-    more = RunConfig(name="cut", global_batch=32, steps=8, checkpoint_every=2, seed=1)
+    more = RunConfig(name="cut", global_batch=32, steps=8, checkpoint_every=2, seed=1,
+                     micro_batch=16)
     resumed = TrainingRun(idle_pool, more, source=CELL, engines=2, resume=True,
                           workspace=str(tmp_path)).start()
     assert resumed.wait(timeout=240) == "finished", resumed.logs()
-    assert not [e for e in resumed.events if e["kind"] == "micro_batches"]
+    said = [e["message"] for e in resumed.events if e["kind"] == "micro_batches"]
+    assert len(said) == 1 and "this run keeps that cut" in said[0], said
     saved = torch.load(resumed.checkpoints[-1]["path"], weights_only=True)
-    assert saved["progress"]["step"] == 8 and saved["progress"]["pass_cost"] == cut["pass_cost"]
+    assert saved["progress"]["step"] == 8 and saved["progress"]["cut"] == recorded
 
 
 def test_a_long_pass_means_samples_dominate():
@@ -125,14 +135,19 @@ def loss_fn(model, batch):
 '''
 
 
-def test_a_pass_cost_that_cuts_batchnorm_too_fine_is_refused():
-    """22 samples capped at 2 a micro-batch on 1..2 ranks: 11 micro-batches of 2 with a free
-    pass, but 12 (some of 1 sample) with a pass costing 1: BatchNorm cannot train on those."""
-    worker = Worker(cell_namespace(BATCHNORM_CELL, 3),
-                    config(global_batch=22, micro_batch=2, steps=1, pool_min_size=1,
-                           pool_max_size=2, pass_cost=0.0), "cpu")
-    state = worker.capture()
-    state["progress"]["pass_cost"] = 1.0
-    worker.config["pass_cost"] = None  # as a resumed run that measured its cost
-    with pytest.raises(SetupError, match="at least 2 samples per micro-batch"):
-        worker.restore(state)
+def test_a_cut_below_the_floor_is_refused_with_what_to_change():
+    """BatchNorm sets a floor of 8 samples a micro-batch: 16 samples on a pool of --max 4 are
+    refused at setup; the cell's min_micro_batch accepts them; a short last step (44 % 16 =
+    12) is one micro-batch, not two of 6."""
+    cfg = dict(global_batch=16, steps=1, pool_min_size=1, pool_max_size=4)
+    with pytest.raises(SetupError, match=r"--global-batch 16 over the pool's --max 4 gives "
+                       r"micro-batches of 4 samples, below the floor of 8 \(BatchNorm"):
+        Worker(cell_namespace(BATCHNORM_CELL, 3), config(**cfg), "cpu")
+    worker = Worker(cell_namespace(BATCHNORM_CELL + "min_micro_batch = 4\n", 3), config(**cfg),
+                    "cpu")
+    assert worker.plan.micro_batch_count(16) == 4 and worker.plan.micro_batch_count(12) == 3
+    worker = Worker(cell_namespace(BATCHNORM_CELL, 3), config(**dict(cfg, pool_max_size=2)),
+                    "cpu")
+    assert worker.plan.micro_batch_count(16) == 2 and worker.plan.micro_batch_count(12) == 1
+    with pytest.raises(SetupError, match="min_micro_batch must be a positive integer"):
+        Worker(cell_namespace(BATCHNORM_CELL + "min_micro_batch = 0\n", 3), config(**cfg), "cpu")

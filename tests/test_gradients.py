@@ -10,7 +10,7 @@ import pytest
 import torch
 from worlds import cell_namespace, config, max_relative_deviation, reference, train
 
-from elastic_jupyter.engine.batching import BatchPlan, rank_share
+from elastic_jupyter.engine.batching import BatchPlan, Cut, rank_share
 from elastic_jupyter.engine.worker import SetupError, Worker
 
 # ------------------------------------------------------------------------- mixed dtypes
@@ -308,7 +308,7 @@ def test_sync_batchnorm_refuses_a_nan_loss_without_items():
 
 def test_sync_batchnorm_with_a_rank_without_items_matches_its_peers(tmp_path):
     # rank 0's share of every step of the first epoch holds no item, rank 1's only items
-    plan, rank1 = BatchPlan(32, 16, 3, None, 1, 2), []
+    plan, rank1 = BatchPlan(32, 16, 3, Cut("pass_cost", pass_cost=0.0, max_size=2)), []
     for position in (0, 16):
         rank1 += [int(i) for _, part in plan.rank_micro_batches(plan.batch(0, position), 1, 2)
                   for i in part]

@@ -1,11 +1,9 @@
 """Resize invariance: the parameters after S steps do not depend on the world-size schedule.
 
 Each run trains the same float64 model on the same data with a constant global batch of 64:
-at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch. The 2 -> 3 -> 1 run
-measures the cost of a pass (engine.calibration), which with the test pool's bounds (1..4) and
-the cap of 16 samples fixes how each step is cut into micro-batches (4 of 16 for a small model
-on a CPU; 12 of 5-6 were a pass free); the runs at 1 and at 2 are given that cost
-(``--pass-cost``), as the run's log advises. All must end with the parameters (and buffers) of
+at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch, on default settings:
+the test pool's --max 4 cuts every step into 4 micro-batches of 16 (engine.batching.Cut), by
+rule, the same in every run. All must end with the parameters (and buffers) of
 a single-process reference that runs the same micro-batches in order, each with its own random
 stream, and takes the mean gradient of each batch. The model is plain, or has dropout (a mask per micro-batch), or BatchNorm in training
 mode (statistics per micro-batch, running statistics updated in micro-batch order).
@@ -14,7 +12,7 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine.batching import BatchPlan, rank_share
+from elastic_jupyter.engine.batching import BATCHNORM_FLOOR, BatchPlan, choose_cut, rank_share
 from elastic_jupyter.engine.randomness import stream_seed
 
 CELL = '''
@@ -33,7 +31,7 @@ OPTIMIZERS = {"sgd": "lambda p: torch.optim.SGD(p, lr=0.2)",
               "adam": "lambda p: torch.optim.Adam(p, lr=0.01)"}
 LAYERS = {"plain": "", "dropout": "torch.nn.Dropout(0.5),",
           "batchnorm": "torch.nn.BatchNorm1d(16),"}
-STEPS, BATCH, MICRO = 56, 64, 16  # 1000 samples: 16 steps per epoch, the last one of 40
+STEPS, BATCH = 56, 64  # 1000 samples: 16 steps per epoch, the last one of 40
 SCHEDULE = [(20, 3), (40, 1)]  # both mid-epoch
 POOL = (1, 4)  # the test pool's bounds, which fix the micro-batches
 
@@ -43,20 +41,20 @@ def cell(optimizer: str, dtype: str, layer: str = "plain") -> str:
             .replace("OPTIMIZER", f"({OPTIMIZERS[optimizer]})"))
 
 
-def run_elastic(pool, tmp_path, source, engines, schedule=(), name="inv", pass_cost=None):
-    config = RunConfig(name=name, global_batch=BATCH, micro_batch=MICRO, steps=STEPS,
-                       checkpoint_every=0, seed=7, pass_cost=pass_cost)
+def run_elastic(pool, tmp_path, source, engines, schedule=(), name="inv"):
+    config = RunConfig(name=name, global_batch=BATCH, steps=STEPS, checkpoint_every=0, seed=7)
     run = TrainingRun(pool, config, source=source, engines=engines, schedule=list(schedule),
                       workspace=str(tmp_path / f"{name}-{engines}-{len(schedule)}")).start()
     assert run.wait(timeout=240) == "finished", run.logs()
     return run
 
 
-def reference(source: str, passes, pass_cost: float):
+def reference(source: str, passes, layer: str):
     """Single-process training of the same cell: each step runs the forward passes
     ``passes(plan, step, batch)`` gives as (sample indices, loss weight, torch seed), in order,
-    with the micro-batches of a run that measured `pass_cost`. Returns the named parameters
-    before training, the state dict after it and the number of micro-batches of all steps."""
+    with the micro-batches the default cut gives on the test pool. Returns the named
+    parameters before training, the state dict after it and the number of micro-batches of
+    all steps."""
     import random
     import numpy as np
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
@@ -64,8 +62,9 @@ def reference(source: str, passes, pass_cost: float):
     exec(source, ns)
     model, opt, data, loss_fn = ns["model"], ns["optimizer"], ns["dataset"], ns["loss_fn"]
     start = {k: p.detach().clone() for k, p in model.named_parameters()}
-    plan, epoch, position = BatchPlan(len(data), BATCH, 7, MICRO, *POOL), 0, 0
-    plan.pass_cost, micro_batches = pass_cost, 0
+    floor = BATCHNORM_FLOOR if layer == "batchnorm" else 1
+    cut = choose_cut(BATCH, None, None, *POOL, floor, "")
+    plan, epoch, position, micro_batches = BatchPlan(len(data), BATCH, 7, cut), 0, 0, 0
     for step in range(STEPS):
         idx = plan.batch(epoch, position)
         micro_batches += plan.micro_batch_count(len(idx))
@@ -123,18 +122,18 @@ def test_parameters_do_not_depend_on_the_world_size_schedule(idle_pool, tmp_path
     assert (idle_pool.min_size, idle_pool.max_size) == POOL
     source = cell(optimizer, "float64", layer)
     runs = {"2-3-1": run_elastic(idle_pool, tmp_path, source, 2, SCHEDULE)}
-    cut, = [e for e in runs["2-3-1"].events if e["kind"] == "micro_batches"]
-    runs.update({str(n): run_elastic(idle_pool, tmp_path, source, n, pass_cost=cut["pass_cost"])
-                 for n in (1, 2)})
-    start, expected, micro_batches = reference(source, micro_batch_passes, cut["pass_cost"])
-    _, wrong, _ = reference(source, WRONG[layer], cut["pass_cost"])
+    runs.update({str(n): run_elastic(idle_pool, tmp_path, source, n) for n in (1, 2)})
+    start, expected, micro_batches = reference(source, micro_batch_passes, layer)
+    _, wrong, _ = reference(source, WRONG[layer], layer)
     close = dict(rtol=1e-7, atol=1e-9)
     assert not all(torch.allclose(wrong[k], expected[k], **close) for k in expected)
     moved = sum((expected[k] - s).norm() for k, s in start.items())
     assert moved / sum(s.norm() for s in start.values()) > 0.01
     if layer == "batchnorm":  # one update of the running statistics per micro-batch
         assert int(expected["1.num_batches_tracked"]) == micro_batches
-    assert not any(e["kind"] == "micro_batches" for n in ("1", "2") for e in runs[n].events)
+    cuts = {e["message"] for run in runs.values() for e in run.events
+            if e["kind"] == "micro_batches"}  # the same cut, said in each run
+    assert len(cuts) == 1 and "4 micro-batches of 16" in cuts.pop()
     for label, run in runs.items():
         got = run.state_dict()
         for k in expected:
@@ -157,3 +156,46 @@ def test_float32_deviation_is_round_off(idle_pool, tmp_path):
         print(f"float32 max relative deviation, {engines} engines, schedule {list(schedule)}: "
               f"{deviation:.2e}")
         assert deviation < 1e-4
+
+
+MIXUP_CELL = '''
+import random
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X[:512], dtype=torch.float64) / 16,
+                                         torch.tensor(y[:512]))
+model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(),
+                            torch.nn.Linear(16, 10)).double()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+def loss_fn(model, batch):
+    """timm's Mixup: the mixing ratio from numpy's global generator, the batch mixed with its
+    flipped self, the loss of both targets; a Python random draw picks the smoothing."""
+    x, y = batch
+    lam = float(np.random.beta(1.0, 1.0))
+    smoothing = random.choice([0.0, 0.1])
+    out = model(lam * x + (1 - lam) * x.flip(0))
+    ce = lambda t: torch.nn.functional.cross_entropy(out, t, label_smoothing=smoothing)
+    return lam * ce(y) + (1 - lam) * ce(y.flip(0))
+'''
+
+
+def test_numpy_and_python_draws_in_loss_fn_do_not_depend_on_the_world_size(idle_pool, tmp_path):
+    """A Mixup-like loss_fn drawing from numpy's and Python's global generators: a run resized
+    2 -> 3 -> 1 ends with the parameters of a run fixed at 2 (each micro-batch draws from
+    its own stream, whichever rank runs it; before, each rank drew its own sequence)."""
+    def run(schedule):
+        config = RunConfig(name="mixup", global_batch=64, micro_batch=16, steps=12,
+                           checkpoint_every=0, seed=7)
+        return TrainingRun(idle_pool, config, source=MIXUP_CELL, engines=2,
+                           schedule=list(schedule),
+                           workspace=str(tmp_path / f"mixup-{len(schedule)}")).start()
+    resized = run([(4, 3), (8, 1)])
+    assert resized.wait(timeout=240) == "finished", resized.logs()
+    assert [r["world_size"] for r in resized.history] == [2] * 4 + [3] * 4 + [1] * 4
+    fixed = run([])
+    assert fixed.wait(timeout=240) == "finished", fixed.logs()
+    got, expected = resized.state_dict(), fixed.state_dict()
+    for k in expected:
+        assert torch.allclose(got[k], expected[k], rtol=1e-9, atol=0), k

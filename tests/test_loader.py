@@ -9,9 +9,12 @@ from worlds import cell_namespace, config, train
 from elastic_jupyter.engine.worker import Worker
 
 NOISY_CELL = '''
+import random
+import numpy as np
 import torch
 class Noisy(torch.utils.data.Dataset):
-    """A random transform: each fetch adds fresh noise from torch's generator."""
+    """A random transform: each fetch adds fresh noise from torch's generator, numpy's global
+    one and Python's random (as torchvision's and albumentations' transforms draw)."""
     def __init__(self):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(96, 4, generator=g, dtype=torch.float64)
@@ -19,7 +22,9 @@ class Noisy(torch.utils.data.Dataset):
     def __len__(self):
         return 96
     def __getitem__(self, i):
-        return self.x[i] + 0.1 * torch.randn(4, dtype=torch.float64), self.y[i]
+        noise = 0.1 * torch.randn(4, dtype=torch.float64)
+        noise += 0.1 * torch.from_numpy(np.random.standard_normal(4)) * random.random()
+        return self.x[i] + noise, self.y[i]
 dataset = Noisy()
 model = torch.nn.Linear(4, 1).double()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

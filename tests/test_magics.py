@@ -313,6 +313,29 @@ def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell,
     assert result.result["size"] == POOL_SIZE  # still the dict
 
 
+def test_a_pool_a_schedule_left_smaller_says_so_and_so_does_a_run_without_engines(
+        ip, magics, cell):
+    name = unique("shrunk")
+    result, out, err = cell(train_cell(f"--name {name} --steps 4 --schedule 2:1 --wait "
+                                       "--no-dashboard"))
+    assert result.success and ip.user_ns["run"].state == "finished", err
+    note = f"the pool stands at 1 engine, where run {name!r} left it (it started with 2)"
+    assert magics.pool.size == 1 and magics.pool.status()["size_note"] == note
+    result, out, err = cell("%elastic_pool status")
+    assert f"The{note[3:]}: a run without --engines starts at 1; %elastic_pool resize 2 goes " \
+           "back." in out.splitlines(), out
+    result, out, err = cell(train_cell(f"--name {unique('after')} --steps 2 --no-dashboard"))
+    assert result.success, err
+    run = ip.user_ns["run"]
+    assert f"{note}: training starts at 1; give --engines N (engines=N) to choose" in out
+    assert run.wait(timeout=120) == "finished" and run.history[0]["world_size"] == 1
+    assert note.replace(name, run.name) == magics.pool.size_note()
+    result, out, err = cell(train_cell(f"--name {unique('chosen')} --steps 2 --engines 1 "
+                                       "--no-dashboard"))
+    assert result.success and "training starts at" not in out, err
+    assert ip.user_ns["run"].wait(timeout=120) == "finished"
+
+
 def test_pool_resize_with_no_run(ip, magics, cell):
     result, out, err = cell("%elastic_pool resize 3")
     assert result.success, err

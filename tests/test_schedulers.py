@@ -110,14 +110,15 @@ def test_plateau_steps_once_per_epoch_on_the_mean_training_loss(idle_pool, tmp_p
     _check_against_reference(run, steps, None, None)
 
 
-def test_a_plateau_metric_the_evaluation_lacks_fails_the_run_naming_those_it_has(idle_pool,
-                                                                                 tmp_path):
+def test_a_plateau_metric_the_evaluation_lacks_is_refused_at_setup_naming_those_it_has(
+        idle_pool, tmp_path):
     config = RunConfig(name=f"plateau-{uuid.uuid4().hex[:6]}", global_batch=B, steps=10,
                        eval_every=5, plateau_metric="val_los", seed=SEED)
-    run = TrainingRun(idle_pool, config, source=cell(PLATEAU),
-                      workspace=str(tmp_path)).start()
-    assert run.wait(timeout=120) == "failed"
-    assert "--plateau-metric val_los: the evaluation gives val_accuracy, val_loss" in run.error
+    run = TrainingRun(idle_pool, config, source=cell(PLATEAU), workspace=str(tmp_path))
+    # metric_fn is tried when the cell runs (Worker.try_user_functions)
+    with pytest.raises(RunSetupError, match="--plateau-metric val_los: metric_fn, tried at "
+                                            "setup, gives val_accuracy, val_loss"):
+        run.start()
 
 
 def test_a_plateau_metric_for_another_scheduler_is_refused_at_setup(idle_pool, tmp_path):

@@ -75,7 +75,7 @@ def test_tensorboard_option_is_checked_before_anything_starts(idle_pool, tmp_pat
 
 
 def _record(step, loss):
-    return {"step": step, "epoch": 0, "loss": loss, "lr": 0.1, "world_size": 2,
+    return {"step": step, "epoch": 0, "loss": loss, "lr": 0.1, "lr_1": 0.2, "world_size": 2,
             "samples_per_s": 100.0, "time": 1_000_000.0 + step}
 
 
@@ -97,6 +97,7 @@ def test_the_log_waits_for_a_missing_step_hides_a_rollback_and_ends_at_close(tmp
     events = _read(str(tmp_path / "tb"))
     assert [(s.step, s.value) for s in events.Scalars("train/loss")] == [
         (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0), (5, 15.0)]
+    assert [s.step for s in events.Scalars("train/lr_1")] == [1, 2, 3, 4, 5]  # param group 1
     texts = [make_ndarray(t.tensor_proto).item().decode()
              for t in events.Tensors("events/text_summary")]
     assert len(texts) == 1 and "rolled back to step 2" in texts[0], texts

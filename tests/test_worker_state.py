@@ -19,8 +19,10 @@ def loss_fn(model, batch):
 '''
 
 
-def worker(data=64, layer="torch.nn.Identity()", **options) -> Worker:
+def worker(data=64, layer="torch.nn.Identity()", min_micro_batch=None, **options) -> Worker:
     source = CELL.replace("DATA", str(data)).replace("LAYER", layer)
+    if min_micro_batch is not None:
+        source += f"\nmin_micro_batch = {min_micro_batch}\n"
     return Worker(cell_namespace(source, 3), config(steps=100, **options), "cpu")
 
 
@@ -93,12 +95,16 @@ def test_fp16_steps_on_a_rank_that_scaled_no_loss(monkeypatch):
     assert w.precision.scaler.get_scale() == 65536.0
 
 
-def test_batchnorm_in_training_mode_refuses_micro_batches_of_one_sample():
-    # 37 samples, B 16 on a pool of 1..4: full steps cut into 8 micro-batches of 2; the
-    # epoch's last step holds 5, cut into 4 micro-batches (one of them a single sample)
-    with pytest.raises(SetupError, match="at least 2 samples per micro-batch.*step of 5"):
-        worker(data=37, layer="torch.nn.BatchNorm1d(16)", global_batch=16, pool_max_size=4)
-    worker(data=32, layer="torch.nn.BatchNorm1d(16)", global_batch=16, pool_max_size=4)
+def test_batchnorm_never_gets_a_micro_batch_of_one_sample():
+    # 37 samples, B 16 on a pool of 1..4 with BatchNorm's floor lowered to 2 by the cell: full
+    # steps are 4 micro-batches of 4; the epoch's last step of 5 is 2 (3 and 2), not 4 (a 1 among
+    # them); the floor of 2 holds even when the cell declares 1
+    for declared in (2, 1):
+        w = worker(data=37, layer="torch.nn.BatchNorm1d(16)", global_batch=16, pool_max_size=4,
+                   min_micro_batch=declared)
+        assert w.plan.cut.floor == 2
+        assert [len(m) for m in w.plan.micro_batches(torch.arange(5))] == [2, 3]
+        assert [len(m) for m in w.plan.micro_batches(torch.arange(16))] == [4] * 4
 
 
 def test_evaluation_gives_each_rank_its_own_buffers_back():
@@ -108,3 +114,26 @@ def test_evaluation_gives_each_rank_its_own_buffers_back():
     before = [b.clone() for b in w.model.buffers()]
     w.evaluate(0, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, w.model.buffers()))
+
+
+def test_a_step_record_logs_every_param_groups_learning_rate():
+    """``lr`` is the first group's; ``lr_1``, ``lr_2`` the further groups' (as the scheduler
+    set them for the step), only where there are several; the views' columns leave them out."""
+    from elastic_jupyter import series
+    w = worker(global_batch=16)
+    assert set(w.train_step(0, 1)[0]) & {"lr", "lr_1"} == {"lr"}
+    groups = CELL.replace("DATA", "64").replace("LAYER", "torch.nn.Identity()").replace(
+        "optimizer = torch.optim.Adam(model.parameters(), lr=0.05)",
+        "optimizer = torch.optim.SGD([{'params': model[0].parameters()},\n"
+        "    {'params': model[3].parameters(), 'lr': 0.5},\n"
+        "    {'params': [], 'lr': torch.tensor(0.25)}], lr=0.1)\n"
+        "lr_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)")
+    w = Worker(cell_namespace(groups, 3), config(steps=100, global_batch=16), "cpu")
+    record = w.train_step(0, 1)[0]
+    assert (record["lr"], record["lr_1"], record["lr_2"]) == (0.1, 0.5, 0.25)
+    assert type(record["lr_2"]) is float and "lr_3" not in record
+    w.lr_scheduler.step()  # as the generation steps it (engine.schedulers)
+    record = w.train_step(0, 1)[0]
+    assert (record["lr"], record["lr_1"]) == (0.05, 0.25)
+    names = series.column_names([record])
+    assert "lr" not in names and "lr_1" not in names and "lr_2" not in names

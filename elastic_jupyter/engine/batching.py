@@ -1,15 +1,15 @@
 """Which samples each rank uses at each step: the data-assignment half of elastic training.
 
-The plan depends only on (seed, epoch, position in the epoch, global batch, micro-batch cap, the
-pool's size bounds), never on the world size or on how the run got there, so a resize mid-epoch
+The plan depends only on (seed, epoch, position in the epoch, global batch, the run's
+:class:`Cut`), never on the world size or on how the run got there, so a resize mid-epoch
 neither repeats nor skips a sample. Horovod's ElasticSampler and torch's DistributedSampler pad
 or drop samples when the world size changes (horovod #3399, #3143; pytorch #36650); this plan
 does not.
 
 Each step's batch of b samples is cut into K micro-batches at the offsets ``k * b // K`` (sizes
-differ by at most one); K depends on b, the cap, the pool's bounds and the measured cost of a
-pass (see :func:`micro_batch_count`), never on the world size W. Rank r of W processes the contiguous
-micro-batches ``rank_share(K, r, W)``. A micro-batch is the unit of one forward pass, of one
+differ by at most one); K follows from b and the run's :class:`Cut` (rules fixed at the run's
+start and kept in its state), never from the world size W or a clock. Rank r of W processes the
+contiguous micro-batches ``rank_share(K, r, W)``. A micro-batch is the unit of one forward pass, of one
 random stream (engine.randomness) and of BatchNorm statistics (engine.running_stats), so the
 computation does not depend on W: only which rank does which part of it.
 """
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -31,9 +32,10 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
     return torch.randperm(n, generator=gen)
 
 
-def steps_per_epoch(n: int, global_batch: int) -> int:
-    """Optimizer steps in one epoch; the last one takes the remainder ``n % global_batch``."""
-    return math.ceil(n / global_batch)
+def steps_per_epoch(n: int, global_batch: int, drop_last: bool = False) -> int:
+    """Optimizer steps in one epoch; the last one takes the remainder ``n % global_batch``, or
+    with `drop_last` is left out (as ``DataLoader(drop_last=True)`` leaves it)."""
+    return n // global_batch if drop_last else math.ceil(n / global_batch)
 
 
 def rank_share(batch_size: int, rank: int, world_size: int) -> slice:
@@ -122,6 +124,91 @@ def worst_slowdown(bounds: list[int], min_size: int, max_size: int,
                for w in range(min_size, max_size + 1))
 
 
+BATCHNORM_FLOOR = 8  # samples a micro-batch holds at least when the model has BatchNorm
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How every step is cut into micro-batches: fixed at a run's start, part of its state (a
+    resume and every newcomer cut as the run began), never measured unless asked for.
+
+    rule:
+      - ``"virtual workers"`` (the default): a full step of B samples is cut into ``virtual``
+        micro-batches, the pool's ``--max`` at the run's start, so each rank at the largest
+        size runs one; EasyScale's fixed virtual workers (Li et al., SC'23).
+      - ``"micro_batch"`` (``--micro-batch N``): a step of b samples into ceil(b / N).
+      - ``"pass_cost"`` (``--pass-cost P``, or measured with ``--pass-cost measure``): the
+        fewest micro-batches that keep every world size in ``min_size..max_size`` within 1.1 x
+        an even split's time when a pass costs P samples' worth (:func:`micro_batch_count`).
+    floor: the fewest samples a micro-batch may hold (``floor_why`` says what set it: BatchNorm,
+      whose statistics are per micro-batch; the cell's ``min_micro_batch``); a short step is cut
+      into fewer micro-batches rather than smaller ones.
+    """
+
+    rule: str = "virtual workers"
+    virtual: int = 1
+    micro_batch: int | None = None
+    pass_cost: float | None = None
+    min_size: int = 1
+    max_size: int = 1
+    floor: int = 1
+    floor_why: str = ""
+
+    def count(self, batch_size: int) -> int:
+        """K, the micro-batches of a step of `batch_size` samples (>= 1)."""
+        if self.rule == "micro_batch":
+            wanted = -(-batch_size // self.micro_batch)
+        elif self.rule == "pass_cost":
+            wanted = micro_batch_count(batch_size, None, self.min_size, self.max_size,
+                                       self.pass_cost or 0.0)
+        else:
+            wanted = self.virtual
+        return max(1, min(wanted, batch_size // self.floor))
+
+    def describe(self, global_batch: int) -> str:
+        """What cuts a step of `global_batch` samples, and why, in a sentence."""
+        count = self.count(global_batch)
+        small, large = global_batch // count, -(-global_batch // count)
+        sizes = f"{small}" if small == large else f"{small}-{large}"
+        why = {"virtual workers": f"one per virtual worker: the pool's --max {self.virtual}",
+               "micro_batch": f"--micro-batch {self.micro_batch}",
+               "pass_cost": f"a pass costs as much as {self.pass_cost:g} samples"
+               if self.pass_cost is not None else "pass cost"}[self.rule]
+        floor = f"; floor {self.floor}: {self.floor_why}" if self.floor > 1 else ""
+        return (f"each step of {global_batch} samples is cut into {count} micro-batches of "
+                f"{sizes} ({why}{floor}); an epoch's short last step into fewer, none below "
+                "the floor")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def choose_cut(global_batch: int, micro_batch: int | None, pass_cost: float | None,
+               min_size: int, max_size: int, floor: int, floor_why: str) -> Cut:
+    """The run's :class:`Cut` from its options (``--micro-batch``, ``--pass-cost``, the pool's
+    bounds) and the model's floor. Raises ValueError, saying what to change, when the floor
+    cannot be met: a micro-batch below it at the pool's largest size."""
+    if micro_batch:
+        cut = Cut("micro_batch", micro_batch=micro_batch, min_size=min_size,
+                  max_size=max_size, floor=floor, floor_why=floor_why)
+        if micro_batch < floor:
+            raise ValueError(f"--micro-batch {micro_batch} is below the floor of {floor} samples "
+                             f"per micro-batch ({floor_why}): use --micro-batch {floor} or more")
+        return cut
+    if pass_cost is not None:
+        return Cut("pass_cost", pass_cost=float(pass_cost), min_size=min_size,
+                   max_size=max_size, floor=floor, floor_why=floor_why)
+    if global_batch // max_size < floor:
+        raise ValueError(
+            f"--global-batch {global_batch} over the pool's --max {max_size} gives micro-batches "
+            f"of {global_batch // max_size} samples, below the floor of {floor} ({floor_why}): "
+            f"raise --global-batch to {floor * max_size} or more, start the pool with --max "
+            f"{max(1, global_batch // floor)} or fewer, or declare min_micro_batch = "
+            f"{max(1, global_batch // max_size)} in the cell to accept smaller micro-batches")
+    return Cut("virtual workers", virtual=max_size, min_size=min_size, max_size=max_size,
+               floor=floor, floor_why=floor_why)
+
+
 class BatchPlan:
     """The global batch of every step and its micro-batches, for one dataset size.
 
@@ -129,19 +216,16 @@ class BatchPlan:
         n: number of samples in the dataset.
         global_batch: B, samples consumed by one optimizer step whatever the world size.
         seed: the run's seed; epoch e uses the permutation of (seed, e).
-        micro_batch: cap on a micro-batch's size in samples (None: no cap).
-        min_size, max_size: the pool's bounds; the micro-batch count keeps a step within 1.1 x
-            an even split's time at every world size between them (:func:`micro_batch_count`).
-
-    Attributes:
-        pass_cost: a pass's fixed cost in samples (engine.calibration); 0 until measured.
+        cut: how a step is cut into micro-batches (:class:`Cut`); the run may set another
+            (its state's) before the first step.
+        drop_last: leave out an epoch's short last step (its samples wait for a later epoch's
+            permutation), as ``DataLoader(drop_last=True)`` does.
     """
 
-    def __init__(self, n: int, global_batch: int, seed: int, micro_batch: int | None = None,
-                 min_size: int = 1, max_size: int = 1):
+    def __init__(self, n: int, global_batch: int, seed: int, cut: Cut | None = None,
+                 drop_last: bool = False):
         self.n, self.global_batch, self.seed = n, global_batch, seed
-        self.micro_batch, self.min_size, self.max_size = micro_batch, min_size, max_size
-        self.pass_cost = 0.0
+        self.cut, self.drop_last = cut or Cut(), drop_last
         self._epoch, self._perm = None, None
 
     def batch(self, epoch: int, position: int) -> torch.Tensor:
@@ -153,12 +237,12 @@ class BatchPlan:
     def advance(self, epoch: int, position: int) -> tuple[int, int]:
         """(epoch, position) after the step at `position`."""
         position += min(self.global_batch, self.n - position)
-        return (epoch + 1, 0) if position >= self.n else (epoch, position)
+        end = self.n - self.n % self.global_batch if self.drop_last else self.n
+        return (epoch + 1, 0) if position >= end else (epoch, position)
 
     def micro_batch_count(self, batch_size: int) -> int:
         """K for a step of `batch_size` samples (the last step of an epoch has fewer than B)."""
-        return micro_batch_count(batch_size, self.micro_batch, self.min_size, self.max_size,
-                                 self.pass_cost)
+        return self.cut.count(batch_size)
 
     def micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """The step's K micro-batches in order: consecutive slices of `batch` (sample indices)."""

@@ -206,9 +206,11 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
 
 
 def _check_worker(worker: Worker) -> None:
-    """Refuse, before the first step, a setup whose checkpoints could not be loaded or whose
-    scheduler options do not fit."""
+    """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
+    scheduler options do not fit, or whose functions the run calls later fail when tried
+    (Worker.try_user_functions)."""
     schedulers.check(worker)
+    worker.try_user_functions()
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
                               worker.progress, worker.history.records, worker.config,
                               copy_tensors=False, grad_scaler=worker.precision.scaler)
@@ -249,9 +251,11 @@ def load_state(folder: str) -> dict:
     """Called on rank 0 for ``--resume``, and after a fault that left no survivor: restore this
     engine's Worker from the newest usable checkpoint in `folder`.
 
-    Returns {"path", "warnings", "progress", "config", "history"} (the whole history: the
-    folder's history file with the checkpoint's own records); warnings name newer files
-    that were skipped, one short line each; torch's full errors go to the engine's log.
+    Returns {"path", "warnings", "progress", "config", "history", "pending"} (the whole
+    history: the folder's history file with the checkpoint's own records; "pending": the
+    checkpoint's last step is still to finish, its record not in the history yet: one written
+    before the final evaluation, engine.generation); warnings name newer files that were
+    skipped, one short line each; torch's full errors go to the engine's log.
     Raises CheckpointError when none is usable.
     """
     details: list[str] = []
@@ -268,7 +272,8 @@ def load_state(folder: str) -> dict:
     w = _state.worker
     w.restore(state)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
-            "config": state["config"], "history": history.whole_history(folder, state)}
+            "config": state["config"], "history": history.whole_history(folder, state),
+            "pending": w.pending is not None}
 
 
 def connect_store(host: str, port: int, timeout: float) -> None:
@@ -335,8 +340,14 @@ def progress() -> dict:
             "holds_state": w.holds_state}
 
 
-def history_since(step: int) -> list[dict]:
+def history_since(step: int, pending: bool = False) -> list[dict]:
     """Called on rank 0 after a fault, for the records the live stream had not delivered:
     this engine's history records after `step` (it holds every one the owner lacks:
-    engine.history)."""
-    return _state.worker.history.since(step)
+    engine.history). With `pending` (a run that ends with an error), also the record of a
+    committed step whose evaluation is still to do (``Worker.pending``: the error hit it)."""
+    w = _state.worker
+    records = w.history.since(step)
+    if pending and w.pending is not None and w.pending["step"] > step \
+            and (not records or records[-1]["step"] < w.pending["step"]):
+        records.append(w.pending)
+    return records

@@ -225,11 +225,20 @@ class Generation:
         """After a committed step, on every rank: its evaluation when one is due, its history
         record, the scheduler's step, and on rank 0 its checkpoint. A fault in the evaluation
         (a collective) leaves the record as ``Worker.pending`` on every survivor (the vote
-        ends an evaluation alike everywhere), and the next generation finishes it first."""
+        ends an evaluation alike everywhere), and the next generation finishes it first.
+        Before the final evaluation, rank 0 writes the final state (:meth:`_keep_final_state`):
+        an error there (the user's metric_fn) fails the run but loses no training."""
         w, cfg, step = self.worker, self.worker.config, self.worker.progress.step
         every = cfg.get("eval_every")
         if (every and step % every == 0) or step >= cfg["total_steps"]:
-            record.update(w.evaluate(self.rank, self.world_size, self.vote))
+            if step >= cfg["total_steps"] and self.rank == 0:
+                self._keep_final_state(record)
+            try:
+                record.update(w.evaluate(self.rank, self.world_size, self.vote))
+            except BaseException:
+                if self.rank == 0 and w.writer:  # the error is told once that state is written
+                    w.writer.wait()
+                raise
         w.history.append(record)
         step_lr_scheduler(w, record)
         w.pending = None
@@ -238,6 +247,23 @@ class Generation:
         w.forget_history(self._acknowledged_step)
         if self.rank == 0:
             self._maybe_checkpoint(step, cfg)
+
+    def _keep_final_state(self, record: dict) -> None:
+        """Rank 0, before the final evaluation: write the final state as a checkpoint, its
+        last step `record` still to finish (``pending``: its evaluation, history record and
+        scheduler step), so that user code failing in that evaluation loses no training:
+        ``run.state_dict()`` and ``export()`` read it, and ``--resume`` loads it and finishes
+        the step (Worker.restore). Once the evaluation succeeded, the final checkpoint is
+        written again as always (:meth:`_maybe_checkpoint`), the step finished. Copied as a
+        periodic checkpoint is (the evaluation sets rank 0's buffers again) and written while
+        the evaluation runs: the other ranks do not wait for the disk in its collectives."""
+        w = self.worker
+        if w.writer is None or w.eval_dataset is None or w.writer.saved_step == record["step"]:
+            return  # nothing to evaluate; or written already (a generation before a fault)
+        w.writer.wait()  # the copy reuses the buffers of the write before
+        state = w.capture(staging=w.staging)
+        state["pending"] = dict(record)
+        w.writer.submit(state, ready=w.staging.ready, arena=w.staging.arena)
 
     def _maybe_checkpoint(self, step: int, cfg: dict) -> None:
         every = cfg.get("checkpoint_every") or 0

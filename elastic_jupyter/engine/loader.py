@@ -10,9 +10,9 @@ asks for its batch. The loader lives for one generation; a new one starts from t
 in the next, so every sample is still used once per epoch (what a prefetched batch of a
 finished generation held is fetched again by the rank that now has it).
 
-Each sample is fetched under torch's CPU generator seeded by (seed, epoch, sample index)
-(engine.randomness.sample_seed), so a random transform gives the same sample at any world
-size and any number of loader processes.
+Each sample is fetched under torch's CPU generator, Python's ``random`` and numpy's global
+generator seeded by (seed, epoch, sample index) (engine.randomness.sample_seed), so a random
+transform gives the same sample at any world size and any number of loader processes.
 """
 from __future__ import annotations
 
@@ -22,15 +22,22 @@ from typing import Callable
 import torch
 
 from .batching import BatchPlan
-from .randomness import sample_seed
+from .randomness import host_generators_restorer, sample_seed, seed_host_generators
 
 
 class SeededSamples(torch.utils.data.Dataset):
     """The cell's dataset indexed by (epoch, index) pairs; each sample fetched under torch's
-    CPU generator seeded by :func:`sample_seed` (the caller's generator state is kept)."""
+    CPU generator, Python's ``random`` and numpy's global generator seeded by
+    :func:`sample_seed` (engine.randomness.seed_host_generators). The caller's generator states
+    are kept; in a loader process only torch's (Python's and numpy's there are seeded again
+    by the next sample, and not worth 0.1 ms a pass, so collate_fn draws from them as the
+    pass's last sample left them)."""
 
     def __init__(self, dataset, seed: int):
         self.dataset, self.seed = dataset, seed
+        # seeding Python's and numpy's generators costs ~7 us a sample: not for a dataset
+        # that cannot draw from them
+        self.host = not _draws_nothing(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -42,14 +49,29 @@ class SeededSamples(torch.utils.data.Dataset):
         """The samples of one pass (DataLoader calls this with a whole batch's keys)."""
         generator = torch.default_generator
         saved = generator.get_state()  # once per pass, not per sample
+        in_loader = torch.utils.data.get_worker_info() is not None
+        restore_host = host_generators_restorer() if self.host and not in_loader else None
         try:
             out = []
             for epoch, index in keys:
-                generator.manual_seed(sample_seed(self.seed, epoch, index))
+                value = sample_seed(self.seed, epoch, index)
+                generator.manual_seed(value)
+                if self.host:
+                    seed_host_generators(value)
                 out.append(self.dataset[index])
             return out
         finally:
             generator.set_state(saved)
+            if restore_host is not None:
+                restore_host()
+
+
+def _draws_nothing(dataset) -> bool:
+    """Whether fetching a sample of `dataset` surely draws no random number: a TensorDataset,
+    or a Subset of one (exactly these classes; a subclass may add a transform)."""
+    if type(dataset) is torch.utils.data.Subset:
+        return _draws_nothing(dataset.dataset)
+    return type(dataset) is torch.utils.data.TensorDataset
 
 
 class PassSampler(torch.utils.data.Sampler):

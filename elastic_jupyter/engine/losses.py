@@ -1,6 +1,8 @@
-"""What ``loss_fn`` returns, and what each micro-batch's loss counts for in the update."""
+"""What ``loss_fn`` and ``metric_fn`` return, and what each micro-batch's loss (each evaluation
+chunk's metric) counts for."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -9,7 +11,9 @@ import torch
 @dataclass(frozen=True)
 class MeanOver:
     """A loss that is a mean over `count` items of the batch (tokens, pixels, ...) rather than
-    over its samples. Return it from ``loss_fn``, alone or as ``(MeanOver(loss, count), metrics)``.
+    over its samples. Return it from ``loss_fn``, alone or as ``(MeanOver(loss, count), metrics)``,
+    or as a value of ``metric_fn``'s dict (:func:`read_metrics`: its evaluation is then the mean
+    over every item of the eval set).
 
     The update is then the mean over every item of the global batch, at any world size and
     micro-batch split: each micro-batch's loss is weighted by its count, the counts are summed
@@ -42,3 +46,37 @@ def read_loss(out, samples: int) -> tuple[torch.Tensor, dict, float, bool]:
     if count < 0:
         raise ValueError(f"MeanOver count must be >= 0, got {count}")
     return loss, metrics, count, mean_over
+
+
+def read_metrics(out, samples: int) -> dict:
+    """Split ``metric_fn``'s output for an evaluation chunk of `samples` samples into
+    ``{name: (value, weight)}``: a plain value (a number or a one-element tensor) is a mean over
+    the chunk's samples, so its weight is `samples`; a ``MeanOver(value, count)`` is a mean over
+    `count` items (tokens), its weight. Tensors are kept as they are (reading a GPU tensor waits
+    for the device): the caller reads them all at once.
+
+    Raises TypeError for an output that is not a dict of such values.
+    """
+    if not isinstance(out, Mapping):
+        raise TypeError("metric_fn must return a dict {name: value}, each value a number, a "
+                        f"one-element tensor or MeanOver(value, count); got {type(out).__name__}")
+    metrics = {}
+    for name, value in out.items():
+        value, weight = (value.loss, value.count) if isinstance(value, MeanOver) else \
+            (value, samples)
+        for what, x in (("value", value), ("MeanOver count", weight)):
+            if isinstance(x, torch.Tensor) and x.numel() == 1:
+                continue
+            if not isinstance(x, torch.Tensor):
+                try:
+                    float(x)
+                    continue
+                except (TypeError, ValueError):
+                    pass
+            got = (f"a tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor)
+                   else type(x).__name__)
+            raise TypeError(f"metric_fn's {name!r}: its {what} must be a number or a "
+                            f"one-element tensor (a mean over the batch, or MeanOver(value, "
+                            f"count) for a mean over count items); got {got}")
+        metrics[name] = (value, weight)
+    return metrics

@@ -30,8 +30,9 @@ FORMAT_VERSION = 1
 @dataclass
 class Progress:
     """Where the run stands: ``step`` optimizer steps done; ``position`` samples used in
-    ``epoch``; ``pass_cost``, the measured cost of a pass that cuts its steps into micro-batches
-    (engine.calibration; None until measured)."""
+    ``epoch``; ``cut``, how its steps are cut into micro-batches (engine.batching.Cut as a
+    dict; None until the first generation fixes it); ``pass_cost``, the pass cost that cut
+    uses (None unless it balances by one)."""
 
     step: int = 0
     epoch: int = 0
@@ -39,11 +40,13 @@ class Progress:
     samples: int = 0
     metric_names: list = field(default_factory=list)
     pass_cost: float | None = None
+    cut: dict | None = None
 
     def as_dict(self) -> dict:
         return dict(step=self.step, epoch=self.epoch, position=self.position,
                     samples=self.samples, metric_names=list(self.metric_names),
-                    pass_cost=self.pass_cost)
+                    pass_cost=self.pass_cost,
+                    cut=dict(self.cut) if self.cut is not None else None)
 
 
 def rng_state() -> dict:
@@ -268,15 +271,16 @@ class Staging:
 
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
-            *, copy_tensors: bool = True, grad_scaler=None, staging: Staging | None = None
-            ) -> dict:
+            *, copy_tensors: bool = True, grad_scaler=None, staging: Staging | None = None,
+            extra: dict | None = None) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
     another thread while training goes on (with `staging`, once ``staging.wait()`` returned).
     With ``copy_tensors=False`` the tensors are the
     live ones (to inspect the state without copying the model). With `staging`, tensors are
-    copied into its reused buffers (see :class:`Staging`).
+    copied into its reused buffers (see :class:`Staging`). `extra`: the cell's ``extra_state``
+    ({name: object with ``state_dict()``}, an EMA of the weights), captured under ``"extra"``.
     """
     if staging is not None:  # the optimizer step alone changes these (see Staging)
         staging.begin({_identity(t) for t in _step_changes(optimizer)})
@@ -284,7 +288,8 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
         else (lambda t: t)
     numpy_types: list = []
     objects = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-               "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None}
+               "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+               "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()}}
     state = {"format": FORMAT_VERSION}
     state.update({part: _plain(value, [part], numpy_types, tensor)
                   for part, value in objects.items()})
@@ -318,9 +323,15 @@ def _identity(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
-def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None) -> tuple[Progress, list]:
-    """Load `state` (from :func:`capture`) into the objects; returns (progress, history)."""
+def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None,
+            extra: dict | None = None) -> tuple[Progress, list]:
+    """Load `state` (from :func:`capture`) into the objects; returns (progress, history). An
+    `extra` object the state has no entry for (a checkpoint written before the cell declared
+    it) keeps what the cell gave it."""
     state = with_numpy_values(state)
+    for name, obj in (extra or {}).items():
+        if name in state.get("extra", {}):
+            obj.load_state_dict(state["extra"][name])
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:

@@ -20,8 +20,13 @@ This module imports nothing from IPython or the UI: it runs the same way from a 
 from __future__ import annotations
 
 import contextlib
+import copy
+import math
+import random
 import time
+import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -29,16 +34,16 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from . import calibration
 from . import state as state_mod
-from .batching import (BatchPlan, micro_batch_bounds, micro_batches, rank_share,
-                       steps_per_epoch, worst_slowdown)
+from .batching import (BATCHNORM_FLOOR, BatchPlan, Cut, choose_cut, rank_share,
+                       steps_per_epoch)
 from .checkpoint import CheckpointWriter
-from .collective import collective
+from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .history import History
 from .loader import PassSampler, pass_batches
-from .losses import read_loss
+from .losses import read_loss, read_metrics
 from .precision import Precision, PrecisionError
-from .randomness import micro_batch_stream
+from .randomness import host_generators_kept, micro_batch_stream
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
 from .transfer import to_device as _to_device
@@ -46,6 +51,9 @@ from .vote import Vote
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 CALIBRATION_STREAM = 2**64 - 1  # the random stream of measuring passes: no micro-batch's
+EVAL_EPOCH = 2**64 - 1  # the epoch in evaluation samples' seeds (engine.loader): no training's
+EVAL_STREAM = 2**63  # + k: the random stream of evaluation chunk k (beside the step's micro-batches)
+TRIAL_SAMPLES = 4  # samples each user function is tried on at setup (Worker.try_user_functions)
 
 
 def _weighted(value, weight: float):
@@ -66,6 +74,15 @@ def _floats(values: list) -> list[float]:
         for i, v in zip(at, torch.stack([values[i].to(device) for i in at]).tolist()):
             out[i] = v
     return out
+
+
+def _group_lrs(optimizer) -> dict:
+    """The learning rates a step record logs: ``lr``, the first param group's, and with more
+    groups ``lr_1``, ``lr_2``... (``lr_k`` is ``optimizer.param_groups[k]``'s). A tensor
+    learning rate is logged as a float."""
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    lrs = [float(lr) if torch.is_tensor(lr) else lr for lr in lrs]
+    return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
 
 
 class SetupError(RuntimeError):
@@ -104,6 +121,9 @@ class Worker:
         self.worker_init_fn = objects.get("worker_init_fn")
         self.eval_dataset = objects.get("eval_dataset")
         self.metric_fn = objects.get("metric_fn")
+        self.min_micro_batch = objects.get("min_micro_batch")  # the cell's floor, if declared
+        self.after_step = objects.get("after_step")  # called after each committed step
+        self.extra_state = objects.get("extra_state") or {}  # more training state (an EMA)
         self._check_objects()
         if config.get("sync_batchnorm"):
             self._convert_batchnorm()
@@ -120,20 +140,19 @@ class Worker:
         # the input pipeline (engine.loader), and the (rank, world size, epoch, position) of the
         # step whose batches it yields next
         self._batches, self._batches_at = None, None
-        self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"],
-                              config.get("micro_batch"), config.get("pool_min_size", 1),
-                              config.get("pool_max_size", 1))
         self.running_stats = RunningStats(self.model)
-        self.progress = state_mod.Progress(pass_cost=self._given_pass_cost())
-        self.plan.pass_cost = self.progress.pass_cost or 0.0
         try:
-            self._check_batchnorm_samples()
+            cut = self._configured_cut()
         except SetupError:
             self.reducer.close()  # its hooks would keep it on a model that outlives the run
             raise
+        self.plan = BatchPlan(len(self.dataset), config["global_batch"], config["seed"], cut,
+                              bool(config.get("drop_last")))
+        self.progress = state_mod.Progress()  # its cut is recorded at the first generation
         if not config.get("total_steps"):
             epochs = config.get("epochs") or 1
-            config["total_steps"] = config.get("steps") or steps_per_epoch(len(self.dataset), config["global_batch"]) * epochs
+            config["total_steps"] = config.get("steps") or epochs * steps_per_epoch(
+                len(self.dataset), config["global_batch"], bool(config.get("drop_last")))
         self.history = History()  # the newest records only (engine.history)
         # a step begun and not yet committed (what a fault now would lose)
         self.in_flight = False
@@ -165,26 +184,65 @@ class Worker:
         if n < self.config["global_batch"]:
             raise SetupError(f"dataset has {n} samples, fewer than the global batch "
                              f"{self.config['global_batch']}: lower --global-batch")
+        self._check_extra_state()
+        floor = self.min_micro_batch
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)
+                                  or floor < 1):
+            raise SetupError(f"min_micro_batch must be a positive integer (the fewest samples "
+                             f"a micro-batch may hold), got {floor!r}")
         if self.eval_dataset is not None and self.metric_fn is None:
             raise SetupError("eval_dataset is defined but metric_fn(model, batch) -> dict is not")
 
-    def _check_batchnorm_samples(self) -> None:
-        """BatchNorm in training mode needs 2 samples per forward pass; with per-micro-batch
-        statistics, that is the smallest micro-batch of a full step and of an epoch's last."""
-        training_bn = any(isinstance(m, _BatchNorm) and m.training
-                          for m in self.model.modules())
-        if not training_bn or self.config.get("sync_batchnorm"):
-            return
-        n, B = len(self.dataset), self.config["global_batch"]
-        for b in {B, n % B} - {0}:
-            smallest = b // self.plan.micro_batch_count(b)
-            if smallest < 2:
-                raise SetupError(
-                    f"BatchNorm in training mode needs at least 2 samples per micro-batch, but "
-                    f"a step of {b} samples is cut into {self.plan.micro_batch_count(b)} "
-                    f"micro-batches (smallest: {smallest}); raise --global-batch"
-                    + (" or choose one that divides the dataset size" if b != B else "")
-                    + " or lower the pool's --max")
+    def _check_extra_state(self) -> None:
+        if self.after_step is not None and not callable(self.after_step):
+            raise SetupError("after_step must be a function after_step(model, optimizer, step)")
+        extra = self.extra_state
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise SetupError("extra_state must be a dict {name: object}, such as "
+                             "{'ema': ema}, got " + type(extra).__name__)
+        for name, obj in extra.items():
+            if name == "model":
+                raise SetupError("extra_state cannot be named 'model': run.state_dict() and "
+                                 "export() name the model so; choose another name")
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise SetupError(f"extra_state[{name!r}] is a {type(obj).__name__}, which has "
+                                 "no state_dict() and load_state_dict(): give a torch.nn.Module "
+                                 "(an EMA of the weights) or an object with both")
+            if isinstance(obj, torch.nn.Module):
+                obj.to(self.device)
+
+    def _floor(self) -> tuple[int, str]:
+        """The fewest samples a micro-batch may hold, and what sets it: the cell's
+        ``min_micro_batch``; else BatchNorm in training mode (its statistics are per
+        micro-batch: BATCHNORM_FLOOR, and never below 2, where BatchNorm refuses to train),
+        except with --sync-batchnorm (statistics over the global batch); else 1."""
+        batchnorm = not self.config.get("sync_batchnorm") and any(
+            isinstance(m, _BatchNorm) and m.training for m in self.model.modules())
+        if self.min_micro_batch is not None:
+            if batchnorm and self.min_micro_batch < 2:
+                return 2, "BatchNorm trains on 2 samples or more (min_micro_batch is 1)"
+            return self.min_micro_batch, "the cell's min_micro_batch"
+        if batchnorm:
+            return BATCHNORM_FLOOR, "BatchNorm, whose statistics are per micro-batch"
+        return 1, ""
+
+    def _configured_cut(self, pass_cost: float | None = None) -> Cut:
+        """The cut the run's options ask for (engine.batching.choose_cut); `pass_cost`: the
+        measured one with ``--pass-cost measure``. Raises SetupError when the floor cannot be
+        met."""
+        cfg = self.config
+        given = cfg.get("pass_cost")
+        if given == "measure":
+            given = pass_cost if pass_cost is not None else 0.0
+        if cfg.get("sync_batchnorm") and given is None and not cfg.get("micro_batch"):
+            given = 0.0  # a rank's share is one pass whatever the cut: balance by samples
+        try:
+            return choose_cut(cfg["global_batch"], cfg.get("micro_batch"), given,
+                              cfg.get("pool_min_size", 1), cfg.get("pool_max_size", 1),
+                              *self._floor())
+        except ValueError as e:
+            raise SetupError(str(e)) from None
 
     def _convert_batchnorm(self) -> None:
         """BatchNorm statistics over the whole global batch instead of each micro-batch."""
@@ -217,23 +275,24 @@ class Worker:
         copy into (a checkpoint's)."""
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
                                  self.history.records, self.config, copy_tensors=copy_tensors,
-                                 grad_scaler=self.precision.scaler, staging=staging)
+                                 grad_scaler=self.precision.scaler, staging=staging,
+                                 extra=self.extra_state)
 
     def restore(self, state: dict) -> None:
-        """Continue from `state` (a broadcast or a checkpoint)."""
+        """Continue from `state` (a broadcast or a checkpoint), with its step whose evaluation
+        is still to do when it holds one (``pending``: the checkpoint written before the final
+        evaluation, engine.generation)."""
         self.staging.wait()  # a checkpoint's copies read the tensors this overwrites
-        self.pending, self.in_flight = None, False
+        self.pending, self.in_flight = state.get("pending"), False
         self.progress, records = state_mod.restore(
-            state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler)
+            state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler,
+            self.extra_state)
         self.history = History(records)
         if self.writer is not None:  # what it wrote before may be of another timeline
             self.writer.saved_step = None
         self.holds_state = True
-        given = self._given_pass_cost()
-        if given is not None:
-            self.progress.pass_cost = given
-        self.plan.pass_cost = self.progress.pass_cost or 0.0
-        self._check_batchnorm_samples()  # another pass cost may cut steps into more
+        if self.progress.cut is not None:  # the run's own cut, whatever this run's options
+            self.plan.cut = Cut(**self.progress.cut)
 
     def forget_history(self, acknowledged: int | None) -> None:
         """Drop the records no one will ask this rank for (engine.history): those the kernel
@@ -261,13 +320,14 @@ class Worker:
 
     def start_generation(self, rank: int, world_size: int) -> dict | None:
         """Ready this rank for a new generation's steps (a collective: all ranks call it, after
-        the state broadcast, before the first step): the pass cost measured if the run has
-        none yet, and the gradient buckets laid out as rank 0's, then rebuilt once more after
-        the generation's first step in the order its gradients come (engine.reduce).
+        the state broadcast, before the first step): the run's cut recorded if it has none yet
+        (measured first with ``--pass-cost measure``), and the gradient buckets laid out as
+        rank 0's, then rebuilt once more after the generation's first step in the order its
+        gradients come (engine.reduce).
 
         Returns, on rank 0 of the run's first generation, the ``micro_batches`` event.
         """
-        event = self.calibrate(rank, world_size) if self.progress.pass_cost is None else None
+        event = self.record_cut(rank, world_size) if self.progress.cut is None else None
         self.reducer.sync_order(world_size)
         self._first_step_of_generation = True
         return event
@@ -292,43 +352,49 @@ class Worker:
             self._batches_at = at
         return next(self._batches)
 
-    # the cost of a pass, which sets how steps are cut into micro-batches ----------------------
+    # how steps are cut into micro-batches ---------------------------------------------------
 
-    def calibrate(self, rank: int, world_size: int) -> dict | None:
-        """Measure a pass's cost on rank 0 and give it to every rank (a collective: all ranks
-        call it, when ``progress.pass_cost`` is None, before the run's first step).
+    def record_cut(self, rank: int, world_size: int) -> dict | None:
+        """Fix the run's cut in its state (a collective with ``--pass-cost measure``: rank 0
+        measures, every rank takes its value; all ranks call it before the run's first step).
 
-        Returns, on rank 0, a ``micro_batches`` event saying how steps are cut; None elsewhere.
-        The measuring passes leave no trace: gradients, buffers and RNG states are as before.
+        Returns, on rank 0, the ``micro_batches`` event saying how steps are cut and why; None
+        elsewhere. Measuring passes leave no trace: gradients, buffers and RNG states are as
+        before.
         """
         start = time.perf_counter()
-        cost = torch.zeros(1, dtype=torch.float64, device=self.device)  # nccl: a device tensor
-        if rank == 0:
-            cost[0] = self._measure_pass_cost()
-        if world_size > 1:
-            with collective("sharing the pass cost"):
-                dist.broadcast(cost, src=0)
-        self.progress.pass_cost = self.plan.pass_cost = float(cost[0])
-        self._check_batchnorm_samples()  # the same answer on every rank
+        measured = None
+        if self.config.get("pass_cost") == "measure":
+            cost = torch.zeros(1, dtype=torch.float64, device=self.device)  # nccl: on device
+            if rank == 0:
+                cost[0] = self._measure_pass_cost()
+            if world_size > 1:
+                with collective("sharing the pass cost"):
+                    dist.broadcast(cost, src=0)
+            measured = float(cost[0])
+            self.plan.cut = self._configured_cut(measured)
+        self.progress.cut = self.plan.cut.as_dict()
+        self.progress.pass_cost = self.plan.cut.pass_cost
         if rank != 0:
             return None
+        B = self.config["global_batch"]
+        message = self.plan.cut.describe(B)
+        if measured is not None:
+            message += (f" (measured in {time.perf_counter() - start:.2f} s: another run cuts "
+                        f"its steps the same way with --pass-cost {measured:g})")
+        if self.plan.cut.count(B) < self.plan.cut.max_size:
+            message += (f"; at world sizes above {self.plan.cut.count(B)} some ranks have no "
+                        "micro-batch")
         return {"kind": "micro_batches", "step": self.progress.step, "time": time.time(),
-                "pass_cost": self.plan.pass_cost,
-                "message": self._describe_cut(time.perf_counter() - start)}
-
-    def _given_pass_cost(self) -> float | None:
-        """The config's ``pass_cost`` (--pass-cost); 0 with --sync-batchnorm, where a rank's
-        share is one pass whatever the cut; None: measure it (:meth:`calibrate`)."""
-        if self.config.get("pass_cost") is not None:
-            return float(self.config["pass_cost"])
-        return 0.0 if self.config.get("sync_batchnorm") else None
+                "micro_batches": self.plan.cut.count(B), "floor": self.plan.cut.floor,
+                "pass_cost": self.plan.cut.pass_cost, "message": message}
 
     def _measure_pass_cost(self) -> float:
         """engine.calibration's P from passes over the first step's samples: 2 of them, and a
         micro-batch's most (the step's share of one rank at the pool's largest size, at least 8)."""
         B, p = self.config["global_batch"], self.progress
         indices = self.plan.batch(p.epoch, p.position)  # an epoch's last step may be short
-        large = min(len(indices), max(-(-B // self.plan.max_size), 8))
+        large = min(len(indices), max(-(-B // self.config.get("pool_max_size", 1)), 8))
         if large < 4:  # micro-batches of 1-3 samples: too few to tell passes from samples
             return 0.0
         buffers = [b.detach().clone() for b in self.model.buffers()]
@@ -358,20 +424,6 @@ class Worker:
                 for buffer, saved in zip(self.model.buffers(), buffers):
                     buffer.copy_(saved)
 
-    def _describe_cut(self, seconds: float) -> str:
-        B, plan = self.config["global_batch"], self.plan
-        count = plan.micro_batch_count(B)
-        worst = worst_slowdown(micro_batch_bounds(B, count), plan.min_size, plan.max_size,
-                               plan.pass_cost)
-        cost = (f"costs as much as {plan.pass_cost:g} samples" if plan.pass_cost else
-                "costs nothing measurable beyond its samples")
-        sizes = f"{B // count}" if B % count == 0 else f"{B // count}-{-(-B // count)}"
-        return (f"a forward/backward pass {cost} (measured in {seconds:.2f} s): each step of "
-                f"{B} samples is cut into {count} micro-batches of {sizes}; the slowest rank's "
-                f"step takes at most {worst:.2f} x an even split's time at world sizes {plan.min_size}.."
-                f"{plan.max_size}. Another run cuts its steps the same way (and draws the same "
-                f"dropout masks) with --pass-cost {plan.pass_cost:g}")
-
     # one optimizer step ----------------------------------------------------------------------
 
     def _passes(self, batch: torch.Tensor, rank: int,
@@ -396,7 +448,7 @@ class Worker:
         this generator as it leaves the caller (CPython frees the loop's iterator), which
         restores the outer RNG state and the layers' momenta."""
         self.running_stats.begin()
-        for n, (index, chunk) in enumerate(parts):
+        for n, (index, chunk) in enumerate(host_generators_kept(parts)):
             if n == len(parts) - 1:  # SyncBatchNorm's collectives run inside backward
                 self.reducer.last_pass(world_size > 1 and not self.config.get("sync_batchnorm"))
             with micro_batch_stream(self.config["seed"], self.progress.step, index, self.device), \
@@ -416,7 +468,7 @@ class Worker:
         for chunk in self._micro_batch_passes(parts, B, world_size):
             batch = _to_device(self._next_batch(rank, world_size), self.device)
             fault_point("forward", self)
-            with self._sync_batchnorm_collectives():
+            with self._sync_batchnorm_collectives(), self._micro_batch_note(chunk, B):
                 with self.precision.autocast():
                     out = self.loss_fn(self.model, batch)
                 fault_point("backward", self)
@@ -428,6 +480,22 @@ class Worker:
             for j, name in enumerate(self.progress.metric_names):
                 extras[j] = extras[j] + _weighted(metrics[name], weight)
         return loss_sum, extras
+
+    @contextlib.contextmanager
+    def _micro_batch_note(self, chunk: torch.Tensor, B: int):
+        """The user's code failing in a pass: its error says how large the micro-batch was,
+        what cut it and how to change it (code such as Mixup asserts an even batch)."""
+        try:
+            yield
+        except Exception as e:
+            if not isinstance(e, PeerFailure):
+                e.add_note(
+                    f"(elastic-jupyter: this pass ran a micro-batch of {len(chunk)} samples "
+                    f"at step {self.progress.step + 1}, a step of {B}: "
+                    f"{self.plan.cut.describe(self.config['global_batch'])}. Change it with "
+                    "--micro-batch N, min_micro_batch = N in the cell, or --drop-last for "
+                    "an epoch's short last step)")
+            raise
 
     def _sync_batchnorm_collectives(self):
         """SyncBatchNorm's collectives run inside the forward and backward passes: a peer
@@ -538,7 +606,7 @@ class Worker:
             self._batches = self._batches_at = None  # it stands past this step
             raise
         # committed: every rank applies this update (a rank dying from here on changes nothing)
-        lr = self.optimizer.param_groups[0]["lr"]
+        lrs = _group_lrs(self.optimizer)
         fault_point("optimizer", self)
         self.staging.wait()  # the last checkpoint's copies of the tensors this step changes
         # the scheduler steps in the loop, after evaluation (schedulers.py)
@@ -551,8 +619,10 @@ class Worker:
             self._batches_at = (rank, world_size, p.epoch, p.position)
         p.step += 1
         p.samples += len(batch)
+        if self.after_step is not None:  # an EMA of the weights, SWA, a weight-norm log
+            self.after_step(self.model, self.optimizer, p.step)
         seconds = time.perf_counter() - t0
-        record = {"step": p.step, "epoch": epoch, "loss": loss, "lr": lr,
+        record = {"step": p.step, "epoch": epoch, "loss": loss, **lrs,
                   "world_size": world_size, "samples_per_s": len(batch) / max(seconds, 1e-9),
                   "time": time.time()}
         record.update(zip(p.metric_names, extras))
@@ -575,30 +645,87 @@ class Worker:
                 for buffer in self.model.buffers():
                     dist.broadcast(buffer, src=0)
 
+    def eval_chunk_size(self) -> int:
+        """C, the samples of one evaluation chunk: the largest training micro-batch of a full
+        step (the run's cut: ``--micro-batch``, or the global batch over the pool's ``--max``).
+        Fixed by the run's cut, so the chunks (samples k*C .. k*C + C - 1 of the eval set, the
+        last one shorter) never depend on the world size."""
+        B = self.config["global_batch"]
+        return -(-B // self.plan.cut.count(B))
+
+    def _eval_batches(self, chunks: range) -> tuple:
+        """(an iterator over the collated batches of evaluation chunks `chunks`, in order; their
+        sample counts), read through the input pipeline as training's passes are
+        (engine.loader): in ``--workers`` loader processes (none for a single chunk, where they
+        would fetch nothing ahead), each sample under the generators seeded by its index."""
+        n, C = len(self.eval_dataset), self.eval_chunk_size()
+        keys = [[(EVAL_EPOCH, i) for i in range(k * C, min(n, k * C + C))] for k in chunks]
+        workers = min(self.config.get("workers") or 0, len(keys)) if len(keys) > 1 else 0
+        batches = pass_batches(self.eval_dataset, keys, self.config["seed"], workers,
+                               self.collate_fn, self.worker_init_fn,
+                               pin_memory=workers > 0 and self.device.type == "cuda")
+        return batches, [len(k) for k in keys]
+
+    def _evaluate_chunks(self, chunks: range) -> list[dict]:
+        """``metric_fn`` over evaluation chunks `chunks` (the model in evaluation mode, no
+        gradients): one ``{name: (value x weight, weight)}`` per chunk, in float64 (a plain
+        value weighs the chunk's samples, a MeanOver value its count; a count of 0 adds
+        nothing). The values are read from the device once, after the last chunk. Chunk k runs
+        in the random stream (seed, step, EVAL_STREAM + k) (engine.randomness), which the
+        generators outside are not moved by."""
+        batches, sizes = self._eval_batches(chunks)
+        read = []
+        for k, samples in zip(chunks, sizes):
+            # chunk k's randomness (collate_fn here without loader processes, metric_fn) is
+            # its own, whichever rank evaluates it
+            with micro_batch_stream(self.config["seed"], self.progress.step, EVAL_STREAM + k,
+                                    self.device):
+                batch = _to_device(next(batches), self.device)
+                read.append(read_metrics(self.metric_fn(self.model, batch), samples))
+        del batches  # stops the loader processes
+        values = iter(_floats([_weighted(x, 1.0) for metrics in read
+                               for pair in metrics.values() for x in pair]))
+        out = []
+        for metrics in read:
+            chunk = {}
+            for name in metrics:
+                value, weight = next(values), next(values)
+                if not weight >= 0:
+                    raise ValueError(f"metric_fn's {name!r}: MeanOver count must be >= 0, got "
+                                     f"{weight}")
+                chunk[name] = (value * weight, weight) if weight else (0.0, 0.0)
+            out.append(chunk)
+        return out
+
     def evaluate(self, rank: int, world_size: int, vote: Vote | None = None) -> dict:
-        """Mean of ``metric_fn`` over ``eval_dataset``, split across ranks; {} without one.
+        """The mean of each ``metric_fn`` value over ``eval_dataset``: ``{"val_<name>": mean}``;
+        {} without one.
+
+        The eval set is cut into chunks of C samples (:meth:`eval_chunk_size`, fixed by the
+        config); rank r of W evaluates the contiguous chunks ``rank_share(chunks, r, W)``, read
+        through the input pipeline. A plain value is a mean over its chunk's samples and counts
+        for them; a ``MeanOver(value, count)`` counts for its count (a token mean). Each chunk's
+        value x weight and weight (float64) are gathered, and every rank adds them in chunk
+        order (``math.fsum``: exactly rounded): the mean is the exact mean over the eval set,
+        the same at any world size, bit for bit where each chunk's value is (the same chunk on
+        the same kind of device). A name no chunk weighs (MeanOver counts all 0) gives NaN.
 
         Every rank evaluates rank 0's buffers; afterwards each layer's buffers and training
         flag are its own again (a layer the cell froze with eval() stays frozen), also when a
-        peer fails. The ranks' sums meet in a round of the commit vote (`vote`; None with one
+        peer fails. The chunks' sums meet in a round of the commit vote (`vote`; None with one
         rank), so every rank returns the same metrics or raises PeerFailure.
         """
         if self.eval_dataset is None:
             return {}
-        n = len(self.eval_dataset)
-        share = torch.arange(n)[rank_share(n, rank, world_size)]
-        sums, count = {}, 0
+        count = -(-len(self.eval_dataset) // self.eval_chunk_size())
+        mine = rank_share(count, rank, world_size)
         modes = [(module, module.training) for module in self.model.modules()]
         own_buffers = [b.clone() for b in self.model.buffers()]
         try:
             self._share_buffers(world_size)
             self.model.eval()
             with torch.no_grad():
-                for chunk in micro_batches(share, self.config.get("micro_batch") or self.config["global_batch"]):
-                    batch = _to_device(self.collate_fn([self.eval_dataset[int(i)] for i in chunk]), self.device)
-                    for name, value in self.metric_fn(self.model, batch).items():
-                        sums[name] = sums.get(name, 0.0) + float(value) * len(chunk)
-                    count += len(chunk)
+                chunks = self._evaluate_chunks(range(mine.start, mine.stop))
         finally:
             for module, training in modes:
                 module.training = training
@@ -606,7 +733,115 @@ class Worker:
                 for buffer, own in zip(self.model.buffers(), own_buffers):
                     buffer.copy_(own)
         fault_point("evaluate", self)
-        gathered = (vote or Vote(None, 0, 1, 0.0)).gather((sums, count))
-        total = sum(c for _, c in gathered)
-        names = sorted({k for s, _ in gathered for k in s})
-        return {f"val_{k}": sum(s.get(k, 0.0) for s, _ in gathered) / total for k in names}
+        # rank order is chunk order: the shares are contiguous
+        gathered = [chunk for part in (vote or Vote(None, 0, 1, 0.0)).gather(chunks)
+                    for chunk in part]
+        means = {}
+        for name in sorted({name for chunk in gathered for name in chunk}):
+            pairs = [chunk[name] for chunk in gathered if name in chunk]
+            weight = math.fsum(w for _, w in pairs)
+            means[f"val_{name}"] = math.fsum(v for v, _ in pairs) / weight if weight else math.nan
+        return means
+
+    # the user's functions tried at setup -----------------------------------------------------
+
+    def try_user_functions(self) -> None:
+        """Call, once at setup, the functions the run calls later, on a small batch, so that a
+        mistake in one shows now as a SetupError rather than after the training (a typo in
+        ``metric_fn``, first called at the final evaluation): the dataset and ``collate_fn`` on
+        the first step's first samples, the lr scheduler's step, and ``metric_fn`` on the first
+        samples of ``eval_dataset`` (evaluation mode, no gradients), whose names must hold
+        ``--plateau-metric``.
+
+        Nothing they change stays: the parameters (nothing steps, no gradient is taken),
+        buffers and layer modes (put back), the random generators (torch's, Python's,
+        numpy's), the scheduler's state and the optimizer's param groups (its learning rates,
+        momenta) are as before. Raises SetupError naming
+        the function, from its error (the engine traceback shows the cell's line).
+        """
+        cuda = [torch.cuda.current_device()] if self.device.type == "cuda" else []
+        host = random.getstate(), np.random.get_state()
+        try:
+            with torch.random.fork_rng(devices=cuda, device_type="cuda"):
+                self._try_collate()
+                self._try_scheduler()
+                self._try_metric_fn()
+        finally:
+            random.setstate(host[0])
+            np.random.set_state(host[1])
+
+    def _try_collate(self) -> None:
+        first = self.plan.batch(0, 0)[:TRIAL_SAMPLES].tolist()
+        try:
+            next(pass_batches(self.dataset, [[(0, i) for i in first]], self.config["seed"], 0,
+                              self.collate_fn, self.worker_init_fn, pin_memory=False))
+        except Exception as e:
+            raise SetupError(
+                f"reading {len(first)} training samples and collating them (dataset[i], "
+                f"collate_fn), tried at setup, failed: {type(e).__name__}: {e}") from e
+
+    def _try_scheduler(self) -> None:
+        scheduler = self.lr_scheduler
+        if scheduler is None:
+            return
+        try:
+            saved = copy.deepcopy(scheduler.state_dict())
+        except Exception:  # noqa: BLE001 -- a state it cannot copy cannot be put back: no trial
+            return
+        # each group's values as they are (the objects, and a copy of a tensor's value: a
+        # scheduler may set a tensor lr in place)
+        groups = [{k: (v, v.clone() if torch.is_tensor(v) else copy.deepcopy(v))
+                   for k, v in group.items() if k != "params"}
+                  for group in self.optimizer.param_groups]
+        try:
+            with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()"
+                warnings.simplefilter("ignore")
+                if isinstance(scheduler, ReduceLROnPlateau):
+                    scheduler.step(0.0)
+                else:
+                    scheduler.step()
+        except Exception as e:
+            raise SetupError(f"the lr_scheduler's step, tried at setup, failed: "
+                             f"{type(e).__name__}: {e}") from e
+        finally:
+            scheduler.load_state_dict(saved)
+            for group, values in zip(self.optimizer.param_groups, groups):
+                for k in [k for k in group if k != "params" and k not in values]:
+                    del group[k]
+                for k, (obj, value) in values.items():
+                    if torch.is_tensor(obj):
+                        with torch.no_grad():
+                            obj.copy_(value)
+                        group[k] = obj
+                    else:
+                        group[k] = value
+
+    def _try_metric_fn(self) -> None:
+        if self.eval_dataset is None or len(self.eval_dataset) == 0:
+            return
+        samples = min(len(self.eval_dataset), TRIAL_SAMPLES)
+        modes = [(module, module.training) for module in self.model.modules()]
+        buffers = [b.clone() for b in self.model.buffers()]
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                batch = next(pass_batches(
+                    self.eval_dataset, [[(EVAL_EPOCH, i) for i in range(samples)]],
+                    self.config["seed"], 0, self.collate_fn, self.worker_init_fn,
+                    pin_memory=False))
+                out = self.metric_fn(self.model, _to_device(batch, self.device))
+                metrics = read_metrics(out, samples)
+                _floats([_weighted(x, 1.0) for pair in metrics.values() for x in pair])
+        except Exception as e:
+            raise SetupError(f"metric_fn, tried at setup on the first {samples} samples of "
+                             f"eval_dataset, failed: {type(e).__name__}: {e}") from e
+        finally:
+            for module, training in modes:
+                module.training = training
+            with torch.no_grad():
+                for buffer, saved in zip(self.model.buffers(), buffers):
+                    buffer.copy_(saved)
+        metric = self.config.get("plateau_metric")
+        if metric and metric not in {f"val_{name}" for name in metrics}:
+            raise SetupError(f"--plateau-metric {metric}: metric_fn, tried at setup, gives "
+                             f"{', '.join(sorted(f'val_{n}' for n in metrics)) or 'nothing'}")
