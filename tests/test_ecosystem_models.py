@@ -171,3 +171,48 @@ def test_one_cell_gives_one_result_and_a_resize_changes_nothing(idle_pool, tmp_p
             torch.testing.assert_close(moved[k], v, rtol=1e-9, atol=1e-12, msg=k)
         else:
             assert torch.equal(moved[k], v), k
+
+
+# a small BatchNorm CNN on 101 of digits' samples: 3 steps of 32, then a short step of 5; its
+# loss_fn mixes pairs of samples as timm's Mixup does, which asserts an even batch
+MIXUP_CELL = '''
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+X, y = load_digits(return_X_y=True)
+dataset = torch.utils.data.TensorDataset(torch.tensor(X[:101], dtype=torch.float32).reshape(-1, 1, 8, 8) / 16,
+                                         torch.tensor(y[:101]))
+model = torch.nn.Sequential(torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+                            torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(512, 10))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+def loss_fn(model, batch):
+    x, y = batch
+    assert len(x) % 2 == 0, "Batch size should be even when using this"
+    lam = float(np.random.beta(1.0, 1.0))
+    mixed = lam * x + (1 - lam) * x.flip(0)
+    out = model(mixed)
+    ce = torch.nn.functional.cross_entropy
+    return lam * ce(out, y) + (1 - lam) * ce(out, y.flip(0))
+'''
+
+
+def test_a_short_last_step_is_one_micro_batch_and_a_failing_pass_says_its_size(idle_pool,
+                                                                                  tmp_path):
+    """Was: refused at setup (the step of 5 cut into 4 micro-batches, BatchNorm on 1 sample);
+    and Mixup's assertion never said the micro-batch held 3 samples. Now the 5 samples are one
+    micro-batch, the assertion's error says so and what to change, and --drop-last trains."""
+    def run(drop_last):
+        config = RunConfig(name=f"mixup-{drop_last}", global_batch=32, steps=4,
+                           checkpoint_every=0, drop_last=drop_last)
+        run = TrainingRun(idle_pool, config, source=MIXUP_CELL, engines=2,
+                          workspace=str(tmp_path)).start()
+        return run, run.wait(timeout=120)
+
+    failed, state = run(False)
+    assert state == "failed" and failed.step == 3, failed.error
+    assert "Batch size should be even" in failed.error
+    assert "this pass ran a micro-batch of 5 samples at step 4, a step of 5" in failed.error
+    assert "--drop-last for an epoch's short last step" in failed.error
+    finished, state = run(True)
+    assert state == "finished", finished.error
+    assert [r["epoch"] for r in finished.history] == [0, 0, 0, 1]  # the 5 left out
