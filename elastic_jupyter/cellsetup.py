@@ -12,7 +12,7 @@ import json
 import os
 import time
 
-from .config import RESUME_KEYS, UsageError
+from .config import RESUME_KEYS, RunConfig, UsageError
 from .engine import checkpoint as ckpt
 from .engine_calls import remote_message, remote_summary
 from .registry import kernel_id
@@ -209,18 +209,18 @@ class CellSetup:
         unused. A checkpoint from before cuts were recorded is cut by this run's options:
         correct, but dropout draws and BatchNorm statistics differ from the uninterrupted
         run."""
-        if not any(old.get(k) != self.config[k] for k in PLAN_KEYS):
-            return
         if cut is not None:
+            if not any(old.get(k) != self.config[k] for k in PLAN_KEYS):
+                return
             self.log.event("micro_batches", message=(
                 f"the checkpoint's steps were cut for {_plan(old)}; this run keeps that cut "
                 f"(one run, one cut), not {_plan(self.config)}"))
             return
         self.log.event("warning", message=(
-            f"the checkpoint's steps were cut into micro-batches for {_plan(old)}, this run "
-            f"cuts them for {_plan(self.config)}: each update is still the mean gradient of "
-            "the same samples, but dropout draws and BatchNorm statistics (per micro-batch) "
-            "differ from the uninterrupted run"))
+            f"the checkpoint was written before runs recorded how their steps are cut into "
+            f"micro-batches ({_plan(old)}); this run cuts them by its own rules: each update is "
+            "still the mean gradient of the same samples, but dropout draws and BatchNorm "
+            "statistics (per micro-batch) differ from the uninterrupted run"))
 
     def _check_resumed_dataset(self, saved: dict | None) -> None:
         """Raise UsageError when the checkpoint's dataset fingerprint is not this run's: its
@@ -240,7 +240,9 @@ class CellSetup:
             raise RunSetupError(f"cannot resume from {folder}: {remote_summary(e)}") from None
         for message in loaded["warnings"]:
             self.log.event("warning", message=message)
-        old = loaded["config"]
+        # a key an older checkpoint lacks had the option's default then (drop_last: False)
+        old = {k: getattr(RunConfig, k) for k in RESUME_KEYS if hasattr(RunConfig, k)}
+        old.update(loaded["config"])
         diffs = [f"{k}: {old.get(k)!r} in the checkpoint, {self.config[k]!r} now"
                  for k in RESUME_KEYS if old.get(k) != self.config[k]]
         if diffs:
@@ -255,9 +257,10 @@ class CellSetup:
 
 
 def _plan(config: dict) -> str:
-    return (f"--micro-batch {config.get('micro_batch')}, --pass-cost "
-            f"{config.get('pass_cost')}, a pool of "
-            f"{config.get('pool_min_size')}..{config.get('pool_max_size')}")
+    options = [f"--{k.replace('_', '-')} {config[k]}" for k in ("micro_batch", "pass_cost")
+               if config.get(k) is not None]
+    return ", ".join(options + [f"a pool of {config.get('pool_min_size')}.."
+                                f"{config.get('pool_max_size')}"])
 
 
 def _describe(dataset: dict) -> str:

@@ -27,6 +27,7 @@ from .recovery import BelowMinimum, Recovery, RepeatedFailure
 
 POLL = 0.05  # seconds between the driver's looks at a running generation
 RECORDS_TIMEOUT = 10.0  # seconds rank 0 has to send its last records after an error
+STATE_TIMEOUT = 120.0  # seconds rank 0 has to send its committed state after an error
 
 
 class GenerationError(Exception):
@@ -196,7 +197,7 @@ class Driver:
         if outcome.fault:
             return {"reason": "fault", "outcome": outcome}
         if outcome.errors:
-            await self._records_before_error(tasks[0])
+            await self._keep_after_error(tasks[0])
             raise GenerationError(*outcome.errors[0])
         result = outcome.results[self.members[0].engine_id]
         self.log.merge(result, complete=True)
@@ -205,19 +206,25 @@ class Driver:
                              if outcome.results[e.engine_id].get("drained")]
         return result
 
-    async def _records_before_error(self, task) -> None:
-        """An error ends the run: take rank 0's records the live stream had not delivered, the
-        step whose evaluation failed among them, so the history keeps every committed step.
-        Skipped when rank 0 is still out (hung) or does not answer."""
+    async def _keep_after_error(self, task) -> None:
+        """An error ends the run; no committed step is lost. Takes rank 0's records the live
+        stream had not delivered (the step whose evaluation failed among them), so the history
+        keeps every committed step, and rank 0's state (a failed step is undone on every rank:
+        the state is the last committed step's) as the run's final state, written as a
+        checkpoint unless its step has one: ``state_dict()``, ``export()`` and ``--resume``
+        work from it. Skipped when rank 0 is still out (hung) or does not answer."""
         if not task.future.done():
             return
         try:
             records = await asyncio.wait_for(self.calls.history_since(
                 self.members[0], self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
+            self.log.merge({"records": records}, complete=True)
+            self.final_state = await asyncio.wait_for(
+                self.calls.training_state(self.members[0]), STATE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
-            self.log.log(f"rank 0's last records could not be read: {e}")
+            self.log.log(f"rank 0's last records or state could not be read: {e}")
             return
-        self.log.merge({"records": records}, complete=True)
+        await self._write_checkpoint(self.final_state)
 
     def take_requests(self) -> None:
         """Feed the size policies' new requests to the sizer, and keep as many engines set up
@@ -353,7 +360,9 @@ class Driver:
 
     async def _fail(self, error: Exception) -> None:
         if isinstance(error, (GenerationError, RepeatedFailure)):
-            again = (" (the same failure after a retry, with no engine lost: not a fault)"
+            again = (" (every failed rank reported a peer's failure, twice in a row with no "
+                     "engine lost and no step made: most likely an error on a live rank "
+                     "inside a collective, so the run stops instead of retrying)"
                      if isinstance(error, RepeatedFailure) else "")
             self.error = (f"training failed on engine slot {error.engine.slot}{again}: "
                           f"{remote_summary(error.error)}\n--- engine traceback ---\n"

@@ -19,6 +19,7 @@ no step made) is an error too (:meth:`Outcome.signature`): retrying it cannot he
 from __future__ import annotations
 
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 
@@ -93,8 +94,10 @@ class Outcome:
 
 
 def _words(error: BaseException) -> tuple[str, str]:
-    return (getattr(error, "ename", None) or type(error).__name__,
-            str(getattr(error, "evalue", None) or error))
+    """(type, message) with numbers left out: a peer's address and port, a round's number
+    change from one generation to the next while the failure is the same."""
+    message = str(getattr(error, "evalue", None) or error)
+    return (getattr(error, "ename", None) or type(error).__name__, re.sub(r"\d+", "#", message))
 
 
 def classify(members, futures) -> Outcome:

@@ -125,6 +125,9 @@ def test_the_default_cut_is_one_micro_batch_per_virtual_worker_and_never_below_t
                        r"\(BatchNorm\): raise --global-batch to 32 or more, start the pool "
                        r"with --max 2 or fewer, or declare min_micro_batch = 4"):
         choose_cut(16, None, None, 1, 4, 8, "BatchNorm")
+    with pytest.raises(ValueError, match=r"of 0 samples, below the floor of 8 \(BatchNorm\): "
+                       r"raise --global-batch to 32 or more$"):  # nothing else can help
+        choose_cut(3, None, None, 1, 4, 8, "BatchNorm", lowest=2)
     with pytest.raises(ValueError, match="--micro-batch 3 is below the floor of 4"):
         choose_cut(32, 3, None, 1, 4, 4, "the cell's min_micro_batch")
 

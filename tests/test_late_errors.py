@@ -167,3 +167,40 @@ def test_an_error_in_the_final_evaluation_keeps_the_final_state(idle_pool, tmp_p
     assert "val_accuracy" in resumed.history[-1]
     got = resumed.state_dict()
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+# loss_fn raises on rank 1 at step 8's pass: steps 1..7 are committed, none checkpointed
+MID_RUN_CELL = DIGITS_CELL + '''
+import torch.distributed as dist
+_loss, _passes = loss_fn, [0]
+def loss_fn(model, batch):
+    _passes[0] += 1
+    if FAIL and dist.get_rank() == 1 and _passes[0] > 7 * PASSES:
+        raise ValueError("a bad sample in step 8")
+    return _loss(model, batch)
+'''
+
+
+def test_an_error_mid_run_keeps_every_committed_step(idle_pool, tmp_path):
+    """Was: the run failed and state_dict() raised 'no state in memory and no usable
+    checkpoint'. Now the state of the last committed step (7) is the run's, written as a
+    checkpoint: state_dict(), export() and --resume work from it."""
+    def run(name, fail, steps, resume=False):
+        config = RunConfig(name=name, global_batch=32, steps=steps, checkpoint_every=0, seed=2)
+        source = MID_RUN_CELL.replace("FAIL", str(fail)).replace("PASSES", "2")
+        run = TrainingRun(idle_pool, config, source=source, engines=2, resume=resume,
+                          workspace=str(tmp_path)).start()
+        run.wait(timeout=120)
+        return run
+    failed = run("mid", True, 12)
+    assert failed.state == "failed" and "a bad sample in step 8" in failed.error
+    assert [r["step"] for r in failed.history] == list(range(1, 8))
+    assert [c["step"] for c in failed.checkpoints] == [7]
+    expected = run("seven", False, 7).state_dict()
+    got = failed.state_dict()
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    resumed = run("mid", False, 12, resume=True)
+    assert resumed.state == "finished" and resumed.history[0]["step"] == 1, resumed.error
+    clean = run("clean", False, 12).state_dict()
+    got = resumed.state_dict()
+    assert all(torch.equal(got[k], clean[k]) for k in clean)

@@ -87,6 +87,10 @@ def test_a_failure_that_comes_back_the_same_with_no_engine_lost_ends_the_run():
     first = faults.classify(members, [finished_with(peer), finished_with(peer)])
     assert first.fault and first.signature() == {("PeerFailure",
                                                   "state broadcast failed: unsupported operation")}
+    at = remote("PeerFailure", "gradient all-reduce failed: [127.0.0.1]:41234 closed")
+    again = remote("PeerFailure", "gradient all-reduce failed: [127.0.0.1]:37771 closed")
+    assert faults.classify(members, [finished_with(at)] * 2).signature() == \
+        faults.classify(members, [finished_with(again)] * 2).signature()  # ports differ
     lost = faults.classify(members, [finished_with(peer), finished_with(EngineError("gone"))])
     assert lost.signature() is None  # an engine lost: a fault, whatever it said
 

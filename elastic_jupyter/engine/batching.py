@@ -177,17 +177,21 @@ class Cut:
         floor = f"; floor {self.floor}: {self.floor_why}" if self.floor > 1 else ""
         return (f"each step of {global_batch} samples is cut into {count} micro-batches of "
                 f"{sizes} ({why}{floor}); an epoch's short last step into fewer, none below "
-                "the floor")
+                "the floor unless the step itself is smaller (then one)")
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def choose_cut(global_batch: int, micro_batch: int | None, pass_cost: float | None,
-               min_size: int, max_size: int, floor: int, floor_why: str) -> Cut:
+               min_size: int, max_size: int, floor: int, floor_why: str,
+               lowest: int = 1) -> Cut:
     """The run's :class:`Cut` from its options (``--micro-batch``, ``--pass-cost``, the pool's
-    bounds) and the model's floor. Raises ValueError, saying what to change, when the floor
-    cannot be met: a micro-batch below it at the pool's largest size."""
+    bounds) and the model's floor (`lowest`: the smallest floor the cell may declare, 2 with
+    BatchNorm). Raises ValueError, saying what to change, when the floor cannot be met: a
+    micro-batch below it at the pool's largest size. With ``--pass-cost`` the floor is not
+    checked against the pool: the ``micro_batches`` event says which world sizes leave ranks
+    without a micro-batch."""
     if micro_batch:
         cut = Cut("micro_batch", micro_batch=micro_batch, min_size=min_size,
                   max_size=max_size, floor=floor, floor_why=floor_why)
@@ -199,12 +203,17 @@ def choose_cut(global_batch: int, micro_batch: int | None, pass_cost: float | No
         return Cut("pass_cost", pass_cost=float(pass_cost), min_size=min_size,
                    max_size=max_size, floor=floor, floor_why=floor_why)
     if global_batch // max_size < floor:
+        each = global_batch // max_size
+        remedies = [f"raise --global-batch to {floor * max_size} or more"]
+        if global_batch >= floor:
+            remedies.append(f"start the pool with --max {global_batch // floor} or fewer")
+        if each >= lowest:
+            remedies.append(f"declare min_micro_batch = {each} in the cell to accept smaller "
+                            "micro-batches")
         raise ValueError(
             f"--global-batch {global_batch} over the pool's --max {max_size} gives micro-batches "
-            f"of {global_batch // max_size} samples, below the floor of {floor} ({floor_why}): "
-            f"raise --global-batch to {floor * max_size} or more, start the pool with --max "
-            f"{max(1, global_batch // floor)} or fewer, or declare min_micro_batch = "
-            f"{max(1, global_batch // max_size)} in the cell to accept smaller micro-batches")
+            f"of {each} samples, below the floor of {floor} ({floor_why}): "
+            + (", ".join(remedies[:-1]) + ", or " if len(remedies) > 1 else "") + remedies[-1])
     return Cut("virtual workers", virtual=max_size, min_size=min_size, max_size=max_size,
                floor=floor, floor_why=floor_why)
 

@@ -313,11 +313,15 @@ def _release_frames(error: BaseException) -> None:
 
 
 def training_state() -> dict:
-    """Called on rank 0 when the run ends (finished or stopped), for the final weights:
-    the Worker's full state as plain data on the CPU. A CPU engine sends its live tensors,
-    which no step changes any more: the reply's serialization is the only copy."""
+    """Called on rank 0 when the run ends (finished, stopped, or failed by an error), for the
+    final weights: the Worker's full state as plain data on the CPU, with its last committed
+    step still to finish as ``pending`` (None unless an error hit its evaluation). A CPU engine
+    sends its live tensors, which no step changes any more: the reply's serialization is the
+    only copy."""
     w = _state.worker
-    return w.capture(copy_tensors=w.device.type != "cpu")
+    state = w.capture(copy_tensors=w.device.type != "cpu")
+    state["pending"] = w.pending
+    return state
 
 
 def drop_run() -> None:

@@ -38,10 +38,10 @@ import torch.distributed as dist
 
 from .collective import collective
 
-DIRECT_BYTES = 2**20  # a tensor this large travels alone, as it is: no copy on the sender
-BUCKET_BYTES = 16 * 2**20  # smaller tensors, copied together: one broadcast per bucket
+DIRECT_BYTES = 2**20  # a storage span this large travels alone, as it is: no copy on the sender
+BUCKET_BYTES = 16 * 2**20  # smaller spans, copied together: one broadcast per bucket
 SECTIONS = ("model", "optimizer")  # the state's parts with their own buckets; the rest share
-ALIGN = 16  # byte offset of a tensor in a bucket: a multiple of any dtype's size
+ALIGN = 16  # a span's start in its storage and in a bucket: a multiple of any dtype's size
 
 
 class _Ref:
@@ -267,7 +267,7 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device,
         last, offset = bucket[-1]
         size = offset + _nbytes(span_meta[last])
         if rank == 0 and len(bucket) == 1:
-            flat = sources[last].to(via)  # no copy
+            flat = sources[last].to(via)  # no copy when the storage is on `via` already
         elif rank == 0:
             flat = torch.zeros(size, dtype=torch.uint8, device=via)
             for span, start in bucket:
@@ -306,7 +306,7 @@ def _land(flat: torch.Tensor, start: int, meta, in_place, device: torch.device, 
         x, low = in_place
         dest = _storage_bytes(x, low, nbytes)
         if dest.data_ptr() != value.data_ptr():
-            dest.copy_(value)
+            dest.copy_(value)  # uint8 views of storages: autograd never sees them
         return dest
     target = _on(device_type, device)
     if alone:
@@ -328,5 +328,6 @@ def _rebuilt(spans: list, meta, target: torch.Tensor | None, device: torch.devic
             or target.device != value.device:
         return value
     if target.data_ptr() != value.data_ptr() or target.stride() != value.stride():
-        target.copy_(value)
+        with torch.no_grad():  # a leaf that requires grad takes values too
+            target.copy_(value)
     return target

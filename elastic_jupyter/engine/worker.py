@@ -85,6 +85,15 @@ def _group_lrs(optimizer) -> dict:
     return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
 
 
+def _note(error: BaseException, text: str) -> None:
+    """Add `text` to `error`'s traceback (PEP 678's notes, Python 3.11; on 3.10 the note goes
+    into its message instead)."""
+    if hasattr(error, "add_note"):
+        error.add_note(text)
+    elif error.args and isinstance(error.args[0], str):
+        error.args = (f"{error.args[0]}\n{text}", *error.args[1:])
+
+
 class SetupError(RuntimeError):
     """The run's cell or setup function did not produce a usable training setup."""
 
@@ -128,6 +137,10 @@ class Worker:
         if config.get("sync_batchnorm"):
             self._convert_batchnorm()
         self.model.to(self.device)
+        for obj in self.extra_state.values():  # an EMA updates from the model where it is,
+            # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
+            if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
+                obj.to(self.device)
         try:
             self.reducer = GradReducer(self.model, self.device)
             self.precision = Precision(config.get("precision"), self.device)
@@ -209,16 +222,13 @@ class Worker:
                 raise SetupError(f"extra_state[{name!r}] is a {type(obj).__name__}, which has "
                                  "no state_dict() and load_state_dict(): give a torch.nn.Module "
                                  "(an EMA of the weights) or an object with both")
-            if isinstance(obj, torch.nn.Module):
-                obj.to(self.device)
 
     def _floor(self) -> tuple[int, str]:
         """The fewest samples a micro-batch may hold, and what sets it: the cell's
         ``min_micro_batch``; else BatchNorm in training mode (its statistics are per
         micro-batch: BATCHNORM_FLOOR, and never below 2, where BatchNorm refuses to train),
         except with --sync-batchnorm (statistics over the global batch); else 1."""
-        batchnorm = not self.config.get("sync_batchnorm") and any(
-            isinstance(m, _BatchNorm) and m.training for m in self.model.modules())
+        batchnorm = self._per_micro_batch_norm()
         if self.min_micro_batch is not None:
             if batchnorm and self.min_micro_batch < 2:
                 return 2, "BatchNorm trains on 2 samples or more (min_micro_batch is 1)"
@@ -226,6 +236,12 @@ class Worker:
         if batchnorm:
             return BATCHNORM_FLOOR, "BatchNorm, whose statistics are per micro-batch"
         return 1, ""
+
+    def _per_micro_batch_norm(self) -> bool:
+        """Whether a BatchNorm layer (any subclass of torch's _BatchNorm) trains on each
+        micro-batch's statistics: in training mode, without --sync-batchnorm."""
+        return not self.config.get("sync_batchnorm") and any(
+            isinstance(m, _BatchNorm) and m.training for m in self.model.modules())
 
     def _configured_cut(self, pass_cost: float | None = None) -> Cut:
         """The cut the run's options ask for (engine.batching.choose_cut); `pass_cost`: the
@@ -237,10 +253,16 @@ class Worker:
             given = pass_cost if pass_cost is not None else 0.0
         if cfg.get("sync_batchnorm") and given is None and not cfg.get("micro_batch"):
             given = 0.0  # a rank's share is one pass whatever the cut: balance by samples
+        B, batchnorm = cfg["global_batch"], self._per_micro_batch_norm()
+        if batchnorm and len(self.dataset) % B == 1 and not cfg.get("drop_last"):
+            raise SetupError(
+                f"the last step of each epoch holds 1 sample ({len(self.dataset)} samples, "
+                f"--global-batch {B}), and BatchNorm cannot train on one: add --drop-last, or "
+                "choose a --global-batch that leaves a remainder of 0 or at least 2")
         try:
-            return choose_cut(cfg["global_batch"], cfg.get("micro_batch"), given,
-                              cfg.get("pool_min_size", 1), cfg.get("pool_max_size", 1),
-                              *self._floor())
+            return choose_cut(B, cfg.get("micro_batch"), given, cfg.get("pool_min_size", 1),
+                              cfg.get("pool_max_size", 1), *self._floor(),
+                              lowest=2 if batchnorm else 1)
         except ValueError as e:
             raise SetupError(str(e)) from None
 
@@ -257,7 +279,7 @@ class Worker:
             raise SetupError(f"--sync-batchnorm needs a sample on every rank at every step "
                              f"(SyncBatchNorm is a collective): raise --global-batch {B} to at "
                              f"least the pool's --max {most}")
-        if 0 < n % B < most:
+        if 0 < n % B < most and not self.config.get("drop_last"):
             raise SetupError(
                 f"--sync-batchnorm needs a sample on every rank at every step (SyncBatchNorm is a "
                 f"collective), but the last step of each epoch holds {n % B} samples, fewer than "
@@ -465,21 +487,34 @@ class Worker:
         each weighted by the passes' fraction of the batch: float64 tensors on the device where
         loss_fn gave tensors (read with :func:`_floats`, once per step), else floats."""
         loss_sum, extras = 0.0, [0.0] * len(self.progress.metric_names)
-        for chunk in self._micro_batch_passes(parts, B, world_size):
-            batch = _to_device(self._next_batch(rank, world_size), self.device)
-            fault_point("forward", self)
-            with self._sync_batchnorm_collectives(), self._micro_batch_note(chunk, B):
-                with self.precision.autocast():
-                    out = self.loss_fn(self.model, batch)
-                fault_point("backward", self)
-                loss, metrics, weight = self._backward(out, len(chunk), B)
-            loss_sum = loss_sum + loss
-            if metrics and not self.progress.metric_names:
-                self.progress.metric_names = sorted(metrics)
-                extras = [0.0] * len(metrics)
-            for j, name in enumerate(self.progress.metric_names):
-                extras[j] = extras[j] + _weighted(metrics[name], weight)
+        # closed on the way out, also when a pass raises: that restores the generators' states
+        # and the layers' momenta now, not whenever the interpreter frees the loop
+        with contextlib.closing(self._micro_batch_passes(parts, B, world_size)) as passes:
+            for chunk in passes:
+                batch = _to_device(self._next_batch(rank, world_size), self.device)
+                fault_point("forward", self)
+                with self._sync_batchnorm_collectives(), self._micro_batch_note(chunk, B):
+                    with self.precision.autocast():
+                        out = self.loss_fn(self.model, batch)
+                    fault_point("backward", self)
+                    loss, metrics, weight = self._backward(out, len(chunk), B)
+                loss_sum = loss_sum + loss
+                if metrics and not self.progress.metric_names:
+                    self.progress.metric_names = sorted(metrics)
+                    extras = [0.0] * len(metrics)
+                for j, name in enumerate(self.progress.metric_names):
+                    extras[j] = extras[j] + _weighted(metrics[name], weight)
         return loss_sum, extras
+
+    def _after_step(self, step: int) -> None:
+        """The cell's hook after committed step `step` (its record is kept: an error here
+        fails the run with the step trained; a state the hook half updated is as it left it)."""
+        try:
+            self.after_step(self.model, self.optimizer, step)
+        except Exception as e:
+            _note(e, f"(elastic-jupyter: raised by the cell's after_step after step {step}, "
+                     "which is committed and kept)")
+            raise
 
     @contextlib.contextmanager
     def _micro_batch_note(self, chunk: torch.Tensor, B: int):
@@ -489,12 +524,14 @@ class Worker:
             yield
         except Exception as e:
             if not isinstance(e, PeerFailure):
-                e.add_note(
-                    f"(elastic-jupyter: this pass ran a micro-batch of {len(chunk)} samples "
-                    f"at step {self.progress.step + 1}, a step of {B}: "
-                    f"{self.plan.cut.describe(self.config['global_batch'])}. Change it with "
-                    "--micro-batch N, min_micro_batch = N in the cell, or --drop-last for "
-                    "an epoch's short last step)")
+                K = self.plan.cut.count(self.config["global_batch"])
+                _note(e, f"(elastic-jupyter: this pass ran a micro-batch of {len(chunk)} samples "
+                         f"at step {self.progress.step + 1}, a step of {B}: "
+                         f"{self.plan.cut.describe(self.config['global_batch'])}. Change it "
+                         f"with --micro-batch N, min_micro_batch = N in the cell, a "
+                         f"--global-batch that {K} micro-batches divide evenly (a multiple of "
+                         f"{2 * K} for even ones), or --drop-last for an epoch's short last "
+                         "step)")
             raise
 
     def _sync_batchnorm_collectives(self):
@@ -619,8 +656,6 @@ class Worker:
             self._batches_at = (rank, world_size, p.epoch, p.position)
         p.step += 1
         p.samples += len(batch)
-        if self.after_step is not None:  # an EMA of the weights, SWA, a weight-norm log
-            self.after_step(self.model, self.optimizer, p.step)
         seconds = time.perf_counter() - t0
         record = {"step": p.step, "epoch": epoch, "loss": loss, **lrs,
                   "world_size": world_size, "samples_per_s": len(batch) / max(seconds, 1e-9),
@@ -633,6 +668,8 @@ class Worker:
             # a collective, so only once the step is done (a peer failing here loses nothing)
             self._first_step_of_generation = False
             self.reducer.sync_order(world_size)
+        if self.after_step is not None:  # an EMA of the weights, SWA, a weight-norm log
+            self._after_step(p.step)
         return record, leave
 
     # evaluation ------------------------------------------------------------------------------
@@ -646,12 +683,12 @@ class Worker:
                     dist.broadcast(buffer, src=0)
 
     def eval_chunk_size(self) -> int:
-        """C, the samples of one evaluation chunk: the largest training micro-batch of a full
-        step (the run's cut: ``--micro-batch``, or the global batch over the pool's ``--max``).
+        """C, the samples of one evaluation chunk: ``--micro-batch N``, else the largest
+        training micro-batch of a full step (the global batch over the pool's ``--max``).
         Fixed by the run's cut, so the chunks (samples k*C .. k*C + C - 1 of the eval set, the
         last one shorter) never depend on the world size."""
-        B = self.config["global_batch"]
-        return -(-B // self.plan.cut.count(B))
+        B, cut = self.config["global_batch"], self.plan.cut
+        return cut.micro_batch if cut.rule == "micro_batch" else -(-B // cut.count(B))
 
     def _eval_batches(self, chunks: range) -> tuple:
         """(an iterator over the collated batches of evaluation chunks `chunks`, in order; their
@@ -719,19 +756,9 @@ class Worker:
             return {}
         count = -(-len(self.eval_dataset) // self.eval_chunk_size())
         mine = rank_share(count, rank, world_size)
-        modes = [(module, module.training) for module in self.model.modules()]
-        own_buffers = [b.clone() for b in self.model.buffers()]
-        try:
+        with self._evaluation_mode():
             self._share_buffers(world_size)
-            self.model.eval()
-            with torch.no_grad():
-                chunks = self._evaluate_chunks(range(mine.start, mine.stop))
-        finally:
-            for module, training in modes:
-                module.training = training
-            with torch.no_grad():
-                for buffer, own in zip(self.model.buffers(), own_buffers):
-                    buffer.copy_(own)
+            chunks = self._evaluate_chunks(range(mine.start, mine.stop))
         fault_point("evaluate", self)
         # rank order is chunk order: the shares are contiguous
         gathered = [chunk for part in (vote or Vote(None, 0, 1, 0.0)).gather(chunks)
@@ -742,6 +769,23 @@ class Worker:
             weight = math.fsum(w for _, w in pairs)
             means[f"val_{name}"] = math.fsum(v for v, _ in pairs) / weight if weight else math.nan
         return means
+
+    @contextlib.contextmanager
+    def _evaluation_mode(self):
+        """The model in eval mode without gradients; afterwards each layer's training flag and
+        buffers are as before (also when the block raises)."""
+        modes = [(module, module.training) for module in self.model.modules()]
+        buffers = [b.clone() for b in self.model.buffers()]
+        try:
+            self.model.eval()
+            with torch.no_grad():
+                yield
+        finally:
+            for module, training in modes:
+                module.training = training
+            with torch.no_grad():
+                for buffer, saved in zip(self.model.buffers(), buffers):
+                    buffer.copy_(saved)
 
     # the user's functions tried at setup -----------------------------------------------------
 
@@ -820,11 +864,8 @@ class Worker:
         if self.eval_dataset is None or len(self.eval_dataset) == 0:
             return
         samples = min(len(self.eval_dataset), TRIAL_SAMPLES)
-        modes = [(module, module.training) for module in self.model.modules()]
-        buffers = [b.clone() for b in self.model.buffers()]
         try:
-            self.model.eval()
-            with torch.no_grad():
+            with self._evaluation_mode():
                 batch = next(pass_batches(
                     self.eval_dataset, [[(EVAL_EPOCH, i) for i in range(samples)]],
                     self.config["seed"], 0, self.collate_fn, self.worker_init_fn,
@@ -835,12 +876,6 @@ class Worker:
         except Exception as e:
             raise SetupError(f"metric_fn, tried at setup on the first {samples} samples of "
                              f"eval_dataset, failed: {type(e).__name__}: {e}") from e
-        finally:
-            for module, training in modes:
-                module.training = training
-            with torch.no_grad():
-                for buffer, saved in zip(self.model.buffers(), buffers):
-                    buffer.copy_(saved)
         metric = self.config.get("plateau_metric")
         if metric and metric not in {f"val_{name}" for name in metrics}:
             raise SetupError(f"--plateau-metric {metric}: metric_fn, tried at setup, gives "
