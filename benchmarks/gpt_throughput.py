@@ -80,9 +80,13 @@ def ddp(size: str, args) -> dict:
            "--steps", str(args.steps), "--seed", str(args.seed),
            "--transform-ms", str(args.transform_ms), "--workers", str(args.workers)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
+    printed = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    # a gloo process sometimes aborts at interpreter teardown, after its work is done
+    # ("terminate called without an active exception": tests/worlds.py); its result stands
+    torn_down = printed and "terminate called without an active exception" in out.stderr
+    if out.returncode != 0 and not torn_down:
         raise RuntimeError(f"DDP baseline failed:\n{out.stdout}\n{out.stderr}")
-    return json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    return json.loads(printed[-1])
 
 
 def main() -> None:

@@ -92,9 +92,13 @@ def ddp_throughputs() -> list[float]:
            os.path.join(here, "ddp_baseline.py"), "--skip-epochs", "1",
            "--chunks", str(CHUNKS), "--chunk-epochs", str(CHUNK_EPOCHS)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
-    if out.returncode != 0:
+    printed = [line for line in out.stdout.splitlines() if line.startswith("{")]
+    # a gloo process sometimes aborts at interpreter teardown, after its work is done
+    # ("terminate called without an active exception": tests/worlds.py); its result stands
+    torn_down = printed and "terminate called without an active exception" in out.stderr
+    if out.returncode != 0 and not torn_down:
         raise RuntimeError(f"DDP baseline failed:\n{out.stdout}\n{out.stderr}")
-    result = json.loads([line for line in out.stdout.splitlines() if line.startswith("{")][-1])
+    result = json.loads(printed[-1])
     if (result["dataset"], result["steps_per_epoch"]) != (TRAIN_SAMPLES, STEPS_PER_EPOCH):
         raise RuntimeError(f"DDP baseline trained on other data: {result}")
     return result["samples_per_s"]
