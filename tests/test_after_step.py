@@ -6,20 +6,12 @@ import pytest
 import torch
 
 from elastic_jupyter.engine.worker import SetupError, Worker
-from test_kernel_lifecycle import Kernel, kill_leftovers
+from test_kernel_lifecycle import BODY, Kernel, kill_leftovers
 from worlds import cell_namespace, config
 
-CELL = '''
+# the lifecycle test's float64 model, without its sleep, and an EMA of it
+CELL = BODY.replace("    time.sleep(0.01)\n", "") + '''
 import copy
-import torch
-from sklearn.datasets import load_digits
-X, y = load_digits(return_X_y=True)
-dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
-model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-def loss_fn(model, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
 
 class ModelEma(torch.nn.Module):
     """As timm's ModelEmaV3: a copy of the model, lerped towards it after each step, with a

@@ -157,8 +157,7 @@ class Generation:
         # its collectives raise PeerFailure; a local error (a layout it cannot take) is an error
         state = broadcast_state(live, self.rank, w.device, into=into)
         if receive:
-            w.restore(state)
-            w.pending = state["pending"]
+            w.restore(state)  # with the step whose evaluation a fault interrupted
 
     def _leave_flag(self) -> float:
         """Rank 0's vote to leave after the coming step: the owner's request as read in the

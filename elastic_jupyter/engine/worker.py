@@ -22,11 +22,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import random
 import time
 import warnings
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -43,7 +41,8 @@ from .history import History
 from .loader import PassSampler, pass_batches
 from .losses import read_loss, read_metrics
 from .precision import Precision, PrecisionError
-from .randomness import host_generators_kept, micro_batch_stream
+from .randomness import (host_generator_state, host_generators_kept, micro_batch_stream,
+                         set_host_generator_state)
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
 from .transfer import to_device as _to_device
@@ -804,15 +803,14 @@ class Worker:
         the function, from its error (the engine traceback shows the cell's line).
         """
         cuda = [torch.cuda.current_device()] if self.device.type == "cuda" else []
-        host = random.getstate(), np.random.get_state()
+        host = host_generator_state()
         try:
             with torch.random.fork_rng(devices=cuda, device_type="cuda"):
                 self._try_collate()
                 self._try_scheduler()
                 self._try_metric_fn()
         finally:
-            random.setstate(host[0])
-            np.random.set_state(host[1])
+            set_host_generator_state(host)
 
     def _try_collate(self) -> None:
         first = self.plan.batch(0, 0)[:TRIAL_SAMPLES].tolist()
