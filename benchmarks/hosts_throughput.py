@@ -81,7 +81,7 @@ def ddp_gpt(hosts: Hosts, size: str) -> float:
 def pool_across(hosts: Hosts):
     """A pool of one SSH engine per host, and a workspace the hosts share."""
     from elastic_jupyter import EnginePool
-    from elastic_jupyter.launchers import SSHLauncher
+    from elastic_jupyter.pool.launchers import SSHLauncher
     first, second = hosts.names
     launcher = SSHLauncher(f"{first}:1,{second}:1", ssh_args=hosts.ssh_args,
                            interface=hosts.bridge)

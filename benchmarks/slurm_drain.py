@@ -48,7 +48,7 @@ from slurm_cluster import SlurmCluster  # noqa: E402
 from test_kernel_lifecycle import BODY  # noqa: E402
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun  # noqa: E402
-from elastic_jupyter.launchers import SlurmLauncher  # noqa: E402
+from elastic_jupyter.pool.launchers import SlurmLauncher  # noqa: E402
 
 SLEEP_S = 0.005
 

@@ -50,7 +50,8 @@ from lab_harness import JupyterLab, ServerKernel, call, wait_for  # noqa: E402
 
 SETUP = '''
 import json, os, sys, torch
-from elastic_jupyter import EnginePool, RunConfig, TrainingRun, faults
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.run import faults
 # a slot killed 3 times within a minute is left out, for 10 s doubling with each time: capped
 # at a minute here (the soak's kills are transient by design; the doubling up to 10 minutes
 # is test_faults'), else after ~15 minutes of chaos the soak mostly waits for cooldowns

@@ -9,8 +9,8 @@ from .config import PoolConfig, RunConfig, UsageError
 __version__ = "0.1.0"
 __all__ = ["EnginePool", "Engine", "TrainingRun", "RunConfig", "PoolConfig", "UsageError",
            "RunSetupError", "MeanOver", "load_ipython_extension"]
-_LAZY = {"EnginePool": "pool", "Engine": "pool", "TrainingRun": "run", "RunSetupError": "run",
-         "MeanOver": "engine.losses"}
+_LAZY = {"EnginePool": "pool.pool", "Engine": "pool.pool", "TrainingRun": "run.run",
+         "RunSetupError": "run.run", "MeanOver": "engine.losses"}
 
 
 def __getattr__(name):
@@ -21,12 +21,12 @@ def __getattr__(name):
 
 
 def load_ipython_extension(ipython):
-    from .magics import ElasticMagics
+    from .ui.magics import ElasticMagics
     ipython.register_magics(ElasticMagics(ipython))
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "elastic_jupyter.serverext"}]
+    return [{"module": "elastic_jupyter.server.serverext"}]
 
 
 def _jupyter_labextension_paths():

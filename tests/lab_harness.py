@@ -52,7 +52,7 @@ def wait_for(condition, timeout: float, what: str, interval: float = 0.25):
 
 def live_run(name: str) -> dict | None:
     """The registry entry of the live run called `name` (this user's runtime dir)."""
-    from elastic_jupyter import registry
+    from elastic_jupyter.server import registry
     entries = [e for e in registry.list_runs() if e["name"] == name and e["live"]
                and os.path.exists(e["control"])]
     return entries[-1] if entries else None

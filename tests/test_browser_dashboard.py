@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from elastic_jupyter import control, registry
+from elastic_jupyter.server import control, registry
 from lab_harness import (ARTIFACTS, JupyterLab, browser_page, drag_slider, live_run, menu,
                          open_and_run_all, quickstart_copy, screenshot, wait_for)
 

@@ -11,7 +11,8 @@ import shutil
 
 import pytest
 
-from elastic_jupyter import EnginePool, RunConfig, TrainingRun, control, registry
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.server import control, registry
 from elastic_jupyter.arbiter.client import ArbiterClient
 from lab_harness import (ARTIFACTS, JupyterLab, browser_page, drag_slider, live_run,
                          open_and_run_all, quickstart_copy, screenshot, wait_for)

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 from conftest import DIGITS_CELL
-from elastic_jupyter import RunConfig, TrainingRun, UsageError, series
-from elastic_jupyter.dashboard import SNAPSHOT_POINTS, Dashboard
+from elastic_jupyter import RunConfig, TrainingRun, UsageError
+from elastic_jupyter.server import series
+from elastic_jupyter.ui.dashboard import SNAPSHOT_POINTS, Dashboard
 
 
 class FrontEnd:

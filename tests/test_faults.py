@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from elastic_jupyter import EnginePool, RunConfig, TrainingRun, faults
+from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.run import faults
 
 CELL = '''
 import time

@@ -22,7 +22,7 @@ from elastic_jupyter.arbiter.hosts import Relay
 from elastic_jupyter.config import UsageError
 from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.engine.interface import address_of
-from elastic_jupyter.launchers import SSHLauncher
+from elastic_jupyter.pool.launchers import SSHLauncher
 from netns_hosts import Hosts, available
 from test_kernel_lifecycle import BODY as LIFECYCLE_BODY
 

@@ -135,7 +135,7 @@ def kill_leftovers(idents) -> None:
 def find_reaper(pidfile: str):
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
-        if any(c.endswith("elastic_jupyter/reaper.py") for c in cmd) and cmd[-1:] == [pidfile]:
+        if "elastic_jupyter.pool.reaper" in cmd and cmd[-1:] == [pidfile]:
             return _ident(p.pid)
     return None
 

@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.testing.globalipapp import start_ipython
 
 from elastic_jupyter import TrainingRun
-from elastic_jupyter.pool import Exclusion
+from elastic_jupyter.pool.pool import Exclusion
 
 # DIGITS_CELL with ~5 ms of sleep per forward pass: a run lasts long enough to act on it.
 SLOW_CELL = DIGITS_CELL + '''

@@ -9,7 +9,7 @@ from worlds import cell_namespace, config, max_relative_deviation, reference, tr
 from elastic_jupyter import RunConfig, UsageError
 from elastic_jupyter.engine import precision as precision_mod
 from elastic_jupyter.engine.worker import SetupError, Worker
-from elastic_jupyter.magics import _train_parser
+from elastic_jupyter.ui.magics import _train_parser
 
 CELL = '''
 import torch

@@ -8,7 +8,8 @@ import time
 
 import psutil
 
-from elastic_jupyter import RunConfig, TrainingRun, control, registry
+from elastic_jupyter import RunConfig, TrainingRun
+from elastic_jupyter.server import control, registry
 from elastic_jupyter.host import alive, process_start
 
 CELL = '''
@@ -25,7 +26,7 @@ def loss_fn(model, batch):
 
 CLIENT = '''
 import json, sys
-from elastic_jupyter import control, registry
+from elastic_jupyter.server import control, registry
 entry = [e for e in registry.list_runs() if e["id"] == sys.argv[1]][0]
 print(json.dumps({"live": entry["live"],
                   "status": control.request(entry["control"], {"op": "status"}),

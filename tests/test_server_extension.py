@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import DIGITS_CELL
-from elastic_jupyter import registry
+from elastic_jupyter.server import registry
 from lab_harness import JupyterLab, ServerKernel as Kernel, call, wait_for
 
 BASE = "/user/alice/"
@@ -182,10 +182,10 @@ ENUMERATE = textwrap.dedent("""
     def walk(router):
         for rule in getattr(router, "rules", []):
             target = rule.target
-            if isinstance(target, type) and target.__module__ == "elastic_jupyter.serverext":
+            if isinstance(target, type) and target.__module__ == "elastic_jupyter.server.serverext":
                 methods = [m for m in ("GET", "POST", "PUT", "PATCH", "DELETE")
                            if m.lower() in vars(target) or any(m.lower() in vars(b) for b in target.__mro__[1:-1]
-                                                               if b.__module__ == "elastic_jupyter.serverext")]
+                                                               if b.__module__ == "elastic_jupyter.server.serverext")]
                 found.append([rule.matcher.regex.pattern, methods])
             else:
                 walk(target)

@@ -2,9 +2,9 @@
 import pytest
 
 from elastic_jupyter.config import UsageError
-from elastic_jupyter.membership import (SlotHealth, cooldown, free_slots, plan_shrink, plan_trim,
+from elastic_jupyter.run.membership import (SlotHealth, cooldown, free_slots, plan_shrink, plan_trim,
                                         restart_delay)
-from elastic_jupyter.sizing import COALESCE_S, Schedule, SizeRequest, Sizer, UserRequests
+from elastic_jupyter.run.sizing import COALESCE_S, Schedule, SizeRequest, Sizer, UserRequests
 
 
 def sizer(size=2, min_size=1, usable=4):
@@ -179,7 +179,7 @@ def test_a_slot_with_recent_faults_is_restarted_ever_more_slowly():
 # ------------------------------------------------------------------ a resize's life in the run log
 
 def test_a_resize_is_done_at_the_first_completed_step_at_the_new_size(tmp_path):
-    from elastic_jupyter.runlog import RunLog
+    from elastic_jupyter.run.runlog import RunLog
     log = RunLog(str(tmp_path))
     log.merge({"records": [{"step": s, "time": 100.0 + s, "world_size": 2} for s in (1, 2, 3)]})
     log.resize_started(step=3, old=2, new=3, requested_time=102.5, scheduled=False)

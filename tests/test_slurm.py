@@ -19,7 +19,7 @@ import torch
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 from elastic_jupyter.engine.checkpoint import list_checkpoints
-from elastic_jupyter.launchers import SlurmLauncher
+from elastic_jupyter.pool.launchers import SlurmLauncher
 from slurm_cluster import SlurmCluster, available
 from test_kernel_lifecycle import BODY as LIFECYCLE_BODY, Kernel
 from test_notebooks import execute

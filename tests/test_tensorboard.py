@@ -80,8 +80,8 @@ def _record(step, loss):
 
 
 def test_the_log_waits_for_a_missing_step_hides_a_rollback_and_ends_at_close(tmp_path):
-    from elastic_jupyter.runlog import RunLog
-    from elastic_jupyter.tensorboard import TensorBoardLog
+    from elastic_jupyter.run.runlog import RunLog
+    from elastic_jupyter.run.tensorboard import TensorBoardLog
     log = RunLog(str(tmp_path / "logs"))
     log.tensorboard = TensorBoardLog(str(tmp_path / "tb"))
     log.merge({"records": [_record(1, 1.0), _record(2, 2.0), _record(4, 4.0)]})  # 3 skipped

@@ -18,9 +18,10 @@ import torch.distributed as dist
 from ipyparallel.error import EngineError, RemoteError
 from worlds import cell_namespace, config, spawn
 
-from elastic_jupyter import RunConfig, TrainingRun, faults
+from elastic_jupyter import RunConfig, TrainingRun
+from elastic_jupyter.run import faults
 from elastic_jupyter.engine.collective import PeerFailure, collective
-from elastic_jupyter.recovery import Recovery, RepeatedFailure
+from elastic_jupyter.run.recovery import Recovery, RepeatedFailure
 from elastic_jupyter.engine.generation import run_generation
 from elastic_jupyter.engine.worker import Worker
 

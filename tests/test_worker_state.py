@@ -119,7 +119,7 @@ def test_evaluation_gives_each_rank_its_own_buffers_back():
 def test_a_step_record_logs_every_param_groups_learning_rate():
     """``lr`` is the first group's; ``lr_1``, ``lr_2`` the further groups' (as the scheduler
     set them for the step), only where there are several; the views' columns leave them out."""
-    from elastic_jupyter import series
+    from elastic_jupyter.server import series
     w = worker(global_batch=16)
     assert set(w.train_step(0, 1)[0]) & {"lr", "lr_1"} == {"lr"}
     groups = CELL.replace("DATA", "64").replace("LAYER", "torch.nn.Identity()").replace(

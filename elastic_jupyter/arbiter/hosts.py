@@ -4,7 +4,7 @@ A pool started with ``--launcher ssh --hosts gpu1:4,gpu2:4 --auto`` is a run on 
 arbiter, reached through a relay on that host (:mod:`.relay`, over the pool's ssh). Each
 host's arbiter decides, with the runs of that host, how many of its slots the pool holds
 (weighted fair share, hold times, slots busy outside: docs/arbiter.md); the pool trains on
-the sum. :class:`HostArbiters` gives the pool's lease (:class:`~elastic_jupyter.lease.SlotLease`)
+the sum. :class:`HostArbiters` gives the pool's lease (:class:`~elastic_jupyter.pool.lease.SlotLease`)
 the calls of :class:`~.client.ArbiterClient` and combines the hosts' answers.
 
 - Slot numbers: the pool's slot ``offset(host) + s`` is the host's slot ``s`` (its GPU ``s``

@@ -3,7 +3,7 @@
 On one machine our arbiter (:mod:`.table`) leases the slots between runs. On a Slurm cluster
 the scheduler already arbitrates between everyone's jobs, and its queue says who waits for
 resources, so an auto pool asks Slurm instead. :class:`SlurmArbiter` answers a pool's lease
-(:class:`~elastic_jupyter.lease.SlotLease`) as :class:`~.client.ArbiterClient` does, with
+(:class:`~elastic_jupyter.pool.lease.SlotLease`) as :class:`~.client.ArbiterClient` does, with
 grants decided from the pool's partition:
 
 - **grow**: while no other job waits in the partition for resources and every slot leased to

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from .config import UsageError
+from ..config import UsageError
 from .runlog import describe_event
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "world_size": "elastic/world_size",

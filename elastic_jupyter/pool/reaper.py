@@ -7,10 +7,10 @@ owner (pid and start time, so a reused pid is not mistaken for it) and, once the
 kills every process listed in the pool's pid file and cancels its engines' batch jobs (Slurm). A
 pool that stops normally deletes the file, and the reaper exits.
 
-    python .../elastic_jupyter/reaper.py OWNER_PID OWNER_START_TIME PIDFILE
+    python -m elastic_jupyter.pool.reaper OWNER_PID OWNER_START_TIME PIDFILE
 
-It runs as a plain script, not ``-m elastic_jupyter.reaper``: importing the package would load
-torch, costing the reaper seconds of CPU and hundreds of MB for nothing.
+The packages it imports on the way (``elastic_jupyter``, ``elastic_jupyter.pool``) load nothing
+heavy: torch would cost the reaper seconds of CPU and hundreds of MB for nothing.
 """
 from __future__ import annotations
 
@@ -22,10 +22,7 @@ import time
 
 import psutil
 
-try:
-    from .host import alive, process_start
-except ImportError:  # run as a script (above): host.py lies beside it, and imports no torch
-    from host import alive, process_start
+from ..host import alive, process_start
 
 POLL = 0.5  # seconds
 
@@ -84,7 +81,7 @@ def start_reaper(pidfile: str) -> subprocess.Popen:
     """Start the reaper for this process; it outlives us (own session, no pipes)."""
     me = psutil.Process()
     return subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), str(me.pid), repr(process_start(me.pid)),
+        [sys.executable, "-m", __name__, str(me.pid), repr(process_start(me.pid)),
          pidfile], start_new_session=True, stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

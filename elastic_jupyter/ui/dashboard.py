@@ -26,10 +26,10 @@ import anywidget
 import numpy as np
 import traitlets
 
-from . import series
-from .config import UsageError
+from ..server import series
+from ..config import UsageError
 
-STATIC = pathlib.Path(__file__).parent / "static"
+STATIC = pathlib.Path(__file__).parent.parent / "static"  # built by npm beside the package's folders
 UPDATES_PER_S = 5
 SNAPSHOT_PERIOD_S = 1.0
 SNAPSHOT_POINTS = 2000

@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass, field
 
 from . import series
-from .engine.checkpoint import list_checkpoints
+from ..engine.checkpoint import list_checkpoints
 
 SPARKLINE_POINTS = 60
 ACTIVE_STATES = ("starting", "training", "resizing")

@@ -19,10 +19,10 @@ import threading
 import time
 
 from . import faults
-from .config import UsageError
-from .engine import checkpoint as ckpt
-from .engine_calls import remote_message, remote_summary
-from .owner import background
+from ..config import UsageError
+from ..engine import checkpoint as ckpt
+from ..pool.engine_calls import remote_message, remote_summary
+from ..owner import background
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
 
 POLL = 0.05  # seconds between the driver's looks at a running generation

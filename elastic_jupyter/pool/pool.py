@@ -24,19 +24,19 @@ from dataclasses import dataclass
 
 import psutil
 
-from . import faults
-from .arbiter.client import arbiter_configured
-from .arbiter.table import ArbiterError, check_weight
-from .config import PoolConfig, UsageError
-from .engine.entrypoints import versions
+from ..run import faults
+from ..arbiter.client import arbiter_configured
+from ..arbiter.table import ArbiterError, check_weight
+from ..config import PoolConfig, UsageError
+from ..engine.entrypoints import versions
 from .engine_calls import EngineCalls
-from .host import own_folder
+from ..host import own_folder
 from .launchers import Job, Launcher, LocalLauncher, StartWithdrawn
 from .lease import POLL_S, SlotLease, describe_slot_event
-from .membership import free_slots
-from .owner import background, get_owner
+from ..run.membership import free_slots
+from ..owner import background, get_owner
 from .reaper import start_reaper, write_pidfile
-from .registry import registry_dir
+from ..server.registry import registry_dir
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
 # Seconds the controller gets to exit on SIGTERM (it takes ~0.4 s and removes its connection

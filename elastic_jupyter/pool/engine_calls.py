@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from .engine import entrypoints
+from ..engine import entrypoints
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 

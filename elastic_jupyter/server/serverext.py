@@ -40,9 +40,9 @@ from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
 from . import control, registry, series
-from .arbiter.client import ArbiterClient, arbiter_dir
-from .arbiter.service import SOCKET
-from .arbiter.table import ArbiterError
+from ..arbiter.client import ArbiterClient, arbiter_dir
+from ..arbiter.service import SOCKET
+from ..arbiter.table import ArbiterError
 from .snapshot import ACTIVE_STATES, of_entry
 
 ID_PATTERN = r"(?P<run_id>[^/]+)"

@@ -12,10 +12,10 @@ import json
 import os
 import time
 
-from .config import RESUME_KEYS, RunConfig, UsageError
-from .engine import checkpoint as ckpt
-from .engine_calls import remote_message, remote_summary
-from .registry import kernel_id
+from ..config import RESUME_KEYS, RunConfig, UsageError
+from ..engine import checkpoint as ckpt
+from ..pool.engine_calls import remote_message, remote_summary
+from ..server.registry import kernel_id
 from .rendezvous import Rendezvous
 
 

@@ -2,7 +2,7 @@
 
 Each run writes ``<run id>.json`` with its name, kernel, pid and process start time, notebook
 path, checkpoint folder, the path of its control socket (control.py, :func:`socket_path`) and
-its latest :class:`~elastic_jupyter.snapshot.RunSnapshot` (written at start and at the end, so a
+its latest :class:`~elastic_jupyter.server.snapshot.RunSnapshot` (written at start and at the end, so a
 finished run keeps its final figures after its kernel is gone). The folder is mode 0700.
 
 A reader tells a live entry from a stale one by the pid and its start time (a reused pid has
@@ -21,8 +21,8 @@ import uuid
 import psutil
 
 from .control import ControlServer
-from .host import alive, own_folder, process_start
-from .owner import background
+from ..host import alive, own_folder, process_start
+from ..owner import background
 from .snapshot import FINAL_STATES, last_snapshot
 
 

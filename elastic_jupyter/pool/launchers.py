@@ -28,10 +28,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from .arbiter.hosts import HostArbiters
-from .arbiter.slurm import SlurmArbiter
-from .config import UsageError
-from .engine.interface import address_of, address_towards, interface_of
+from ..arbiter.hosts import HostArbiters
+from ..arbiter.slurm import SlurmArbiter
+from ..config import UsageError
+from ..engine.interface import address_of, address_towards, interface_of
 
 LOOPBACK = "127.0.0.1"
 

@@ -27,7 +27,7 @@ import json
 import os
 import socket
 
-from .config import UsageError
+from ..config import UsageError
 
 
 def answer(run, request: dict) -> dict:

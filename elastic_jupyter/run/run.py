@@ -17,18 +17,18 @@ import sys
 import time
 import warnings
 
-from . import registry
+from ..server import registry
 from .cellsetup import CellSetup, RunSetupError, pickle_by_value, prepare_checkpoint_dir
-from .config import COMMIT_EVERY_NOTICE, RunConfig, UsageError
+from ..config import COMMIT_EVERY_NOTICE, RunConfig, UsageError
 from .driver import Driver
-from .engine import checkpoint as ckpt
-from .engine.history import whole_history
-from .lease import LeasePolicy
+from ..engine import checkpoint as ckpt
+from ..engine.history import whole_history
+from ..pool.lease import LeasePolicy
 from .membership import Membership
-from .owner import background
+from ..owner import background
 from .runlog import RunLog, describe_event
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
-from .snapshot import ACTIVE_STATES, RunSnapshot, of_run
+from ..server.snapshot import ACTIVE_STATES, RunSnapshot, of_run
 from .tensorboard import TensorBoardLog, check_available
 
 __all__ = ["TrainingRun", "RunSetupError", "CHECKPOINT_FOLDER", "describe_event"]
@@ -336,17 +336,17 @@ class TrainingRun:
     def dashboard(self):
         """A live dashboard widget of this run (resize slider, loss chart, status line); in a
         plain-text front end it shows as the text summary."""
-        from .dashboard import Dashboard  # the widget stack loads only when asked for
+        from ..ui.dashboard import Dashboard  # the widget stack loads only when asked for
         return Dashboard(self)
 
     def plot(self, save: str | None = None, smoothing: float = 0.6, log: bool = False,
              metric: str | None = None):
-        """The dashboard's picture drawn with matplotlib; see :func:`elastic_jupyter.plot.plot_run`.
+        """The dashboard's picture drawn with matplotlib; see :func:`elastic_jupyter.ui.plot.plot_run`.
 
         Returns the matplotlib Figure; with ``save="loss.png"`` also writes it (PNG, SVG or PDF
         by the file's extension) and returns the Figure.
         """
-        from .plot import plot_run
+        from ..ui.plot import plot_run
         return plot_run(self.history, self.events, title=f"run {self.name!r}", save=save,
                         smoothing=smoothing, log=log, metric=metric)
 

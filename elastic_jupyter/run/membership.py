@@ -15,10 +15,10 @@ import asyncio
 import time
 
 from . import faults
-from .config import UsageError
-from .engine_calls import remote_summary
-from .launchers import StartWithdrawn
-from .owner import background
+from ..config import UsageError
+from ..pool.engine_calls import remote_summary
+from ..pool.launchers import StartWithdrawn
+from ..owner import background
 
 
 MAX_BOOT_FAILURES = 3  # consecutive failed boots before a grow gives up

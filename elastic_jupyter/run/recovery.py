@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 from . import faults
-from .engine import checkpoint as ckpt
+from ..engine import checkpoint as ckpt
 
 
 class BelowMinimum(Exception):

@@ -14,10 +14,10 @@ from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from .config import RunConfig, UsageError
-from .launchers import make_launcher
-from .pool import EnginePool, Exclusion
-from .run import RunSetupError, TrainingRun
+from ..config import RunConfig, UsageError
+from ..pool.launchers import make_launcher
+from ..pool.pool import EnginePool, Exclusion
+from ..run.run import RunSetupError, TrainingRun
 
 
 class _Parser(argparse.ArgumentParser):

@@ -26,10 +26,10 @@ import asyncio
 import logging
 import time
 
-from .arbiter.client import ArbiterClient
-from .arbiter.table import ArbiterError, UnknownRun
-from .config import UsageError
-from .sizing import SizePolicy, SizeRequest
+from ..arbiter.client import ArbiterClient
+from ..arbiter.table import ArbiterError, UnknownRun
+from ..config import UsageError
+from ..run.sizing import SizePolicy, SizeRequest
 
 POLL_S = 0.5  # seconds between the pool's looks at its grant (the arbiter reaps every 0.5 s)
 

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from . import series
+from ..server import series
 
 MARKER_STYLE = {  # kind: (colour, line style, legend label)
     "resized": ("tab:green", "--", "resize"),
