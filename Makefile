@@ -49,7 +49,7 @@ notebooks: setup $(SLURMD)
 		tests/test_slurm.py::test_the_slurm_notebook_drains_a_preempted_engine_job
 
 test: setup $(CHROMIUM) $(SLURMD) $(SSHD)
-	$(PY) -m pytest -ra
+	$(PY) -m pytest -ra --durations=30
 
 benchmark: setup $(SLURMD) $(SSHD)
 	$(PY) benchmarks/resize_and_throughput.py

@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402
-from elastic_jupyter.engine.checkpoint import PROCESS_MIN_BYTES  # noqa: E402
+from elastic_jupyter.engine.checkpoint_writer import PROCESS_MIN_BYTES  # noqa: E402
 from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
 

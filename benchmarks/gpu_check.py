@@ -71,8 +71,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402  benchmarks/gpt.py: the GPT decoder and StdlibText
 from elastic_jupyter.engine.batching import BatchPlan, micro_batch_count  # noqa: E402
-from elastic_jupyter.engine.checkpoint import CheckpointWriter  # noqa: E402
+from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter  # noqa: E402
 from elastic_jupyter.engine.generation import run_generation  # noqa: E402
+from elastic_jupyter.engine.protocol import GenerationSpec  # noqa: E402
 from elastic_jupyter.engine.state_transfer import broadcast_state  # noqa: E402
 from elastic_jupyter.engine.transfer import to_device  # noqa: E402
 from elastic_jupyter.engine.worker import SetupError, Worker  # noqa: E402
@@ -241,10 +242,9 @@ def config(**options) -> dict:
 
 def train(ctx: Ctx, worker: Worker, steps: int, backend: str | None = None) -> dict:
     """`steps` more steps of `worker` as the only rank of a fresh generation."""
-    worker.config["total_steps"] = worker.progress.step + steps
-    spec = {"rank": 0, "world_size": 1, "generation": ctx.new_generation(),
-            "backend": backend or ctx.backend, "timeout": GENERATION_TIMEOUT,
-            "receive_state": False, "broadcast": False, "end_at": None}
+    worker.total_steps = worker.progress.step + steps
+    spec = GenerationSpec(rank=0, world_size=1, generation=ctx.new_generation(),
+                          backend=backend or ctx.backend, timeout=GENERATION_TIMEOUT)
     return run_generation(worker, spec, ctx.store)
 
 
@@ -460,9 +460,9 @@ def _two_rank_child(rank: int, port: int, generation: int, cfg: dict, device: st
                               timeout=datetime.timedelta(seconds=GENERATION_TIMEOUT))
         # rank 1 starts from other weights: only the state broadcast can make it equal rank 0
         worker = Worker(_wide_mlp(5 + 100 * rank), dict(cfg), device)
-        spec = {"rank": rank, "world_size": 2, "generation": generation, "backend": "gloo",
-                "timeout": GENERATION_TIMEOUT, "receive_state": rank == 1, "broadcast": True,
-                "end_at": None}
+        spec = GenerationSpec(rank=rank, world_size=2, generation=generation, backend="gloo",
+                              timeout=GENERATION_TIMEOUT, receive_state=rank == 1,
+                              broadcast=True)
         result = run_generation(worker, spec, store)
         torch.save({"params": params(worker.model), "reason": result["reason"],
                     "losses": [r["loss"] for r in result["records"]],
@@ -572,7 +572,7 @@ def check_calibration(ctx: Ctx) -> Outcome:
     worker, result, size = shared_gpt(ctx)
     cost = worker.progress.pass_cost
     events = [e for e in result["events"] if e.get("kind") == "micro_batches"]
-    batch = worker.config["global_batch"]
+    batch = worker.config.global_batch
     cut = micro_batch_count(batch, None, 1, 8, cost) if cost is not None else None
     power_of_two = cost is not None and (cost == 0 or math.log2(cost).is_integer())
     ok = cost is not None and cost >= 0 and power_of_two and len(events) == 1 \

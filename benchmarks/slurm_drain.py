@@ -2,7 +2,7 @@
 how long a drain takes and what it costs against a hard kill, and how long a grow takes from
 the engine job's start.
 
-Workload: the float64 digits model of tests/test_kernel_lifecycle.py with SLEEP_S of sleep per
+Workload: the float64 digits model of tests/kernels.py with SLEEP_S of sleep per
 pass (a step takes ~10-20 ms on 2 cores), global batch 64, 2 engine jobs (gloo on loopback).
 
 * drain: ``scancel --signal=TERM`` on rank 1's job, ROUNDS times. Drain time = the signal (as
@@ -45,7 +45,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from slurm_cluster import SlurmCluster  # noqa: E402
-from test_kernel_lifecycle import BODY  # noqa: E402
+from kernels import BODY  # noqa: E402
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun  # noqa: E402
 from elastic_jupyter.pool.launchers import SlurmLauncher  # noqa: E402

@@ -8,9 +8,12 @@ from .config import PoolConfig, RunConfig, UsageError
 
 __version__ = "0.1.0"
 __all__ = ["EnginePool", "Engine", "TrainingRun", "RunConfig", "PoolConfig", "UsageError",
-           "RunSetupError", "MeanOver", "load_ipython_extension"]
-_LAZY = {"EnginePool": "pool.pool", "Engine": "pool.pool", "TrainingRun": "run.run",
-         "RunSetupError": "run.run", "MeanOver": "engine.losses"}
+           "RunSetupError", "MeanOver", "LocalLauncher", "SSHLauncher", "SlurmLauncher",
+           "load_ipython_extension"]
+_LAZY = {"EnginePool": "pool.pool", "Engine": "pool.processes", "TrainingRun": "run.run",
+         "RunSetupError": "run.run", "MeanOver": "engine.losses",
+         "LocalLauncher": "pool.launchers", "SSHLauncher": "pool.launchers",
+         "SlurmLauncher": "pool.launchers"}
 
 
 def __getattr__(name):

@@ -30,11 +30,18 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
 ``--tensorboard``      off (on: ``tensorboard/`` in the run's checkpoint folder; ``DIR``: ``DIR/<name>/``)
 =====================  ===========================================================
+
+Each option a magic's line takes is declared once, as a dataclass field whose metadata holds
+its :class:`Flag` (spelling, help, parsing): ``RunConfig``'s for ``%%elastic_train``,
+``PoolOptions`` and ``LauncherOptions`` for ``%elastic_pool``; ui/options.py derives the
+magics' parsers from them, and a run's config from the parsed line.
 """
 from __future__ import annotations
 
+import argparse
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import Field, asdict, dataclass, field, fields
+from typing import Any, Callable
 
 DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
 # a file name has room for 255 bytes: the run's folder and its discovery entry
@@ -46,6 +53,75 @@ PRECISIONS = (None, "bf16", "fp16")
 class UsageError(ValueError):
     """A request that cannot be carried out as given; the message says what to change."""
 
+
+# ---------------------------------------------------------------------- how an option is spelled
+
+NEEDS_VALUE: Any = object()  # Flag.bare's default: the flag is not given without a value
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a magic's line spells one option (ui/options.py turns it into argparse's terms).
+
+    name: the flag (``--global-batch``, ``-n``), or a positional's name (its field's).
+    help: its --help text. parse: text -> value; raises argparse.ArgumentTypeError saying
+    what was expected (None: the text as given). choices: the values allowed. metavar: the
+    value's name in --help (None: argparse's, from the flag). bare: the value of the flag
+    given alone, which makes its value optional (NEEDS_VALUE: it is not given alone).
+    after: the option (a field name) this one follows in --help, for a line that joins
+    several declarations (None: where it is declared). A bool field that defaults to False
+    and has no ``bare`` is a switch: the flag alone sets it.
+    """
+
+    name: str
+    help: str | None = None
+    parse: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    bare: Any = NEEDS_VALUE
+    after: str | None = None
+
+
+def flag(name: str, text: str | None = None, **spelling: Any) -> dict[str, Flag]:
+    """A field's metadata that declares its option: ``field(default=..., metadata=flag(...))``;
+    `text`: its help, `spelling`: the other attributes of :class:`Flag`."""
+    return {"flag": Flag(name, text, **spelling)}
+
+
+def flagged(cls: type, *names: str) -> list[tuple[Field, Flag]]:
+    """The options `cls` declares (only `names`, when given), in declaration order."""
+    options = [(f, f.metadata["flag"]) for f in fields(cls) if "flag" in f.metadata]
+    return [(f, spelled) for f, spelled in options if not names or f.name in names]
+
+
+def flag_of(cls: type, name: str) -> str:
+    """How the line spells `cls`'s option `name` (``--global-batch``), for messages."""
+    return next(spelled.name for f, spelled in flagged(cls) if f.name == name)
+
+
+def positive_int(text: str) -> int:
+    """An option's text as an integer >= 1; argparse.ArgumentTypeError otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def samples_or_measure(text: str) -> float | str:
+    """``--pass-cost``'s text: a number of samples, or "measure"."""
+    if text == "measure":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of samples or 'measure', got "
+                                         f"{text!r}") from None
+
+
+# ---------------------------------------------------------------------- pools
 
 def _gpu_ids(gpus: str) -> list[int]:
     if gpus in ("none", "", None):
@@ -104,6 +180,71 @@ class PoolConfig:
 
 
 @dataclass
+class PoolOptions:
+    """A pool's options as ``%elastic_pool start`` takes them; None leaves the value to
+    :meth:`PoolConfig.resolve`. The line's weight is None when not given (the pool's is 1)."""
+
+    n: int | None = field(default=None, metadata=flag(
+        "-n", "engines to start (default: #GPUs, or 2)", parse=positive_int))
+    min_size: int | None = field(default=None, metadata=flag(
+        "--min", "smallest size (default 1)", parse=positive_int))
+    max_size: int | None = field(default=None, metadata=flag(
+        "--max", "largest size (default: #GPUs, or 4)", parse=positive_int))
+    gpus: str = field(default="all", metadata=flag(
+        "--gpus", "all | none | a list like 0,2 (default all)"))
+    engine_timeout: float = field(default=60.0, metadata=flag(
+        "--engine-timeout", "seconds to wait for an engine to start (default 60)", parse=float))
+    auto: bool = field(default=False, metadata=flag(
+        "--auto", "auto mode: the machine's arbiter sizes the pool between --min and --max by "
+        "weighted fair share with the machine's other runs (on Slurm: grow while the partition "
+        "is idle, give back while other jobs wait; over ssh: each host's arbiter grants its "
+        "slots)"))
+    weight: float | None = field(default=None, metadata=flag(
+        "--weight", "the pool's weight in that fair share among your runs (default 1)",
+        parse=float))
+    no_arbiter: bool = field(default=False, metadata=flag(
+        "--no-arbiter", "do not take slots from the machine's arbiter, even where the admin "
+        "runs one (for --gpus lists and --schedule)"))
+
+
+@dataclass
+class LauncherOptions:
+    """Where a pool's engines run, as ``%elastic_pool start`` takes it: ``--launcher`` and the
+    launchers' options. Which launcher takes which is the launcher's own signature
+    (pool.launchers.make_launcher refuses the others); None: the launcher's default."""
+
+    launcher: str = field(default="local", metadata=flag(
+        "--launcher", "local: processes of this host (default); ssh: processes of --hosts, "
+        "started over ssh; slurm: one batch job each", choices=("local", "ssh", "slurm")))
+    hosts: str | None = field(default=None, metadata=flag(
+        "--hosts", "ssh: hosts and their slots, like gpu1:4,gpu2:4"))
+    partition: str | None = field(default=None, metadata=flag(
+        "--partition", "slurm: the partition (default: Slurm's)"))
+    account: str | None = field(default=None, metadata=flag(
+        "--account", "slurm: the account to charge"))
+    time: str | None = field(default=None, metadata=flag(
+        "--time", "slurm: each job's time limit, like 60 or 1-00:00:00"))
+    gpus_per_engine: int | None = field(default=None, metadata=flag(
+        "--gpus-per-engine", "slurm, ssh: GPUs per engine (default 0: CPU engines, gloo)",
+        parse=int))
+    cpus_per_engine: int | None = field(default=None, metadata=flag(
+        "--cpus-per-engine", "slurm, ssh: CPU threads per engine (default 1)", parse=int))
+    grace: int | None = field(default=None, metadata=flag(
+        "--grace", "slurm: seconds before the time limit when Slurm signals the engine to "
+        "drain, and a replacement is queued (default 60)", parse=int))
+    interface: str | None = field(default=None, metadata=flag(
+        "--interface", "slurm, ssh: the network interface the engines' hosts reach this kernel "
+        "on (default: the one on the route to slurmctld, or to the first host). The rendezvous "
+        "store has no authentication: never all interfaces"))
+
+    def settings(self) -> dict[str, Any]:
+        """The launcher's options by name (pool.launchers.make_launcher's keywords)."""
+        return {k: v for k, v in asdict(self).items() if k != "launcher"}
+
+
+# ---------------------------------------------------------------------- runs
+
+@dataclass
 class RunConfig:
     """A run's options; plain data, stored in every checkpoint.
 
@@ -111,75 +252,116 @@ class RunConfig:
     How steps are cut into micro-batches (engine.batching.Cut, fixed at the run's start and kept
     by a resume): ``micro_batch`` (N samples each), else ``pass_cost`` (a number, or
     ``"measure"``: engine.calibration), else one per slot of the pool's ``pool_max_size``;
-    ``pool_min_size`` and ``pool_max_size`` are filled in by the run.
+    ``pool_min_size`` and ``pool_max_size`` are filled in by the run. The fields with a flag
+    are ``%%elastic_train``'s options, in the order its --help lists them.
     """
 
-    name: str
-    global_batch: int = 64
-    micro_batch: int | None = None
-    pass_cost: float | str | None = None
-    drop_last: bool = False
-    epochs: int | None = None
-    workers: int = 0  # DataLoader processes per engine (engine.loader)
-    steps: int | None = None
-    eval_every: int | None = None
-    clip_grad_norm: float | None = None
-    checkpoint_every: int = 100
-    checkpoint_dir: str | None = None
-    keep: int = 3
-    seed: int = 0
-    collective_timeout: float = 30.0
-    commit_every: int | None = None  # ignored (see COMMIT_EVERY_NOTICE); goes next release
-    standby: int = 0
-    sync_batchnorm: bool = False
+    name: str = field(metadata=flag(
+        "--name", "run name; checkpoints go to elastic-checkpoints/NAME/"))
+    global_batch: int = field(default=64, metadata=flag(
+        "--global-batch", "samples per optimizer step, whatever the world size (default 64)",
+        parse=positive_int))
+    micro_batch: int | None = field(default=None, metadata=flag(
+        "--micro-batch", "samples per micro-batch: a step of b samples is cut into ceil(b/N) "
+        "(default: one micro-batch per slot of the pool's --max)", parse=positive_int))
+    pass_cost: float | str | None = field(default=None, metadata=flag(
+        "--pass-cost", "opt-in tuning: a forward/backward pass's fixed cost in samples; a step "
+        "is cut into the fewest micro-batches that keep every world size balanced ('measure': "
+        "timed at the start, the value is logged)", parse=samples_or_measure))
+    drop_last: bool = field(default=False, metadata=flag(
+        "--drop-last", "leave out each epoch's short last step, as DataLoader(drop_last=True)"))
+    epochs: int | None = field(default=None, metadata=flag(
+        "--epochs", "epochs to train (default 1)", parse=positive_int))
+    steps: int | None = field(default=None, metadata=flag(
+        "--steps", "optimizer steps to train (instead of --epochs)", parse=positive_int))
+    eval_every: int | None = field(default=None, metadata=flag(
+        "--eval-every", "evaluate eval_dataset every N steps (and always at the end)",
+        parse=positive_int))
+    clip_grad_norm: float | None = field(default=None, metadata=flag(
+        "--clip-grad-norm", "clip the gradient's total norm", parse=float))
+    checkpoint_every: int = field(default=100, metadata=flag(
+        "--checkpoint-every", "checkpoint every N steps, and at the end (default 100; 0: end "
+        "only)", parse=int))
+    checkpoint_dir: str | None = field(default=None, metadata=flag(
+        "--checkpoint-dir", "folder (default: elastic-checkpoints/NAME/ beside the notebook)"))
+    keep: int = field(default=3, metadata=flag(
+        "--keep", "checkpoints kept (default 3)", parse=positive_int))
+    seed: int = field(default=0, metadata=flag(
+        "--seed", "seed of initial weights and data order", parse=int))
+    collective_timeout: float = field(default=30.0, metadata=flag(
+        "--collective-timeout", "seconds a rank may block in a collective before it counts as "
+        "hung (default 30)", parse=float))
+    commit_every: int | None = field(default=None, metadata=flag(  # see COMMIT_EVERY_NOTICE
+        "--commit-every", "ignored: every step is committed by a vote, so a fault loses at most "
+        "one step (accepted for one more release)", parse=positive_int))
+    workers: int = field(default=0, metadata=flag(  # DataLoader processes (engine.loader)
+        "--workers", "DataLoader processes per engine that fetch and collate the coming passes' "
+        "samples ahead (default 0: in the training process)", parse=int))
+    standby: int = field(default=0, metadata=flag(
+        "--standby", "engines kept set up outside the group so a grow is instant (default 0)",
+        parse=int))
+    plateau_metric: str | None = field(default=None, metadata=flag(
+        "--plateau-metric", "validation metric a ReduceLROnPlateau lr_scheduler steps on at each "
+        "evaluation, like val_loss (needs --eval-every; default: once per epoch on the epoch's "
+        "mean training loss)"))
+    precision: str | None = field(default=None, metadata=flag(  # None: fp32
+        "--precision", "run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
+        "scaler (default: fp32)", choices=PRECISIONS[1:]))
+    tensorboard: bool | str = field(default=False, metadata=flag(  # a folder: tensorboard.py
+        "--tensorboard", "also log to TensorBoard, in DIR/NAME/ (default: tensorboard/ in the "
+        "run's checkpoint folder); needs the tensorboard package. Put the handle's name first: "
+        "a word after --tensorboard is its DIR", metavar="DIR", bare=True))
+    sync_batchnorm: bool = field(default=False, metadata=flag(
+        "--sync-batchnorm", "convert BatchNorm layers to SyncBatchNorm (GPU slots only)"))
     pool_min_size: int = 1
     pool_max_size: int = 1
-    plateau_metric: str | None = None  # the val_* metric a ReduceLROnPlateau steps on
-    precision: str | None = None  # None (fp32), "bf16" or "fp16": loss_fn under torch.autocast
-    tensorboard: bool | str = False  # False, True (in the run's folder) or a folder (tensorboard.py)
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
     def validate(self) -> None:
-        def positive(label, v, allow_none=False):
-            if v is None and allow_none:
-                return
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise UsageError(f"{label} must be a positive integer, got {v!r}")
+        """Raises UsageError naming the first option (as the line spells it) that is wrong."""
+        self._validate_name()
+        self._validate_counts()
+        if self.precision not in PRECISIONS:
+            raise UsageError(f"--precision takes bf16 or fp16 (leave it out for fp32), got "
+                             f"{self.precision!r}")
+        self._validate_cut()
+        self._validate_outputs()
+        self._validate_plateau_metric()
 
+    def _validate_name(self) -> None:
         if not self.name or any(c in self.name for c in "/\\") or self.name.startswith("."):
             raise UsageError(f"--name must be a plain name (no slashes), got {self.name!r}")
         if len(self.name.encode()) > MAX_NAME_BYTES:
             raise UsageError(f"--name is {len(self.name.encode())} bytes long; at most "
                              f"{MAX_NAME_BYTES} (it names the run's folder and files)")
-        positive("--global-batch", self.global_batch)
-        positive("--micro-batch", self.micro_batch, allow_none=True)
-        positive("--epochs", self.epochs, allow_none=True)
-        positive("--steps", self.steps, allow_none=True)
-        positive("--eval-every", self.eval_every, allow_none=True)
-        positive("--keep", self.keep)
-        for label, v in (("--standby", self.standby), ("--workers", self.workers)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise UsageError(f"{label} must be an integer >= 0, got {v!r}")
-        positive("--commit-every", self.commit_every, allow_none=True)
+
+    def _validate_counts(self) -> None:
+        for name, least, optional in _COUNTS:
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                what = "a positive integer" if least else "an integer >= 0"
+                raise UsageError(f"{flag_of(RunConfig, name)} must be {what}, got {value!r}")
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
             raise UsageError("--checkpoint-every must be >= 0 (0: only at the end)")
         if self.epochs is not None and self.steps is not None:
             raise UsageError("give --epochs or --steps, not both")
-        if self.precision not in PRECISIONS:
-            raise UsageError(f"--precision takes bf16 or fp16 (leave it out for fp32), got "
-                             f"{self.precision!r}")
-        if self.pass_cost not in (None, "measure") and (isinstance(self.pass_cost, bool) or
-                not isinstance(self.pass_cost, (int, float)) or
-                not 0 <= self.pass_cost < float("inf")):
+
+    def _validate_cut(self) -> None:
+        cost = self.pass_cost
+        if cost not in (None, "measure") and (isinstance(cost, bool) or
+                not isinstance(cost, (int, float)) or not 0 <= cost < float("inf")):
             raise UsageError(f"--pass-cost is a number of samples >= 0 (as the run's "
-                             f"micro_batches event reports it) or measure, got "
-                             f"{self.pass_cost!r}")
+                             f"micro_batches event reports it) or measure, got {cost!r}")
         if self.micro_batch is not None and self.pass_cost is not None:
             raise UsageError("give --micro-batch or --pass-cost, not both: each chooses how "
                              "steps are cut into micro-batches")
         if not isinstance(self.drop_last, bool):
             raise UsageError(f"drop_last is True or False, got {self.drop_last!r}")
+
+    def _validate_outputs(self) -> None:
         if isinstance(self.tensorboard, os.PathLike):
             self.tensorboard = os.fspath(self.tensorboard)
         if not isinstance(self.tensorboard, (bool, str)) or self.tensorboard == "":
@@ -187,17 +369,26 @@ class RunConfig:
                              f"{self.tensorboard!r}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
-        if self.plateau_metric is not None:
-            metric = self.plateau_metric
-            if not isinstance(metric, str) or not metric.startswith("val_"):
-                raise UsageError("--plateau-metric names a validation metric as logged, like "
-                                 f"val_loss or val_accuracy; got {metric!r}")
-            if self.eval_every is None:
-                raise UsageError(f"--plateau-metric {metric} needs --eval-every N: "
-                                 "the scheduler steps at each evaluation")
+
+    def _validate_plateau_metric(self) -> None:
+        metric = self.plateau_metric
+        if metric is None:
+            return
+        if not isinstance(metric, str) or not metric.startswith("val_"):
+            raise UsageError("--plateau-metric names a validation metric as logged, like "
+                             f"val_loss or val_accuracy; got {metric!r}")
+        if self.eval_every is None:
+            raise UsageError(f"--plateau-metric {metric} needs --eval-every N: "
+                             "the scheduler steps at each evaluation")
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+# the counts validate checks, in its order: (field, least value, None allowed)
+_COUNTS = (("global_batch", 1, False), ("micro_batch", 1, True), ("epochs", 1, True),
+           ("steps", 1, True), ("eval_every", 1, True), ("keep", 1, False),
+           ("standby", 0, False), ("workers", 0, False), ("commit_every", 1, True))
 
 
 COMMIT_EVERY_NOTICE = (

@@ -1,5 +1,5 @@
 """This host's processes and private folders, checked one way by every part that needs them
-(the run registry, the slot arbiter and its clients)."""
+(the run registry, the pools' folders, the slot arbiter and its clients)."""
 from __future__ import annotations
 
 import os
@@ -44,4 +44,15 @@ def own_folder(path: str, mode: int = 0o700) -> str:
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
         raise OSError(f"{path} is not a folder of this user")
     os.chmod(path, mode)
+    return path
+
+
+def runtime_folder() -> str:
+    """This user's folder in Jupyter's runtime dir, ``<runtime dir>/elastic-jupyter/`` (mode
+    0700, created if missing): runs' discovery entries and control sockets, pools' private
+    folders and pid files."""
+    from jupyter_core.paths import jupyter_runtime_dir
+    path = os.path.join(jupyter_runtime_dir(), "elastic-jupyter")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
     return path

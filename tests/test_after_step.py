@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elastic_jupyter.engine.worker import SetupError, Worker
-from test_kernel_lifecycle import BODY, Kernel, kill_leftovers
+from kernels import BODY, Kernel, kill_leftovers
 from worlds import cell_namespace, config
 
 # the lifecycle test's float64 model, without its sleep, and an EMA of it

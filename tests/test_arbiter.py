@@ -19,7 +19,7 @@ import time
 import pytest
 
 from elastic_jupyter.arbiter.client import ArbiterClient
-from elastic_jupyter.arbiter.service import LOCK, SOCKET
+from elastic_jupyter.arbiter.location import LOCK, SOCKET
 from elastic_jupyter.arbiter.table import ArbiterError
 
 

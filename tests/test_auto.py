@@ -21,8 +21,8 @@ import torch
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 from elastic_jupyter.arbiter.client import ArbiterClient
+from kernels import BODY as LIFECYCLE_BODY, Kernel
 from test_arbiter import start_arbiter, stop
-from test_kernel_lifecycle import BODY as LIFECYCLE_BODY, Kernel
 
 # the kernel lifecycle test's float64 model, with DELAY seconds of sleep per pass
 BODY = LIFECYCLE_BODY.replace("time.sleep(0.01)", "time.sleep(DELAY)")

@@ -9,6 +9,7 @@ from conftest import DIGITS_CELL
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter
 from elastic_jupyter.engine import state as state_mod
 
 
@@ -94,7 +95,7 @@ def test_a_copy_overlapping_the_next_step_holds_the_state_as_captured(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512))
     opt = torch.optim.Adam(model.parameters())
     staging = state_mod.Staging()
-    writer = ckpt.CheckpointWriter(str(tmp_path), keep=1)
+    writer = CheckpointWriter(str(tmp_path), keep=1)
     try:
         for step in (1, 2):
             model(torch.randn(8, 512)).pow(2).mean().backward()

@@ -14,6 +14,7 @@ import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter
 from elastic_jupyter.engine import state as state_mod
 
 WRITER = "elastic_jupyter.engine.checkpoint_process"
@@ -56,7 +57,7 @@ def test_a_staged_state_is_written_by_the_writer_process_as_captured(tmp_path, m
     tmp_path.mkdir()
     model, opt = _trained()
     staging = state_mod.Staging()
-    writer = ckpt.CheckpointWriter(str(tmp_path), keep=1, process_min_bytes=1)
+    writer = CheckpointWriter(str(tmp_path), keep=1, process_min_bytes=1)
     try:
         for step in (1, 2):
             _step(model, opt)
@@ -87,7 +88,7 @@ def test_a_small_state_is_written_on_the_writer_thread(tmp_path):
     model, opt = _trained()
     _step(model, opt)
     staging = state_mod.Staging()
-    writer = ckpt.CheckpointWriter(str(tmp_path), keep=1)  # a state below PROCESS_MIN_BYTES
+    writer = CheckpointWriter(str(tmp_path), keep=1)  # a state below PROCESS_MIN_BYTES
     try:
         writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=1), [], {},
                                         staging=staging), ready=staging.ready,
@@ -109,7 +110,7 @@ def test_a_state_holding_other_values_is_refused_with_its_key_path(tmp_path):
     _step(model, opt)
     opt.param_groups[0]["custom"] = _Custom()
     staging = state_mod.Staging()
-    writer = ckpt.CheckpointWriter(str(tmp_path), keep=1, process_min_bytes=1)
+    writer = CheckpointWriter(str(tmp_path), keep=1, process_min_bytes=1)
     try:
         writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=1), [], {},
                                         staging=staging), ready=staging.ready,
@@ -138,7 +139,7 @@ def test_a_checkpoint_whose_writer_process_is_killed_is_written_on_the_thread(tm
             threading.Timer(0.5, killed[0].kill).start()
 
     writer_steps = [1, 2, 3]
-    writer = ckpt.CheckpointWriter(str(tmp_path), keep=3, before_write=kill_the_writer,
+    writer = CheckpointWriter(str(tmp_path), keep=3, before_write=kill_the_writer,
                                    process_min_bytes=1)
     try:
         events = []
@@ -160,11 +161,12 @@ def test_a_checkpoint_whose_writer_process_is_killed_is_written_on_the_thread(tm
 
 ENGINE = textwrap.dedent("""
     import sys, time, torch
-    from elastic_jupyter.engine import checkpoint as ckpt, state as state_mod
+    from elastic_jupyter.engine import state as state_mod
+    from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.Adam(model.parameters())
     staging = state_mod.Staging()
-    writer = ckpt.CheckpointWriter(sys.argv[1], keep=1, process_min_bytes=1)
+    writer = CheckpointWriter(sys.argv[1], keep=1, process_min_bytes=1)
     writer.submit(state_mod.capture(model, opt, None, state_mod.Progress(step=1), [], {},
                                     staging=staging), ready=staging.ready, arena=staging.arena)
     print(writer.drain()[0]["kind"], flush=True)

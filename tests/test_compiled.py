@@ -3,7 +3,7 @@ engines keep the compiled model between generations (the cell runs once per engi
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.run.run import plain_keys
+from elastic_jupyter.run.results import plain_keys
 
 CELL = '''
 import torch

@@ -12,13 +12,13 @@ import pytest
 from conftest import DIGITS_CELL
 
 from elastic_jupyter import RunConfig, TrainingRun, UsageError
-from elastic_jupyter.run.cellsetup import FolderLock
+from elastic_jupyter.run.checkpoint_folder import FolderLock
 
 # Takes the folder lock at the wall-clock time argv[2] (racing its twin), prints the outcome as
 # one JSON line, then holds the lock until its stdin closes.
 RACER = r'''
 import json, os, sys, time
-from elastic_jupyter.run.cellsetup import FolderLock
+from elastic_jupyter.run.checkpoint_folder import FolderLock
 from elastic_jupyter.config import UsageError
 folder, start = sys.argv[1], float(sys.argv[2])
 time.sleep(max(0.0, start - time.time()))

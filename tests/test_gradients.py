@@ -6,6 +6,8 @@ with the same cell in a plain single-process loop: the whole global batch in one
 The checks are on what the user sees (parameters, ``.grad``, logged losses), not on how the
 gradients travel, so they hold for any reduction that sums as torch's DDP does.
 """
+import dataclasses
+
 import pytest
 import torch
 from worlds import cell_namespace, config, max_relative_deviation, reference, train
@@ -276,7 +278,7 @@ def _sync_worker(cell: str) -> tuple[Worker, dict]:
     """A Worker of `cell` with sync_batchnorm on (its setup would refuse it on CPU)."""
     ns = cell_namespace(cell, 3)
     worker = Worker(ns, config(steps=1, micro_batch=8), "cpu")  # 2 micro-batches a step
-    worker.config["sync_batchnorm"] = True
+    worker.config = dataclasses.replace(worker.config, sync_batchnorm=True)
     return worker, ns
 
 

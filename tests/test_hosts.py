@@ -23,8 +23,8 @@ from elastic_jupyter.config import UsageError
 from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.engine.interface import address_of
 from elastic_jupyter.pool.launchers import SSHLauncher
+from kernels import BODY as LIFECYCLE_BODY
 from netns_hosts import Hosts, available
-from test_kernel_lifecycle import BODY as LIFECYCLE_BODY
 
 BODY = LIFECYCLE_BODY.replace("time.sleep(0.01)", "time.sleep(DELAY)")
 pytestmark = pytest.mark.skipif(available() is not None, reason=str(available()))

@@ -17,7 +17,6 @@ Each kernel's life runs once per module, in a fixture; the tests check its outco
 the kernels started are recorded by pid and start time, and any still alive at the end are
 killed by pid, so a failing test leaves no orphans behind.
 """
-import json
 import os
 import signal
 import time
@@ -25,10 +24,10 @@ import time
 import psutil
 import pytest
 import torch
-from jupyter_client import KernelManager
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import checkpoint as ckpt
+from kernels import BODY, Kernel, describe, process_ident, wait_gone
 
 STEPS = 180
 SEED = 5
@@ -38,21 +37,6 @@ CRASH_AFTER = 110  # kernel B is killed once its run passed this step (checkpoin
 OPTIONS = (f"--name lifecycle --steps {STEPS} --checkpoint-every {CKPT_EVERY} "
            f"--global-batch 64 --seed {SEED}")
 POOL_LINE = "%elastic_pool start -n 2 --max 3 --gpus none"
-
-# deterministic float64 model; ~10 ms of sleep per forward pass: the run lasts several seconds
-BODY = '''
-import time
-import torch
-from sklearn.datasets import load_digits
-X, y = load_digits(return_X_y=True)
-dataset = torch.utils.data.TensorDataset(torch.tensor(X, dtype=torch.float64) / 16, torch.tensor(y))
-model = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.Tanh(), torch.nn.Linear(16, 10)).double()
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-def loss_fn(model, batch):
-    time.sleep(0.01)
-    x, y = batch
-    return torch.nn.functional.cross_entropy(model(x), y)
-'''
 
 # run in the kernel: wait until the run passed step {step} and its newest complete checkpoint
 # (the one latest.json names) is at step {ckpt} or later
@@ -75,8 +59,8 @@ print("@@" + _json.dumps({{"step": run.step, "state": run.state, "latest": _late
 PIDS = '''
 import json as _json, os as _os
 print("@@" + _json.dumps({"kernel": _os.getpid(), "engines": [e.pid for e in run.pool.engines],
-                          "controller": run.pool.cluster.controller.pid,
-                          "pidfile": run.pool._pidfile}))
+                          "controller": run.pool.engine_sets.cluster.controller.pid,
+                          "pidfile": run.pool.engine_sets.pidfile}))
 '''
 
 
@@ -89,126 +73,25 @@ def config() -> RunConfig:
 # ------------------------------------------------------------------------------ processes
 
 
-def _ident(pid: int):
-    try:
-        return (pid, psutil.Process(pid).create_time())
-    except psutil.Error:
-        return None
-
-
-def _alive(ident) -> bool:
-    pid, started = ident
-    try:
-        p = psutil.Process(pid)
-        return abs(p.create_time() - started) < 0.01 and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _describe(ident) -> str:
-    try:
-        return f"{ident[0]} ({' '.join(psutil.Process(ident[0]).cmdline()[:4])})"
-    except psutil.Error:
-        return str(ident[0])
-
-
-def wait_gone(idents, timeout: float) -> list:
-    """Poll until none of the processes is alive or `timeout` passes; returns those alive."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = [i for i in idents if _alive(i)]
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.1)
-
-
-def kill_leftovers(idents) -> None:
-    """SIGKILL, by pid (start time checked), processes a test's kernel started."""
-    for ident in idents:
-        if _alive(ident):
-            try:
-                psutil.Process(ident[0]).kill()
-            except psutil.Error:
-                pass
-
-
 def find_reaper(pidfile: str):
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if "elastic_jupyter.pool.reaper" in cmd and cmd[-1:] == [pidfile]:
-            return _ident(p.pid)
+            return process_ident(p.pid)
     return None
 
 
 # ------------------------------------------------------------------------------ the kernel
 
 
-class Kernel:
-    """A real Jupyter kernel in `cwd`, with its own Jupyter runtime folder (pid files, registry)
-    and `env` added to its environment."""
-
-    def __init__(self, cwd, env: dict | None = None):
-        self.cwd = str(cwd)
-        self.km = KernelManager(kernel_name="python3")
-        self.km.shutdown_wait_time = 60  # generous: the machine may be loaded
-        env = dict(os.environ, JUPYTER_RUNTIME_DIR=os.path.join(self.cwd, "runtime"),
-                   **(env or {}))
-        self.km.start_kernel(cwd=self.cwd, env=env)
-        self.pid = self.km.provisioner.process.pid
-        self.ident = _ident(self.pid)
-        self.seen: set = set()  # every process the kernel started, as far as we looked
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        try:
-            self.kc.wait_for_ready(timeout=120)
-        except BaseException:
-            self.close()
-            raise
-
-    def execute(self, code: str, timeout: float = 240) -> list:
-        """Run a cell; returns the JSON objects it printed on "@@" lines. Fails on an error."""
-        out = []
-
-        def hook(msg):
-            if msg["msg_type"] == "stream":
-                out.append(msg["content"]["text"])
-            elif msg["msg_type"] == "error":
-                out.append("\n".join(msg["content"]["traceback"]))
-
-        reply = self.kc.execute_interactive(code, timeout=timeout, output_hook=hook)
-        text = "".join(out)
-        assert reply["content"]["status"] == "ok", f"cell failed:\n{code}\n---\n{text}"
-        return [json.loads(line[2:]) for line in text.splitlines() if line.startswith("@@")]
-
-    def descendants(self) -> list:
-        try:
-            found = [_ident(p.pid) for p in psutil.Process(self.pid).children(recursive=True)]
-        except psutil.Error:
-            found = []
-        self.seen.update(i for i in found if i is not None)
-        return [i for i in found if i is not None]
-
-    def start_training(self, resume: bool = False) -> dict:
-        self.execute(f"%load_ext elastic_jupyter\n{POOL_LINE}")
-        self.execute(f"%%elastic_train {OPTIONS}{' --resume' if resume else ''}\n{BODY}")
-        (pids,) = self.execute(PIDS)
-        pids["reaper"] = find_reaper(pids["pidfile"])
-        self.descendants()
-        return pids
-
-    def close(self) -> None:
-        """Stop the client; kill the kernel if it still runs, then whatever it left."""
-        try:
-            self.kc.stop_channels()
-        except Exception:
-            pass
-        if _alive(self.ident):
-            self.descendants()
-        try:
-            self.km.shutdown_kernel(now=True)
-        except Exception:
-            pass
-        kill_leftovers(self.seen)  # callers waited for what should end by itself
+def start_training(kernel: Kernel, resume: bool = False) -> dict:
+    """Pool and run of this scenario in `kernel` (OPTIONS, BODY); returns their processes."""
+    kernel.execute(f"%load_ext elastic_jupyter\n{POOL_LINE}")
+    kernel.execute(f"%%elastic_train {OPTIONS}{' --resume' if resume else ''}\n{BODY}")
+    (pids,) = kernel.execute(PIDS)
+    pids["reaper"] = find_reaper(pids["pidfile"])
+    kernel.descendants()
+    return pids
 
 
 def newest_step(folder: str):
@@ -246,7 +129,7 @@ def _life(workspace, resume: bool, step: int, ckpt_step: int, crash: bool) -> di
     latest_before = ckpt.latest_checkpoint(folder)
     kernel = Kernel(workspace)
     try:
-        pids = kernel.start_training(resume=resume)
+        pids = start_training(kernel, resume=resume)
         (seen,) = kernel.execute(WAIT_MID_RUN.format(step=step, ckpt=ckpt_step))
         tree = kernel.descendants()
         t0 = time.monotonic()
@@ -254,15 +137,16 @@ def _life(workspace, resume: bool, step: int, ckpt_step: int, crash: bool) -> di
             os.kill(kernel.pid, signal.SIGKILL)
         else:
             kernel.km.shutdown_kernel(now=False)
-        ours = [_ident(p) for p in pids["engines"] + [pids["controller"]]] + [pids["reaper"]]
+        ours = ([process_ident(p) for p in pids["engines"] + [pids["controller"]]]
+                + [pids["reaper"]])
         left_ours = wait_gone([i for i in ours if i is not None], 30)
         gone_s = time.monotonic() - t0
         # an engine's nanny outlives its engine by up to ~3 s (zmq linger of its farewell)
         left_tree = wait_gone(tree, 8)
         return dict(workspace=workspace, folder=folder, pids=pids, seen=seen, tree=tree,
                     gone_s=gone_s, latest_before=latest_before,
-                    left_ours=[_describe(i) for i in left_ours],
-                    left_tree=[_describe(i) for i in left_tree],
+                    left_ours=[describe(i) for i in left_ours],
+                    left_tree=[describe(i) for i in left_tree],
                     newest_step=newest_step(folder), log=run_log(folder))
     finally:
         kernel.close()

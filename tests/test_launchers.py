@@ -8,7 +8,7 @@ import pytest
 from elastic_jupyter.config import UsageError
 from elastic_jupyter.pool.launchers import SLURM_TEMPLATE, SlurmLauncher, make_launcher
 from elastic_jupyter.ui.magics import _launcher, _pool_parser
-from elastic_jupyter.pool.pool import _check_versions
+from elastic_jupyter.pool.engine_sets import check_versions as _check_versions
 
 
 def options(line: str) -> argparse.Namespace:
@@ -48,7 +48,8 @@ def test_the_pool_never_listens_on_every_interface_or_an_unknown_one(interface, 
 
 
 def test_the_default_address_is_on_the_route_to_slurmctld(monkeypatch):
-    monkeypatch.setattr("elastic_jupyter.pool.launchers._slurmctld_host", lambda: "127.0.0.1")
+    monkeypatch.setattr("elastic_jupyter.pool.launchers.slurm._slurmctld_host",
+                        lambda: "127.0.0.1")
     assert SlurmLauncher().address == "127.0.0.1"
     assert SlurmLauncher(interface="127.0.0.1").address == "127.0.0.1"  # an address works too
 

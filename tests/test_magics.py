@@ -14,7 +14,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.testing.globalipapp import start_ipython
 
 from elastic_jupyter import TrainingRun
-from elastic_jupyter.pool.pool import Exclusion
+from elastic_jupyter.pool.slots import Exclusion
 
 # DIGITS_CELL with ~5 ms of sleep per forward pass: a run lasts long enough to act on it.
 SLOW_CELL = DIGITS_CELL + '''
@@ -291,8 +291,8 @@ def test_pool_status(ip, magics):
 
 
 def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell, monkeypatch):
-    monkeypatch.setitem(magics.pool._exclusions, 3, Exclusion("its engine failed to start"))
-    monkeypatch.setitem(magics.pool._exclusions, 2,
+    monkeypatch.setitem(magics.pool.slots._exclusions, 3, Exclusion("its engine failed to start"))
+    monkeypatch.setitem(magics.pool.slots._exclusions, 2,
                         Exclusion("3 faults within 60 s", time.time() + 30.4))
     result, out, err = cell("%elastic_pool status\nx = 1")  # not the cell's last line
     assert result.success, err

@@ -79,7 +79,7 @@ def test_stop_is_quick_and_leaves_no_process_of_the_pool():
     ours = set(me.children(recursive=True)) - before
     assert len(ours) >= 1 + 2 * 3 + 1
     pool.resize(2)  # one engine (and its nanny) stopped before the pool stops
-    pool.owner.post(pool.remove_engines, pool.engines[1:])  # one more still stopping
+    pool.owner.post(pool.engine_sets.remove, pool.engines[1:])  # one more still stopping
     t0 = time.monotonic()
     pool.stop()
     took = time.monotonic() - t0

@@ -20,8 +20,8 @@ import torch
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 from elastic_jupyter.engine.checkpoint import list_checkpoints
 from elastic_jupyter.pool.launchers import SlurmLauncher
+from kernels import BODY as LIFECYCLE_BODY, Kernel
 from slurm_cluster import SlurmCluster, available
-from test_kernel_lifecycle import BODY as LIFECYCLE_BODY, Kernel
 from test_notebooks import execute
 
 QUICKSTART = pathlib.Path(__file__).parent.parent / "notebooks" / "01_quickstart.ipynb"

@@ -23,6 +23,7 @@ from elastic_jupyter.run import faults
 from elastic_jupyter.engine.collective import PeerFailure, collective
 from elastic_jupyter.run.recovery import Recovery, RepeatedFailure
 from elastic_jupyter.engine.generation import run_generation
+from elastic_jupyter.engine.protocol import GenerationSpec
 from elastic_jupyter.engine.worker import Worker
 
 # ------------------------------------------------------------------------- the owner's view
@@ -157,8 +158,8 @@ def _generation_rank(rank: int, world_size: int, cell: str, store_path: str, out
         dist.PrefixStore("gen0/", store).set("end_at", "none")
     # a pool of up to 2: the plan cuts steps so that both ranks get micro-batches
     worker = Worker(cell_namespace(cell, 3), config(steps=40, pool_max_size=2), "cpu")
-    spec = {"rank": rank, "world_size": world_size, "generation": 0, "backend": "gloo",
-            "timeout": 20, "receive_state": False, "broadcast": False, "end_at": None}
+    spec = GenerationSpec(rank=rank, world_size=world_size, generation=0, backend="gloo",
+                          timeout=20, receive_state=False, broadcast=False, end_at=None)
     try:
         run_generation(worker, spec, store)
         ended = ("finished", "")

@@ -14,6 +14,7 @@ import datetime
 import os
 import random
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,7 +76,8 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
         vote = Vote(dist.PrefixStore("control/", store), rank, world_size, 60.0)
     try:
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
-        worker.config.update(cfg.get("late", {}))  # options the setup refuses on CPU
+        # options the setup refuses on CPU
+        worker.config = dataclasses.replace(worker.config, **cfg.get("late", {}))
         worker.start_generation(rank, world_size)  # as a generation does
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, vote)[0])

@@ -1,16 +1,8 @@
-"""Talking to the machine's arbiter: where it is, starting it on demand, one call per request.
+"""Talking to the machine's arbiter: starting it on demand, one call per request.
 
-Where the arbiter lives (the first that applies):
-
-1. ``$ELASTIC_JUPYTER_ARBITER``: a folder the user or the admin names;
-2. ``/run/elastic-jupyter``, when a system arbiter serves there (``--shared``, started by the
-   admin for every user of the machine: docs/arbiter.md);
-3. a private folder of this user (``<jupyter runtime dir>/elastic-jupyter/arbiter-<host>``), where the
-   first run that needs it starts one. It coordinates this user's kernels; other users' GPU
-   processes are then seen as busy outside.
-
-Only in the third case does a client start an arbiter; a shared one that does not answer is
-the admin's to restart, and the client says so.
+Which arbiter, and where, is :mod:`.location`'s. Only in a private folder of this user does a
+client start an arbiter; a shared one that does not answer is the admin's to restart, and the
+client says so.
 """
 from __future__ import annotations
 
@@ -21,55 +13,12 @@ import subprocess
 import sys
 import time
 
-from ..host import own_folder
-from .service import SOCKET
+# arbiter_dir and arbiter_configured: their public home before location.py, kept importable
+from .location import SOCKET, arbiter_configured, arbiter_dir, locate  # noqa: F401
 from .table import ArbiterError, UnknownRun
 
-SYSTEM_DIR = "/run/elastic-jupyter"
 START_TIMEOUT = 15.0  # seconds for an arbiter started on demand to answer (a Python start)
 LINGER_S = 600.0  # an arbiter started on demand exits after this long without runs
-
-
-def arbiter_dir() -> str:
-    """The folder of the arbiter this process should use (see the module's docstring)."""
-    return _locate()[0]
-
-
-def arbiter_configured() -> bool:
-    """Whether this machine has an arbiter every pool should use: one the admin runs for
-    everyone, or one ``$ELASTIC_JUPYTER_ARBITER`` names. (A private one serves only pools
-    that ask for it: ``--auto``.)"""
-    return _configured_dir() is not None
-
-
-def _configured_dir() -> str | None:
-    """The folder named by ``$ELASTIC_JUPYTER_ARBITER``, else the system arbiter's when it
-    serves, else None."""
-    named = os.environ.get("ELASTIC_JUPYTER_ARBITER")
-    if named:
-        return named
-    return SYSTEM_DIR if os.path.exists(os.path.join(SYSTEM_DIR, SOCKET)) else None
-
-
-def _locate() -> tuple[str, bool]:
-    """(the arbiter's folder, whether it is this user's private one)."""
-    folder = _configured_dir()
-    return (folder, False) if folder else (_private_dir(), True)
-
-
-def _private_dir() -> str:
-    """This user's arbiter folder, made (mode 0700) and checked to be this user's own, with
-    its parent: nobody else may plant a socket for us to talk to."""
-    from jupyter_core.paths import jupyter_runtime_dir
-    base = os.path.join(jupyter_runtime_dir(), "elastic-jupyter")
-    # one per host: a home folder (and so the runtime folder) may be shared between hosts
-    name = f"arbiter-{socket.gethostname()}"
-    if len(os.fsencode(os.path.join(base, name, SOCKET))) > 107:  # a socket address's limit
-        base = f"/tmp/elastic-jupyter-{os.getuid()}"
-    own_folder(base, 0o700)
-    path = os.path.join(base, name)
-    own_folder(path, 0o700)
-    return path
 
 
 def answer_of(reply: dict, where: str = "") -> dict:
@@ -82,7 +31,7 @@ def answer_of(reply: dict, where: str = "") -> dict:
 
 
 class ArbiterClient:
-    """Requests to the arbiter in `folder` (default :func:`arbiter_dir`).
+    """Requests to the arbiter in `folder` (default :func:`.location.arbiter_dir`).
 
     Each call opens a connection, sends one request and reads one reply, so an arbiter that
     restarts between calls loses nothing. When nothing answers and the folder is this user's
@@ -96,7 +45,7 @@ class ArbiterClient:
 
     def __init__(self, folder: str | None = None, timeout: float = START_TIMEOUT):
         if folder is None:
-            self.folder, self.startable = _locate()
+            self.folder, self.startable = locate()
         else:  # a folder named by the caller is served by whoever chose it
             self.folder, self.startable = folder, False
         self.timeout = timeout

@@ -104,7 +104,8 @@ def _admit(demands: list[Demand], capacity: int, caps: dict[str, int]):
     floors fit the machine and their user's cap. A run that waits for the machine holds up
     those behind it; one that waits for its own user's cap holds up nobody else."""
     order = sorted(demands, key=lambda d: (d.held == 0, d.arrival))
-    admitted, queued, used, per_user, blocked = [], [], 0, {}, False
+    admitted, queued, used, blocked = [], [], 0, False
+    per_user: dict[str, int] = {}
     for d in order:
         need = _floor(d)
         cap = caps.get(d.user)

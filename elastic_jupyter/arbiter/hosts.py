@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from typing import IO, NoReturn
 
 from .client import answer_of
 from .table import ArbiterError, UnknownRun
@@ -45,7 +46,7 @@ class Relay:
     def __init__(self, host: str, command: list[str]):
         self.host, self.command = host, command
         self._proc: subprocess.Popen | None = None
-        self._stderr = None  # a temporary file: ssh's and the relay's complaints
+        self._stderr: IO[bytes] | None = None  # a temporary file: ssh's and the relay's complaints
         self._buffer = b""  # read from its output, not yet a whole line
         self._closed = False
         self._lock = threading.Lock()
@@ -70,16 +71,18 @@ class Relay:
             self._end()
 
     def _exchange(self, request: str) -> dict:
-        if self._proc is None or self._proc.poll() is not None:
-            self._start()
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            proc = self._start()
+        to_relay, from_relay = _pipes(proc)
         try:
-            self._proc.stdin.write(request.encode() + b"\n")
-            self._proc.stdin.flush()
+            to_relay.write(request.encode() + b"\n")
+            to_relay.flush()
         except OSError:
             self._failed("could not send it a request")
         deadline = time.monotonic() + REPLY_TIMEOUT
         try:
-            while (line := self._line(deadline)) is not None:
+            while (line := self._line(from_relay.fileno(), deadline)) is not None:
                 try:
                     reply = json.loads(line)
                 except ValueError:
@@ -90,10 +93,9 @@ class Relay:
             self._failed("its relay exited")
         self._failed(f"no answer within {REPLY_TIMEOUT:.0f} s")
 
-    def _line(self, deadline: float) -> str | None:
-        """The next line of the relay's output (without its newline); None past `deadline`.
-        Raises EOFError at the output's end."""
-        fd = self._proc.stdout.fileno()
+    def _line(self, fd: int, deadline: float) -> str | None:
+        """The next line of the relay's output `fd` (without its newline); None past
+        `deadline`. Raises EOFError at the output's end."""
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -105,13 +107,14 @@ class Relay:
         line, self._buffer = self._buffer.split(b"\n", 1)
         return line.decode(errors="replace")
 
-    def _start(self) -> None:
+    def _start(self) -> subprocess.Popen:
         self._end()
         self._stderr = tempfile.TemporaryFile()
         self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._stderr)
+        return self._proc
 
-    def _failed(self, what: str):
+    def _failed(self, what: str) -> NoReturn:
         """The relay is of no use any more: end it (the next call starts another) and say
         why, with the tail of what it complained of."""
         said = ""
@@ -130,17 +133,25 @@ class Relay:
         """End the relay: its input closes, and after `wait` seconds it is killed."""
         proc, self._proc, self._buffer = self._proc, None, b""
         if proc is not None:
+            to_relay, from_relay = _pipes(proc)
             if proc.poll() is None:
-                proc.stdin.close()  # the relay exits at the end of its input
+                to_relay.close()  # the relay exits at the end of its input
                 try:
                     proc.wait(timeout=wait)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
-            proc.stdout.close()
+            from_relay.close()
         if self._stderr is not None and not keep_stderr:
             self._stderr.close()
             self._stderr = None
+
+
+def _pipes(proc: subprocess.Popen) -> tuple[IO[bytes], IO[bytes]]:
+    """A relay's input and output: it is started with both as pipes (:meth:`Relay._start`)."""
+    if proc.stdin is None or proc.stdout is None:
+        raise ValueError("a relay is started with pipes for its input and output")
+    return proc.stdin, proc.stdout
 
 
 class HostArbiters:
@@ -268,7 +279,7 @@ class HostArbiters:
 
     def _split_slots(self, by_slot: dict) -> dict[str, dict[str, object]]:
         """The pool's {slot: value} as each host's {its slot (str): value}."""
-        split = {host: {} for host in self.hosts}
+        split: dict[str, dict[str, object]] = {host: {} for host in self.hosts}
         for slot, value in by_slot.items():
             host = self._host_of(int(slot))
             split[host][str(int(slot) - self.offsets[host])] = value

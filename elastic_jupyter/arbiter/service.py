@@ -45,13 +45,13 @@ import time
 import psutil
 
 from ..host import alive, own_folder, process_start
+from .location import LOCK, SOCKET, STATE, arbiter_dir
 from .providers import SlotProvider, provider
 from .settings import SYSTEM_CONFIG, Settings
 from .table import ArbiterError, SlotTable
 
 WATCH_S = 0.5  # liveness and outside slots: a dead run's leases are free within a second
 MAX_LINE = 1 << 20
-SOCKET, LOCK, STATE = "arbiter.sock", "arbiter.lock", "state.json"
 
 log = logging.getLogger("elastic_jupyter.arbiter")
 
@@ -71,10 +71,18 @@ class Arbiter:
                  shared: bool = False):
         self.folder, self.settings, self.shared = folder, settings, shared
         self.provider = slots or provider(settings)
-        self.table: SlotTable | None = None  # loaded once the folder's lock is ours
+        self._table: SlotTable | None = None  # loaded once the folder's lock is ours
         self._users: dict[int, str] = {}
         self._idle_since = time.monotonic()
-        self._lock_fd = None
+        self._lock_fd: int | None = None
+
+    @property
+    def table(self) -> SlotTable:
+        """The leases, loaded by :meth:`acquire`; RuntimeError before (nothing is served
+        without the folder's lock)."""
+        if self._table is None:
+            raise RuntimeError(f"the arbiter of {self.folder} has not acquired its folder")
+        return self._table
 
     # ------------------------------------------------------------------ process
 
@@ -92,10 +100,10 @@ class Arbiter:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._lock_fd = fd
-        self.table = SlotTable(self.provider.slots(), os.path.join(self.folder, STATE),
-                               cap=self.settings.cap, weights=self.settings.weights,
-                               hold_s=self.settings.hold_s, idle_s=self.settings.idle_s,
-                               alive=alive)
+        self._table = SlotTable(self.provider.slots(), os.path.join(self.folder, STATE),
+                                cap=self.settings.cap, weights=self.settings.weights,
+                                hold_s=self.settings.hold_s, idle_s=self.settings.idle_s,
+                                alive=alive)
         return True
 
     async def serve(self, linger_s: float | None = None) -> None:
@@ -193,13 +201,12 @@ class Arbiter:
         if op == "unregister":
             table.unregister(uid, **request)
             return None
-        if op == "view":
-            view = table.view()
-            view["kind"] = self.provider.kind
-            usage = self.provider.usage()
-            for slot in view["slots"]:
-                slot.update(usage.get(slot["slot"], {}))
-            return view
+        view = table.view()  # the one op left: "view"
+        view["kind"] = self.provider.kind
+        usage = self.provider.usage()
+        for slot in view["slots"]:
+            slot.update(usage.get(slot["slot"], {}))
+        return view
 
     def _user(self, uid: int) -> str:
         if uid not in self._users:
@@ -211,7 +218,7 @@ class Arbiter:
 
 
 # op -> argument -> its type; "run" is required where it is listed, the rest optional
-ARGUMENTS = {
+ARGUMENTS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "register": {"run": str, "name": str, "notebook": str, "min": int, "max": int,
                  "weight": (int, float), "auto": bool, "wanted": (int, type(None)),
                  "standby": int, "active": bool, "engines": dict},
@@ -286,7 +293,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linger", type=float, default=None,
                         help="exit after this many seconds without runs (default: never)")
     args = parser.parse_args(argv)
-    from .client import arbiter_dir
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     settings = Settings.load(args.config)
     arbiter = Arbiter(args.dir or arbiter_dir(), settings, shared=args.shared)

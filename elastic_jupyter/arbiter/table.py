@@ -105,7 +105,7 @@ class SlotTable:
         self._freed: dict[int, tuple] = {}  # slot -> (run id, name) that gave it back, for events
         self._saved: tuple | None = None  # the fingerprint of what the state file holds
         if path and os.path.exists(path):
-            self._load()
+            self._load(path)
 
     # ------------------------------------------------------------------ requests
 
@@ -385,18 +385,18 @@ class SlotTable:
         except OSError as e:  # a full disk: serving goes on, a restart would lose this change
             log.error("arbiter: could not save %s: %s", self.path, e)
 
-    def _load(self) -> None:
+    def _load(self, path: str) -> None:
         try:
-            with open(self.path) as f:
+            with open(path) as f:
                 state = json.load(f)
             runs = [Run(**r) for r in state["runs"]]
             leases = [Lease(**x) for x in state["leases"]]
             arrivals = int(state["arrivals"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            aside = f"{self.path}.unreadable-{int(time.time())}"
-            os.replace(self.path, aside)
+            aside = f"{path}.unreadable-{int(time.time())}"
+            os.replace(path, aside)
             log.error("arbiter: %s is unreadable (%s: %s); moved to %s, starting without "
-                      "leases", self.path, type(e).__name__, e, aside)
+                      "leases", path, type(e).__name__, e, aside)
             return
         self._arrivals = arrivals
         now = time.time()

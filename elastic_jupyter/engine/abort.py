@@ -29,6 +29,8 @@ import time
 
 import torch.distributed as dist
 
+from .protocol import ABORT_KEY
+
 POLL = 0.01  # seconds between looks at a missing key and the abort key
 WATCH_POLL = 0.05  # seconds between an AbortWatch's looks at the abort key
 
@@ -65,7 +67,7 @@ class AbortableStore(dist.Store):
     def _wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         deadline = time.monotonic() + timeout.total_seconds()
         while not self.inner.check(keys):
-            if self.control.check(["abort"]):
+            if self.control.check([ABORT_KEY]):
                 raise GenerationAborted(f"the owner aborted the generation while this rank "
                                         f"waited for {keys}: a peer died")
             if time.monotonic() > deadline:
@@ -124,7 +126,7 @@ class AbortWatch:
     def _watch(self) -> None:
         while not self._stop.wait(WATCH_POLL):
             try:
-                if not self.control.check(["abort"]):
+                if not self.control.check([ABORT_KEY]):
                     continue
             except Exception:  # noqa: BLE001 -- the store is gone: the owner ended the run
                 return

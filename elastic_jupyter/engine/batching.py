@@ -99,7 +99,8 @@ def micro_batch_count(batch_size: int, cap: int | None, min_size: int, max_size:
             or pass_cost < 0:
         raise ValueError(f"bad micro-batch plan: batch {batch_size}, cap {cap}, pool sizes "
                          f"{min_size}..{max_size}, pass cost {pass_cost}")
-    best, best_worst = None, math.inf
+    best: int | None = None
+    best_worst = math.inf
     for count in range(micro_batch_floor(batch_size, cap, max_size), batch_size + 1):
         worst = worst_slowdown(micro_batch_bounds(batch_size, count), min_size, max_size,
                                pass_cost)
@@ -107,6 +108,9 @@ def micro_batch_count(batch_size: int, cap: int | None, min_size: int, max_size:
             return count
         if worst < best_worst - 1e-9:
             best, best_worst = count, worst
+    if best is None:  # every count's worst ratio is infinite (or NaN): no plan balances
+        raise ValueError(f"bad micro-batch plan: batch {batch_size}, cap {cap}, pool sizes "
+                         f"{min_size}..{max_size}, pass cost {pass_cost}")
     return best
 
 
@@ -156,7 +160,7 @@ class Cut:
 
     def count(self, batch_size: int) -> int:
         """K, the micro-batches of a step of `batch_size` samples (>= 1)."""
-        if self.rule == "micro_batch":
+        if self.rule == "micro_batch" and self.micro_batch:
             wanted = -(-batch_size // self.micro_batch)
         elif self.rule == "pass_cost":
             wanted = micro_batch_count(batch_size, None, self.min_size, self.max_size,
@@ -235,11 +239,12 @@ class BatchPlan:
                  drop_last: bool = False):
         self.n, self.global_batch, self.seed = n, global_batch, seed
         self.cut, self.drop_last = cut or Cut(), drop_last
-        self._epoch, self._perm = None, None
+        self._epoch: int | None = None
+        self._perm: torch.Tensor | None = None  # the permutation of epoch _epoch
 
     def batch(self, epoch: int, position: int) -> torch.Tensor:
         """Sample indices (int64, shape ``(min(B, n - position),)``) of the step at `position`."""
-        if epoch != self._epoch:
+        if epoch != self._epoch or self._perm is None:
             self._epoch, self._perm = epoch, epoch_permutation(self.seed, epoch, self.n)
         return self._perm[position:position + self.global_batch]
 

@@ -20,12 +20,11 @@ import hashlib
 import io
 import json
 import os
-import queue
 import re
-import sys
-import threading
 import time
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from typing import IO, Any, cast
 
 from . import history
 from .direct_io import DirectFile, open_for_writing
@@ -82,7 +81,8 @@ def _without_crc32():
         from torch.utils.serialization import config
     except ImportError:
         return contextlib.nullcontext()
-    return config.patch({"save.compute_crc32": False})
+    settings: Any = config  # torch adds patch() to the module when it loads: untyped
+    return settings.patch({"save.compute_crc32": False})
 
 
 def _sha256(path: str) -> str:
@@ -139,7 +139,9 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         import torch  # here, not at the top: the server lists checkpoints without torch
         digest = hashlib.sha256()
         with _without_crc32():
-            atomic_write(path, lambda f: torch.save(state, _Hashing(f, digest)), direct=True)
+            # torch.save needs only a file's write(): _Hashing is one
+            atomic_write(path, lambda f: torch.save(state, cast(IO[bytes], _Hashing(f, digest))),
+                         direct=True)
         record = {"file": os.path.basename(path), "step": step, "sha256": digest.hexdigest(),
                   "bytes": os.path.getsize(path), "time": time.time()}
         data = json.dumps(record).encode()
@@ -147,7 +149,7 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
         atomic_write(os.path.join(folder, POINTER), lambda f: f.write(data))
     except (OSError, RuntimeError) as e:
         # torch.save reports a full disk as its own RuntimeError; the OSError is its context
-        cause = e
+        cause: BaseException = e
         while not isinstance(cause, OSError) and cause.__context__ is not None:
             cause = cause.__context__
         reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
@@ -239,7 +241,7 @@ def load_latest(folder: str, log=None) -> tuple[str, dict, list[str]]:
     if pointed in candidates:
         candidates.remove(pointed)
         candidates.insert(0, pointed)
-    skipped = []
+    skipped: list[tuple[str, str]] = []  # (path, why)
     for path in candidates:
         problem = verify(path)
         if problem is None:
@@ -328,12 +330,11 @@ def _round_trips(obj) -> bool:
 def _first_refused(obj, path: list) -> tuple[list, object]:
     """(key path, value) of the innermost value in `obj` that does not round-trip; `obj` itself
     when none of its parts is refused alone (its own type, or one of its keys)."""
+    parts: Iterable[tuple[Any, Any]] = ()
     if isinstance(obj, dict):
         parts = obj.items()
     elif isinstance(obj, (list, tuple, set)):
         parts = enumerate(obj)
-    else:
-        parts = ()
     for key, value in parts:
         if not _round_trips(value):
             return _first_refused(value, path + [key])
@@ -359,113 +360,7 @@ def _why_unloadable(error: Exception) -> str:
     if refused and "Weights only load failed" in text:
         return (f"it holds a type the safe load (weights_only) refuses: {refused.group(1)} "
                 "(a value that is not plain data, not damage)")
-    cause = re.search(r"WeightsUnpickler error: (.*)", text)  # e.g. an unknown opcode
-    cause = cause.group(1) if cause else (text.strip().splitlines() or [""])[0]
+    unpickler = re.search(r"WeightsUnpickler error: (.*)", text)  # e.g. an unknown opcode
+    cause = unpickler.group(1) if unpickler else (text.strip().splitlines() or [""])[0]
     cause = cause.split(". ")[0][:120]
     return f"torn or corrupted ({type(error).__name__}{': ' + cause if cause else ''})"
-
-
-PROCESS_MIN_BYTES = 64 << 20  # staged state from which a write goes to the writer process
-MAX_WRITER_LOSSES = 2  # writer processes lost in a row before the thread writes for good
-
-
-def _notice(text: str) -> None:
-    print(f"elastic-jupyter: {text}", file=sys.stderr, flush=True)  # to the engine's log
-
-
-class CheckpointWriter:
-    """Writes checkpoints in the background so training does not wait for the disk.
-
-    ``submit`` takes a state already copied off the model (engine.state.capture); ``drain``
-    waits for pending writes and returns their outcomes as event dicts. A state staged in shared
-    memory of at least `process_min_bytes` is written by a process of the engine's own
-    (engine.checkpoint_process), where serializing it cannot stall training for the interpreter
-    lock; a smaller one (which would not repay that process's start, about a torch import) on
-    this writer's thread. So is a state the process does not take (one holding values other
-    than plain data), one whose process was lost while writing it (the next starts another,
-    up to MAX_WRITER_LOSSES in a row), and every state once the process cannot be started.
-    """
-
-    def __init__(self, folder: str, keep: int, before_write=None,
-                 process_min_bytes: int = PROCESS_MIN_BYTES):
-        from .checkpoint_process import WriterProcess
-        self.folder, self.keep, self._before_write = folder, keep, before_write
-        self.process_min_bytes = process_min_bytes
-        self._process: WriterProcess | None = WriterProcess()
-        self._lost = 0  # writer processes lost in a row
-        # the step of the last checkpoint written (its history is in the folder's file)
-        self.saved_step: int | None = None
-        self._queue: queue.Queue = queue.Queue()
-        self._done: list[dict] = []
-        self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, state: dict, ready=None, arena=None) -> None:
-        """Write `state` once ``ready()`` returned (copies still filling its buffers); `arena`
-        is the engine.shared_memory.Arena its tensors were staged in, if any."""
-        self._queue.put((state, time.time(), ready, arena))
-
-    def close(self) -> None:
-        """Finish pending writes, then end the thread and the writer process (the thread holds
-        the run's objects through `before_write` until then)."""
-        self._queue.put((None, None, None, None))
-        self._thread.join()
-
-    def _loop(self) -> None:
-        while True:
-            state, queued, ready, arena = self._queue.get()
-            if state is None:
-                if self._process is not None:  # from this thread: the process dies with it
-                    self._process.close()
-                self._queue.task_done()
-                return
-            step = state["progress"]["step"]
-            try:
-                if ready is not None:
-                    ready()
-                if self._before_write is not None:
-                    self._before_write()
-                record = self._write(state, arena)
-                self.saved_step = step
-                event = {"kind": "checkpoint", "step": step, "path": record["path"],
-                         "bytes": record["bytes"], "seconds": time.time() - queued}
-            except Exception as e:
-                event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
-            state = None  # not held while idle (a run's last state holds its live tensors)
-            with self._lock:
-                self._done.append(event)
-            self._queue.task_done()
-
-    def _write(self, state: dict, arena) -> dict:
-        staged = arena.nbytes() if arena is not None else 0
-        if self._process is not None and staged >= self.process_min_bytes:
-            from .checkpoint_process import Unsendable, WriterLost
-            try:
-                record = self._process.write(self.folder, self.keep, state, arena)
-                self._lost = 0
-                return record
-            except Unsendable:  # written below, where the check names what is not plain data
-                pass
-            except (WriterLost, OSError) as e:  # the buffers are intact: write them here
-                self._lost += 1
-                if isinstance(e, OSError) or self._lost == MAX_WRITER_LOSSES:
-                    self._process = None
-                _notice(f"{e}; checkpoint {state['progress']['step']} is written on the "
-                        "engine's thread" + ("" if self._process else ", and the next ones too"))
-        return write_checkpoint(self.folder, state, self.keep)
-
-    def take_events(self) -> list[dict]:
-        """Outcomes finished since the last call (does not wait)."""
-        with self._lock:
-            done, self._done = self._done, []
-        return done
-
-    def wait(self) -> None:
-        """Wait for every submitted write (their outcomes stay for :meth:`take_events`)."""
-        self._queue.join()
-
-    def drain(self) -> list[dict]:
-        """Wait for every submitted write, then return the outcomes not yet taken."""
-        self._queue.join()
-        return self.take_events()

@@ -3,7 +3,7 @@ engine, so that none of that work takes the engine's interpreter lock.
 
 A write on a thread of the engine stalls training even with a core to spare: ``torch.save``
 pickles in Python, and every time the training thread gets the lock back from it, it waits.
-Here the engine's writer thread (engine.checkpoint.CheckpointWriter) sends the state to a
+Here the engine's writer thread (engine.checkpoint_writer.CheckpointWriter) sends the state to a
 process of its own, started on the first large checkpoint and kept for the engine's run: the
 tensors already lie in shared memory (engine.shared_memory, filled by engine.state.Staging), so
 what crosses the socket is their place, the rest of the state pickled, and the descriptors of
@@ -72,14 +72,13 @@ class WriterProcess:
         if len(chunks) > _MAX_FDS:
             raise Unsendable(f"{len(chunks)} chunks of shared memory, more than {_MAX_FDS}")
         state_data = _dumps(state, arena)
-        if self._process is None or self._process.poll() is not None:
-            self._start()
+        sock = self._connection()
         header = {"folder": os.path.abspath(folder), "keep": keep,
                   "chunks": [(i, size) for i, (_, size) in chunks.items()]}
         try:
-            _send_frame(self._socket, pickle.dumps(header), [fd for fd, _ in chunks.values()])
-            _send_frame(self._socket, state_data)
-            outcome, detail = pickle.loads(_recv_frame(self._socket)[0])
+            _send_frame(sock, pickle.dumps(header), [fd for fd, _ in chunks.values()])
+            _send_frame(sock, state_data)
+            outcome, detail = pickle.loads(_recv_frame(sock)[0])
         except (OSError, EOFError) as e:
             self.close()
             raise WriterLost("the checkpoint writer process ended before it finished "
@@ -87,6 +86,15 @@ class WriterProcess:
         if outcome == "failed":
             raise CheckpointError(detail)
         return detail
+
+    def _connection(self) -> socket.socket:
+        """The socket to the writer process, started here when none runs. Raises OSError when
+        it cannot be started."""
+        if self._process is None or self._process.poll() is not None:
+            self._start()
+        if self._socket is None:
+            raise OSError("the checkpoint writer process started without a connection")
+        return self._socket
 
     def _start(self) -> None:
         self.close()
@@ -179,6 +187,8 @@ _mapped: Mapped | None = None  # in the writer process: the chunks of the write 
 
 
 def _staged(chunk_id: int, offset: int, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    if _mapped is None:  # only a write's unpickling calls it, with its chunks mapped
+        raise RuntimeError("a staged tensor outside a checkpoint write")
     return _mapped.tensor(chunk_id, offset, dtype, shape)
 
 
@@ -241,6 +251,7 @@ def _serve(sock: socket.socket) -> None:
             return
         header = pickle.loads(data)
         state_data = _recv_frame(sock)[0]
+        reply: tuple[str, dict | str]
         try:
             _mapped = Mapped(header["chunks"], fds)
             state = pickle.loads(state_data)

@@ -10,6 +10,7 @@ broadcast); collectives the user's own code runs are the user's.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -20,7 +21,7 @@ class PeerFailure(RuntimeError):
 
 
 @contextlib.contextmanager
-def collective(what: str, only: type = RuntimeError):
+def collective(what: str, only: type[BaseException] = RuntimeError) -> Iterator[None]:
     """Run one of our collectives; its failure becomes a :class:`PeerFailure` naming `what`.
 
     gloo and nccl report a dead, closed or late peer as a RuntimeError (torch's DistError

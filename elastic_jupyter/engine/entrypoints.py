@@ -15,6 +15,7 @@ import datetime
 import gc
 import importlib.metadata
 import os
+import pickle
 import platform
 import random
 import sys
@@ -25,13 +26,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import drain, history, schedulers
+from . import drain, history, publish, schedulers
 from . import state as state_mod
 from . import workdir as workdir_mod
 from .checkpoint import CheckpointError, load_latest, unloadable
 from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .interface import use_interface_towards
+from .protocol import EngineConfig, GenerationSpec
 from .worker import SetupError, Worker
 
 
@@ -46,13 +48,26 @@ class EngineState:
         workdir_on_path: the import path entry the current run's setup added (None: none).
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.slot: int | None = None
         self.device: str = "cpu"
         self.worker: Worker | None = None
-        self.store = None
+        self.store: dist.Store | None = None
         self.log_path: str | None = None
         self.workdir_on_path: str | None = None
+
+    def run_worker(self) -> Worker:
+        """The current run's Worker. Raises RuntimeError when no run is set up here."""
+        if self.worker is None:
+            raise RuntimeError("no run is set up on this engine (setup_run did not succeed)")
+        return self.worker
+
+    def run_store(self) -> dist.Store:
+        """The connection to the run's rendezvous store. Raises RuntimeError before
+        connect_store."""
+        if self.store is None:
+            raise RuntimeError("this engine is not connected to the run's rendezvous store")
+        return self.store
 
 
 _state = EngineState()
@@ -93,8 +108,10 @@ def versions() -> dict:
             "elastic_jupyter": ours}
 
 
-def init_engine(slot: int, device: str, threads: int) -> dict:
-    """Called once by the pool right after the engine registered: bind it to its slot.
+def init_engine(slot: int, device: str, threads: int,
+                publisher: publish.Publisher | None = None) -> dict:
+    """Called once by the pool right after the engine registered: bind it to its slot, and
+    take the `publisher` through which rank 0 streams live records (engine.publish).
 
     Returns {"pid", "slot", "device", "host", "versions"} (see :func:`versions`).
     """
@@ -109,6 +126,7 @@ def init_engine(slot: int, device: str, threads: int) -> dict:
     if device.startswith("cuda"):
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds exactly this slot's GPU
     _state.slot, _state.device = slot, device
+    publish.use(publisher)
     _say_bound(slot, device)
     return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename,
             "versions": versions()}
@@ -139,13 +157,15 @@ def _run_setup(source: str | None, setup_fn: bytes | None, pushed: dict,
     sys.modules[module.__name__] = module
     namespace = module.__dict__
     if setup_fn is not None:
-        import cloudpickle
-        objects = cloudpickle.loads(setup_fn)()
+        # cloudpickle's loads is pickle's: its payload imports what it needs to rebuild
+        objects = pickle.loads(setup_fn)()
         if not isinstance(objects, dict):
             raise SetupError("the setup function must return a dict with model, optimizer, "
                              f"dataset and loss_fn; it returned {type(objects).__name__}")
         namespace.update(objects)
         return namespace
+    if source is None:
+        raise SetupError("the run has neither a cell nor a setup function")
     try:
         # dont_inherit: the cell is compiled as a notebook compiles it, not with this module's
         # `from __future__ import annotations` (string annotations break a cell's dataclasses)
@@ -162,10 +182,11 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     working folder `workdir` (the notebook's, see engine.workdir), run the cell `source` (or
     the cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines.
 
+    `config`: the run's options as plain data (``RunConfig.as_dict()``; engine.protocol's
+    EngineConfig reads it).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "workdir"}:
     "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
-    across engines; it is also kept in the worker's config as "dataset", so checkpoints record
-    it. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
+    across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
     folder does not exist, the engine's own (the run's folder must exist there: it is shared).
     Raises SetupError (also when the training state holds a value no checkpoint could load,
     naming its key path) or the cell's own exception (the owner shows its traceback); the
@@ -185,21 +206,22 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     with _logging_to(log_path):
         if dropped:
             print(f"re-importing from {workdir}: {', '.join(sorted(dropped))}", file=sys.stderr)
-        seed = config["seed"]
+        options = EngineConfig.from_dict(config)
+        seed = options.seed
         random.seed(seed)
         np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         namespace = _run_setup(source, setup_fn, pushed, log_path)
-        worker = Worker(namespace, config, _state.device, slot=_state.slot)
+        worker = Worker(namespace, options, _state.device, slot=_state.slot)
         try:
             _check_worker(worker)
             dataset = dataset_fingerprint(worker.dataset)
         except BaseException:
             _close(worker)
             raise
-    config["dataset"] = dataset  # the worker's config: checkpoints carry it, resumes check it
+    worker.fingerprint = dataset  # checkpoints carry it, resumes check it
     _state.worker = w = worker
-    return {"samples": len(w.dataset), "total_steps": config["total_steps"],
+    return {"samples": len(w.dataset), "total_steps": w.total_steps,
             "parameters": sum(p.numel() for p in w.model.parameters()),
             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
             "dataset": dataset, "workdir": workdir}
@@ -212,7 +234,7 @@ def _check_worker(worker: Worker) -> None:
     schedulers.check(worker)
     worker.try_user_functions()
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
-                              worker.progress, worker.history.records, worker.config,
+                              worker.progress, worker.history.records, worker.config_record(),
                               copy_tensors=False, grad_scaler=worker.precision.scaler)
     problem = unloadable(state)
     if problem:
@@ -269,7 +291,7 @@ def load_state(folder: str) -> dict:
         with _logging_to(_state.log_path):
             for text in details:
                 print(text, file=sys.stderr)
-    w = _state.worker
+    w = _state.run_worker()
     w.restore(state)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
             "config": state["config"], "history": history.whole_history(folder, state),
@@ -283,13 +305,13 @@ def connect_store(host: str, port: int, timeout: float) -> None:
                                  timeout=datetime.timedelta(seconds=timeout))
 
 
-def train_generation(spec: dict, log_path: str | None) -> dict:
+def train_generation(spec: GenerationSpec, log_path: str | None) -> dict:
     """Called on every member at the start of each generation: train until the run ends or
     every rank agreed to leave (see generation.run_generation for `spec` and the result).
     Errors carry this engine's traceback, also written to its log."""
     with _logging_to(log_path):
         try:
-            return run_generation(_state.worker, spec, _state.store)
+            return run_generation(_state.run_worker(), spec, _state.run_store())
         except Exception as e:
             traceback.print_exc(file=sys.stderr)
             _release_frames(e)
@@ -302,14 +324,15 @@ def _release_frames(error: BaseException) -> None:
     hold the failed group's pending collectives, which hold its gloo or nccl connections,
     listening socket and threads: without this a survivor kept such a set for some of its
     faults (benchmarks/soak.py found it)."""
-    seen, todo = set(), [error]
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
     while todo:
-        error = todo.pop()
-        if error is None or id(error) in seen:
+        one = todo.pop()
+        if one is None or id(one) in seen:
             continue
-        seen.add(id(error))
-        traceback.clear_frames(error.__traceback__)
-        todo += [error.__cause__, error.__context__]
+        seen.add(id(one))
+        traceback.clear_frames(one.__traceback__)
+        todo += [one.__cause__, one.__context__]
 
 
 def training_state() -> dict:
@@ -318,7 +341,7 @@ def training_state() -> dict:
     step still to finish as ``pending`` (None unless an error hit its evaluation). A CPU engine
     sends its live tensors, which no step changes any more: the reply's serialization is the
     only copy."""
-    w = _state.worker
+    w = _state.run_worker()
     state = w.capture(copy_tensors=w.device.type != "cpu")
     state["pending"] = w.pending
     return state
@@ -339,7 +362,7 @@ def progress() -> dict:
     state it was to receive (its model may hold part of it)}. The commit vote gives every survivor that holds the state
     the same step (engine.vote).
     """
-    w = _state.worker
+    w = _state.run_worker()
     return {"step": w.progress.step, "in_flight": w.in_flight, "pending": w.pending is not None,
             "holds_state": w.holds_state}
 
@@ -349,7 +372,7 @@ def history_since(step: int, pending: bool = False) -> list[dict]:
     this engine's history records after `step` (it holds every one the owner lacks:
     engine.history). With `pending` (a run that ends with an error), also the record of a
     committed step whose evaluation is still to do (``Worker.pending``: the error hit it)."""
-    w = _state.worker
+    w = _state.run_worker()
     records = w.history.since(step)
     if pending and w.pending is not None and w.pending["step"] > step \
             and (not records or records[-1]["step"] < w.pending["step"]):

@@ -9,24 +9,36 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Protocol
+
+from .protocol import EngineConfig
+from .state import Progress
 
 FAULT_HOLD = 30.0  # seconds an armed fault point waits for its kill
 
 
-def fault_point(phase: str, worker) -> None:
+class Engine(Protocol):
+    """What a fault point reads of the engine's Worker."""
+
+    config: EngineConfig
+    slot: int | None
+    progress: Progress
+
+
+def fault_point(phase: str, worker: Engine | None) -> None:
     """Fault-injection hook (off unless the run's config names a ``fault_dir``).
 
     When ``<fault_dir>/arm.<phase>`` holds this engine's slot (``worker.slot``), the engine
     claims it, writes ``hit.<phase>.<slot>.<step>`` (holding its pid) and stays in this phase
-    until it is killed (or for the config's ``fault_hold``, default ``FAULT_HOLD`` seconds).
+    until it is killed (or for ``FAULT_HOLD`` seconds).
 
     Args:
         phase: "join" (before the process group forms), "resize" (just after), "broadcast", "forward", "backward", "allreduce", "vote", "optimizer",
             "evaluate" or "checkpoint".
         worker: the engine's Worker (its config, slot and progress), or None.
     """
-    folder = worker.config.get("fault_dir") if worker is not None else None
-    if not folder:
+    folder = worker.config.fault_dir if worker is not None else None
+    if worker is None or not folder:
         return
     arm = os.path.join(folder, f"arm.{phase}")
     slot = worker.slot
@@ -42,7 +54,6 @@ def fault_point(phase: str, worker) -> None:
     with open(os.path.join(folder, f".{hit}"), "w") as f:
         f.write(str(os.getpid()))
     os.rename(os.path.join(folder, f".{hit}"), os.path.join(folder, hit))
-    hold = float(worker.config.get("fault_hold", FAULT_HOLD))
-    deadline = time.monotonic() + hold
+    deadline = time.monotonic() + FAULT_HOLD
     while time.monotonic() < deadline:
         time.sleep(0.01)

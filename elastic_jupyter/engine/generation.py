@@ -24,6 +24,9 @@ from . import drain
 from .abort import AbortableStore, AbortWatch
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
+from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, PROCESS_GROUP_PREFIX, VERSION_KEY,
+                       EngineConfig, GenerationSpec, decode_end_at, generation_prefix)
+from .publish import publish
 from .schedulers import step_lr_scheduler
 from .state_transfer import broadcast_state
 from .vote import Vote
@@ -34,29 +37,12 @@ PUBLISH_WINDOW = 512  # records per update: more than the owner can miss between
 ACKNOWLEDGED_EVERY = 32  # steps between two reads of the owner's acknowledged step
 
 
-def _publish(data: dict) -> None:
-    """Stream `data` to the owner when running as an ipyparallel task; no-op elsewhere."""
-    try:  # imported here: engine/ never needs ipyparallel
-        from ipykernel.zmqshell import ZMQInteractiveShell
-        from ipyparallel.datapub import publish_data
-    except ImportError:
-        return
-    # outside an engine, publish_data would create a shell (replacing __main__) to publish to
-    if not ZMQInteractiveShell.initialized():
-        return
-    try:
-        publish_data(data)
-    except Exception as e:  # noqa: BLE001 -- live updates are best effort; the result has all
-        print(f"publishing live records failed: {e}", file=sys.stderr)
-
-
-def run_generation(worker: Worker, spec: dict, store) -> dict:
-    """Train `worker` as rank ``spec["rank"]`` of generation ``spec["generation"]`` until the
-    run ends or the owner asks every rank to leave.
+def run_generation(worker: Worker, spec: GenerationSpec, store: dist.Store) -> dict:
+    """Train `worker` as rank ``spec.rank`` of generation ``spec.generation`` until the run
+    ends or the owner asks every rank to leave.
 
     Args:
-        spec: rank, world_size, generation, backend, timeout (s), receive_state (this rank is
-            a newcomer), broadcast (some rank is), end_at (leave after this step, or None).
+        spec: this rank's part in the generation (engine.protocol.GenerationSpec).
         store: the rendezvous store; keys are read under the generation's prefix.
     Returns:
         {"reason": "finished" | "left", "progress", "records", "events", "drained"};
@@ -67,7 +53,7 @@ def run_generation(worker: Worker, spec: dict, store) -> dict:
 
 
 @contextlib.contextmanager
-def _out_of_memory_hint(config: dict):
+def _out_of_memory_hint(config: EngineConfig):
     """Running out of GPU memory in the user's step is the user's error: say what to change."""
     try:
         yield
@@ -75,10 +61,10 @@ def _out_of_memory_hint(config: dict):
         own = isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(e)
         if isinstance(e, PeerFailure) or not own:
             raise
-        now = config.get("micro_batch") or "none: the default cut of engine.batching"
+        now = config.micro_batch or "none: the default cut of engine.batching"
         hint = ("--sync-batchnorm forwards a rank's whole share in one pass: use fewer samples "
                 "per rank (a smaller --global-batch or more ranks)"
-                if config.get("sync_batchnorm") else
+                if config.sync_batchnorm else
                 f"lower --micro-batch (now: {now}) so each forward pass holds fewer samples; "
                 "the update stays the same")
         raise torch.cuda.OutOfMemoryError(
@@ -88,17 +74,17 @@ def _out_of_memory_hint(config: dict):
 class Generation:
     """One engine's part in one generation: the process group, the state broadcast, the loop."""
 
-    def __init__(self, worker: Worker, spec: dict, store):
+    def __init__(self, worker: Worker, spec: GenerationSpec, store: dist.Store):
         self.worker = worker
         self.spec = spec
-        self.rank, self.world_size = spec["rank"], spec["world_size"]
+        self.rank, self.world_size = spec.rank, spec.world_size
         # the owner writes this generation's requests under its own prefix
-        self.control = dist.PrefixStore(f"gen{spec['generation']}/", store)
+        self.control = dist.PrefixStore(generation_prefix(spec.generation), store)
         # rank 0 reads the owner's request counter in every vote's trip
-        self.vote = Vote(self.control, self.rank, self.world_size, spec["timeout"],
-                         read=("version",) if self.rank == 0 else ())
+        self.vote = Vote(self.control, self.rank, self.world_size, spec.timeout,
+                         read=(VERSION_KEY,) if self.rank == 0 else ())
         self._version: int | None = None
-        self.end_at = spec.get("end_at")
+        self.end_at = spec.end_at
         self.events: list[dict] = []  # rank 0's, for the owner's run log
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
 
@@ -110,20 +96,20 @@ class Generation:
         spec, w = self.spec, self.worker
         # a rank sent the state holds none until it is loaded (a transfer that fails leaves
         # part of it in the model); the others are the driver's holders
-        w.holds_state = not spec["receive_state"]
+        w.holds_state = not spec.receive_state
         fault_point("join", w)
         with collective("forming the process group"):
             # a peer that dies before it joins must not leave this rank waiting for its key
-            store = AbortableStore(dist.PrefixStore("pg/", self.control), self.control,
-                                   spec["timeout"])
-            dist.init_process_group(spec["backend"], store=store,
+            store = AbortableStore(dist.PrefixStore(PROCESS_GROUP_PREFIX, self.control),
+                                   self.control, spec.timeout)
+            dist.init_process_group(spec.backend, store=store,
                                     rank=self.rank, world_size=self.world_size,
-                                    timeout=datetime.timedelta(seconds=spec["timeout"]))
+                                    timeout=datetime.timedelta(seconds=spec.timeout))
         try:
             # nccl waits for a dead peer until its timeout: the owner's abort ends the wait
             # (ProcessGroup.abort came with torch 2.7; before, the watchdog's timeout does)
             abort = getattr(dist.group.WORLD, "abort", None)
-            with (AbortWatch(self.control, abort) if spec["backend"] == "nccl" and abort
+            with (AbortWatch(self.control, abort) if spec.backend == "nccl" and abort
                   else contextlib.nullcontext()):
                 return self._train()
         finally:
@@ -138,8 +124,8 @@ class Generation:
     def _train(self) -> dict:
         w = self.worker
         fault_point("resize", w)
-        if self.spec["broadcast"]:
-            self._broadcast_state(self.spec["receive_state"])
+        if self.spec.broadcast:
+            self._broadcast_state(self.spec.receive_state)
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
             event = w.start_generation(self.rank, self.world_size)
         self.events += [event] if event else []
@@ -168,24 +154,23 @@ class Generation:
             version = int(self.vote.read_values[0])
             if version != self._version:
                 self._version = version
-                raw = self.control.get("end_at").decode()
-                self.end_at = None if raw == "none" else int(raw)
+                self.end_at = decode_end_at(self.control.get(END_AT_KEY))
         want = self.end_at
         return 1.0 if want is not None and self.worker.progress.step + 1 >= want else 0.0
 
     def _loop(self) -> dict:
         w, rank, world_size = self.worker, self.rank, self.world_size
-        cfg, p = w.config, w.progress
+        p = w.progress
         events, last_publish = self.events, 0.0
         # this generation's records: those after `first` (a pending step's too)
         first = p.step - 1 if w.pending is not None else p.step
         published = [first, first]  # newest steps at the last two updates
         reason = "left"
         if rank == 0:  # the key each vote reads: made here if the owner never wrote a request
-            self.control.add("version", 0)
+            self.control.add(VERSION_KEY, 0)
         if w.pending is not None:  # a fault hit the evaluation of the last committed step
             self._finish_step(w.pending)
-        while p.step < cfg["total_steps"]:
+        while p.step < w.total_steps:
             # a rank told to go (SIGTERM) votes to leave like rank 0 does for the owner
             flag = max(self._leave_flag(), float(drain.requested()))
             record, leave = w.train_step(rank, world_size, self.vote, flag)
@@ -197,12 +182,12 @@ class Generation:
                 if now - last_publish >= PUBLISH_INTERVAL:
                     # the owner sees only the newest update: overlapping windows survive one
                     # missed poll, and the generation's result carries what it still lacks
-                    _publish({"records": w.history.since(max(published[0],
+                    publish({"records": w.history.since(max(published[0],
                                                              p.step - PUBLISH_WINDOW)),
                               "events": events})
                     published = [published[1], p.step]
                     last_publish = now
-            if leave and p.step < cfg["total_steps"]:
+            if leave and p.step < w.total_steps:
                 break
         else:
             reason = "finished"
@@ -216,9 +201,9 @@ class Generation:
     def _acknowledged(self) -> int | None:
         """The newest step up to which the owner's run log holds every record (it writes it
         under ``acknowledged``), or None when no owner writes it (a run driven by a test)."""
-        if not self.control.check(["acknowledged"]):
+        if not self.control.check([ACKNOWLEDGED_KEY]):
             return None
-        return int(self.control.get("acknowledged"))
+        return int(self.control.get(ACKNOWLEDGED_KEY))
 
     def _finish_step(self, record: dict) -> None:
         """After a committed step, on every rank: its evaluation when one is due, its history
@@ -227,10 +212,10 @@ class Generation:
         ends an evaluation alike everywhere), and the next generation finishes it first.
         Before the final evaluation, rank 0 writes the final state (:meth:`_keep_final_state`):
         an error there (the user's metric_fn) fails the run but loses no training."""
-        w, cfg, step = self.worker, self.worker.config, self.worker.progress.step
-        every = cfg.get("eval_every")
-        if (every and step % every == 0) or step >= cfg["total_steps"]:
-            if step >= cfg["total_steps"] and self.rank == 0:
+        w, step = self.worker, self.worker.progress.step
+        every = w.config.eval_every
+        if (every and step % every == 0) or step >= w.total_steps:
+            if step >= w.total_steps and self.rank == 0:
                 self._keep_final_state(record)
             try:
                 record.update(w.evaluate(self.rank, self.world_size, self.vote))
@@ -245,7 +230,7 @@ class Generation:
             self._acknowledged_step = self._acknowledged()
         w.forget_history(self._acknowledged_step)
         if self.rank == 0:
-            self._maybe_checkpoint(step, cfg)
+            self._maybe_checkpoint(step)
 
     def _keep_final_state(self, record: dict) -> None:
         """Rank 0, before the final evaluation: write the final state as a checkpoint, its
@@ -264,10 +249,10 @@ class Generation:
         state["pending"] = dict(record)
         w.writer.submit(state, ready=w.staging.ready, arena=w.staging.arena)
 
-    def _maybe_checkpoint(self, step: int, cfg: dict) -> None:
-        every = cfg.get("checkpoint_every") or 0
+    def _maybe_checkpoint(self, step: int) -> None:
         w = self.worker
-        last = step >= cfg["total_steps"]
+        every = w.config.checkpoint_every or 0
+        last = step >= w.total_steps
         if w.writer and ((every and step % every == 0) or last):
             # the step waits for the copy only; the write goes on in the background, and the
             # next checkpoint's copy waits for it (it reuses the buffers). The last step's

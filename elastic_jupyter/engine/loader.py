@@ -17,6 +17,7 @@ transform gives the same sample at any world size and any number of loader proce
 from __future__ import annotations
 
 import multiprocessing
+from collections.abc import Iterable, Iterator
 from typing import Callable
 
 import torch
@@ -97,11 +98,13 @@ class PassSampler(torch.utils.data.Sampler):
             epoch, position = self.plan.advance(epoch, position)
 
 
-def pass_batches(dataset, sampler: PassSampler, seed: int, workers: int,
-                 collate_fn: Callable, worker_init_fn: Callable | None, pin_memory: bool):
+def pass_batches(dataset, sampler: Iterable[list[tuple[int, int]]], seed: int, workers: int,
+                 collate_fn: Callable, worker_init_fn: Callable | None,
+                 pin_memory: bool) -> Iterator:
     """An iterator over the collated batches of `sampler`'s passes, in order.
 
     Args:
+        sampler: each pass's (epoch, sample index) keys: a :class:`PassSampler`, or a list.
         workers: loader processes (0: fetch in this process when a batch is asked for).
         pin_memory: with loader processes, batches arrive in pinned memory (GPU slots), so
             moving them to the device with ``non_blocking=True`` overlaps with its work.
@@ -119,3 +122,48 @@ def pass_batches(dataset, sampler: PassSampler, seed: int, workers: int,
         # the loader processes' own seeds (which the samples' do not depend on) follow the run's
         generator=torch.Generator().manual_seed(seed % 2**63))
     return iter(loader)
+
+
+class InputPipeline:
+    """One rank's input pipeline: the batches of its coming passes, from the step it stands at.
+
+    It lives for one generation at most (:meth:`stop`); :meth:`next` starts it again wherever
+    it does not stand at the asked step (a new generation, a restore, a step not committed).
+
+    Args:
+        dataset, collate_fn, worker_init_fn: the cell's.
+        plan: the run's batch plan.
+        seed: the run's seed (each sample's generators, engine.randomness).
+        workers: loader processes (0: fetch in this process).
+        pin_memory: batches in pinned memory (GPU slots).
+    """
+
+    def __init__(self, dataset, plan: BatchPlan, seed: int, workers: int, collate_fn: Callable,
+                 worker_init_fn: Callable | None, pin_memory: bool):
+        self.dataset, self.plan, self.seed, self.workers = dataset, plan, seed, workers
+        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
+        self.pin_memory = pin_memory
+        self._batches: Iterator | None = None
+        # (rank, world size, epoch, position) of the step whose batches it yields next
+        self._at: tuple[int, int, int, int] | None = None
+
+    def next(self, at: tuple[int, int, int, int], passes: Callable, steps: int):
+        """The next pass's collated batch of the step at `at` (rank, world size, epoch,
+        position), whose passes `passes` cuts (see :class:`PassSampler`); started here, for
+        `steps` steps, when the pipeline does not stand at that step."""
+        if self._batches is None or self._at != at:
+            sampler = PassSampler(self.plan, passes, at[2], at[3], steps)
+            self._batches = pass_batches(self.dataset, sampler, self.seed, self.workers,
+                                         self.collate_fn, self.worker_init_fn,
+                                         pin_memory=self.pin_memory)
+            self._at = at
+        return next(self._batches)
+
+    def moved_to(self, at: tuple[int, int, int, int]) -> None:
+        """The step it was reading committed: it stands at the step at `at` now (if running)."""
+        if self._batches is not None:
+            self._at = at
+
+    def stop(self) -> None:
+        """Stop it (its loader processes end): the next :meth:`next` starts it again."""
+        self._batches = self._at = None

@@ -80,3 +80,23 @@ def read_metrics(out, samples: int) -> dict:
                             f"count) for a mean over count items); got {got}")
         metrics[name] = (value, weight)
     return metrics
+
+
+def weighted(value, weight: float) -> torch.Tensor | float:
+    """`value` (a metric or loss: a one-element tensor, or a number) times `weight`: a float64
+    tensor on the value's GPU (reading it now would wait for the device), else a float."""
+    if torch.is_tensor(value) and value.device.type != "cpu":
+        return value.detach().double().reshape(()) * weight  # it may still require grad
+    return float(value.detach() if torch.is_tensor(value) else value) * weight
+
+
+def floats(values: list) -> list[float]:
+    """`values` (floats, or tensors from :func:`weighted`) as floats; the tensors are read in
+    one transfer, so the step waits for its device once."""
+    at = [i for i, v in enumerate(values) if torch.is_tensor(v)]
+    out = [float(v) if not torch.is_tensor(v) else 0.0 for v in values]
+    if at:
+        device = values[at[0]].device  # a metric may sit elsewhere than the loss
+        for i, v in zip(at, torch.stack([values[i].to(device) for i in at]).tolist()):
+            out[i] = v
+    return out

@@ -103,7 +103,8 @@ def _buckets(params: list, limit: int) -> list[_Bucket]:
         groups.setdefault((p.device, p.dtype), []).append(p)
     buckets = []
     for group in groups.values():
-        current, used = [], 0
+        current: list[torch.Tensor] = []
+        used = 0
         for p in group:
             nbytes = p.numel() * p.element_size()
             if current and used + nbytes > limit:

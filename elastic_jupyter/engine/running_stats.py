@@ -19,6 +19,7 @@ statistics already span the global batch.
 from __future__ import annotations
 
 import contextlib
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,11 @@ class RunningStats:
     def begin(self) -> None:
         """Note the buffers the step starts with, for the layers in training mode (the same on
         every rank)."""
-        self._start = [(name, m, m.running_mean.clone(), m.running_var.clone(),
-                        int(m.num_batches_tracked)) for name, m in self.layers if m.training]
+        # the layers track running statistics (see __init__): their buffers are tensors
+        self._start = [(name, m, cast(torch.Tensor, m.running_mean).clone(),
+                        cast(torch.Tensor, m.running_var).clone(),
+                        int(cast(torch.Tensor, m.num_batches_tracked)))
+                       for name, m in self.layers if m.training]
         self._rows = {}
 
     @contextlib.contextmanager

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from .worker import SetupError
+from .objects import SetupError
+from .worker import Worker
 
 
-def check(worker) -> None:
+def check(worker: Worker) -> None:
     """Raise SetupError when ``--plateau-metric`` cannot work with the cell's objects."""
-    metric = worker.config.get("plateau_metric")
+    metric = worker.config.plateau_metric
     if not metric:
         return
     if not isinstance(worker.lr_scheduler, ReduceLROnPlateau):
@@ -30,7 +31,7 @@ def check(worker) -> None:
                          "and metric_fn(model, batch) in the cell")
 
 
-def step_lr_scheduler(worker, record: dict) -> None:
+def step_lr_scheduler(worker: Worker, record: dict) -> None:
     """Step `worker`'s scheduler after the optimizer step of `record`, once `record` holds that
     step's evaluation (if any) and is in ``worker.history``.
 
@@ -42,7 +43,7 @@ def step_lr_scheduler(worker, record: dict) -> None:
     if not isinstance(scheduler, ReduceLROnPlateau):
         scheduler.step()
         return
-    metric = worker.config.get("plateau_metric")
+    metric = worker.config.plateau_metric
     if metric:
         evaluated = sorted(k for k in record if k.startswith("val_"))
         if evaluated and metric not in record:
@@ -52,7 +53,7 @@ def step_lr_scheduler(worker, record: dict) -> None:
             scheduler.step(record[metric])
     elif worker.progress.epoch != record["epoch"]:  # this step ended an epoch
         scheduler.step(epoch_mean_loss(worker.history.records, record["epoch"],
-                                       len(worker.dataset), worker.config["global_batch"]))
+                                       len(worker.dataset), worker.config.global_batch))
 
 
 def epoch_mean_loss(history: list[dict], epoch: int, samples: int, global_batch: int) -> float:

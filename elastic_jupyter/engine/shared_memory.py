@@ -104,8 +104,10 @@ class Arena:
                 return chunk_id, offset
         size = -(-max(CHUNK, nbytes) // mmap.PAGESIZE) * mmap.PAGESIZE
         chunk_id, self._next_id = self._next_id, self._next_id + 1
-        self._chunks[chunk_id] = _Chunk(size)
-        return chunk_id, self._chunks[chunk_id].take(nbytes)
+        chunk = self._chunks[chunk_id] = _Chunk(size)
+        offset = chunk.take(nbytes)
+        assert offset is not None  # a new chunk holds at least nbytes
+        return chunk_id, offset
 
     def locate(self, t: torch.Tensor) -> tuple[int, int] | None:
         """(chunk id, byte offset) of a tensor handed out here, None for any other tensor."""

@@ -17,6 +17,8 @@ import copy
 import random
 import sys
 import threading
+from collections.abc import Set as AbstractSet
+from typing import Any
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,10 +54,11 @@ class Progress:
 def rng_state() -> dict:
     """Python, numpy and torch RNG states, converted to tensors and plain numbers."""
     version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     return {
         "python": {"version": version, "state": list(internal), "gauss": gauss},
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                  "pos": int(pos),
                   "has_gauss": int(has_gauss), "cached": float(cached)},
         "torch": torch.get_rng_state(),
     }
@@ -108,11 +111,12 @@ def _plain(obj, path: list | None, numpy_types: list | None, tensor):
             # a numpy key becomes the Python number: it hashes and compares equal, so lookups
             # find it as before
             k = k.item() if isinstance(k, np.generic) else k
-            out[k] = _plain(v, path + [k] if keep else None, numpy_types, tensor)
+            out[k] = _plain(v, [*path, k] if keep and path is not None else None, numpy_types,
+                            tensor)
         return type(obj)(out)
     if type(obj) is list or type(obj) in _TUPLES:
-        return type(obj)([_plain(v, path + [i] if keep else None, numpy_types, tensor)
-                          for i, v in enumerate(obj)])
+        return type(obj)([_plain(v, [*path, i] if keep and path is not None else None,
+                                 numpy_types, tensor) for i, v in enumerate(obj)])
     if type(obj) is set:
         return {_plain(v, None, None, tensor) for v in obj}
     return obj
@@ -181,12 +185,12 @@ class Staging:
         self._buffers: list[torch.Tensor] = []
         self._next = 0
         self._device: torch.device | None = None  # a GPU the copies came from
-        self._deferrable: set[tuple] = set()  # tensors only the step changes (_identity)
+        self._deferrable: AbstractSet[tuple] = set()  # tensors only the step changes (_identity)
         self._deferred: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, tensor)
         self._copier: threading.Thread | None = None
         self._copy_error: BaseException | None = None
 
-    def begin(self, deferrable: set[tuple] = frozenset()) -> None:
+    def begin(self, deferrable: AbstractSet[tuple] = frozenset()) -> None:
         """Start a capture; CPU tensors whose :func:`_identity` is in `deferrable` may be
         copied after :meth:`end`, until :meth:`wait`."""
         self.wait()
@@ -199,12 +203,13 @@ class Staging:
             return _cpu_copy(t)
         t = t.detach()
         i, self._next = self._next, self._next + 1
-        if i == len(self._buffers):
-            self._buffers.append(None)
-        buffer = self._buffers[i]
+        buffer = self._buffers[i] if i < len(self._buffers) else None
         if buffer is None or buffer.shape != t.shape or buffer.dtype != t.dtype:
             buffer = self._new_buffer(t)
-            self._buffers[i] = buffer
+            if i == len(self._buffers):
+                self._buffers.append(buffer)
+            else:
+                self._buffers[i] = buffer
         if t.is_cuda:
             buffer.copy_(t, non_blocking=True)
             self._device = t.device
@@ -290,7 +295,7 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     objects = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()}}
-    state = {"format": FORMAT_VERSION}
+    state: dict[str, Any] = {"format": FORMAT_VERSION}
     state.update({part: _plain(value, [part], numpy_types, tensor)
                   for part, value in objects.items()})
     state.update({

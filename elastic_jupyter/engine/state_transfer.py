@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -106,7 +107,8 @@ def plan_buckets(meta: list) -> list[list[tuple[int, int]]]:
         else:
             groups.setdefault((section, device_type), []).append(index)
     for indices in groups.values():
-        current, used = [], 0
+        current: list[tuple[int, int]] = []  # (tensor index, byte offset in the bucket)
+        used = 0
         for index in indices:
             if current and used + _nbytes(meta[index]) > BUCKET_BYTES:
                 buckets.append(current)
@@ -124,10 +126,10 @@ def _nbytes(entry) -> int:
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
     """The bytes [start, end) of `t`'s storage that `t` reads (end == start when it is empty)."""
-    start = t.storage_offset() * t.element_size()
+    start = int(t.storage_offset()) * t.element_size()
     if t.numel() == 0:
         return start, start
-    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    last = sum((int(size) - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return start, start + (last + 1) * t.element_size()
 
 
@@ -155,7 +157,10 @@ def _spans(tensors: list) -> tuple[list, list, list]:
     when empty, dtype, shape, stride, element offset in its span, device type)``. Conjugate
     and negative views are sent resolved.
     """
-    sent, by_storage, extents = [], {}, []
+    sent: list[torch.Tensor] = []
+    # (device, storage address): (first used byte, end, section of its first tensor)
+    by_storage: dict[tuple, tuple[int, int, str]] = {}
+    extents: list[tuple[tuple | None, int]] = []  # per tensor: (its storage's key, first byte)
     for section, t in tensors:
         t = t.detach()
         if t.is_conj() or t.is_neg():
@@ -178,8 +183,8 @@ def _spans(tensors: list) -> tuple[list, list, list]:
         offset = (start - lows[key]) // t.element_size() if key is not None else 0
         if key is not None and order[key] not in sources:
             sources[order[key]] = _storage_bytes(t, lows[key], _nbytes(span_meta[order[key]]))
-        tensor_meta.append((order.get(key), t.dtype, tuple(t.shape), t.stride(), offset,
-                            t.device.type))
+        tensor_meta.append((order[key] if key is not None else None, t.dtype, tuple(t.shape),
+                            t.stride(), offset, t.device.type))
     return [sources[i] for i in range(len(span_meta))], span_meta, tensor_meta
 
 
@@ -207,12 +212,12 @@ def _same_place(tensor_meta: list, span_meta: list, targets: dict, device: torch
         if span is None or span in bad:
             continue
         x = targets.get(index)
-        fits = (x is not None and x.dtype == dtype and tuple(x.shape) == shape
-                and x.stride() == stride and x.device == _on(device_type, device))
-        low = x.storage_offset() * x.element_size() - offset * dtype.itemsize if fits else -1
-        fits = fits and 0 <= low and \
-            low + _nbytes(span_meta[span]) <= x.untyped_storage().nbytes()
-        key = (x.untyped_storage().data_ptr(), low) if fits else None
+        key = None
+        if x is not None and x.dtype == dtype and tuple(x.shape) == shape \
+                and x.stride() == stride and x.device == _on(device_type, device):
+            low = x.storage_offset() * x.element_size() - offset * dtype.itemsize
+            if 0 <= low and low + _nbytes(span_meta[span]) <= x.untyped_storage().nbytes():
+                key = (x.untyped_storage().data_ptr(), low)
         if key is None or found.get(span, (None, key))[1] != key:
             bad.add(span)
             found.pop(span, None)
@@ -245,8 +250,10 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device,
     stayed away); any other exception is this rank's own error.
     """
     sources: list = []
-    box = [None]
+    box: list[Any] = [None]
     if rank == 0:
+        if state is None:
+            raise ValueError("rank 0 sends the state: it cannot be None")
         tensors: list = []
         skeleton = {key: _strip(value, key if key in SECTIONS else "other", tensors)
                     for key, value in state.items()}
@@ -286,7 +293,7 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device,
             for span, start in bucket:
                 spans[span] = _land(flat, start, span_meta[span], in_place.get(span), device,
                                     alone=len(bucket) == 1)
-    if rank == 0:
+    if rank == 0 and state is not None:  # rank 0's state is never None (checked above)
         return state
     received = [_rebuilt(spans, meta, targets.get(index), device)
                 for index, meta in enumerate(tensor_meta)]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import cast
 
 import torch
 
@@ -48,8 +49,9 @@ def _mapping_to_device(obj: Mapping, device: torch.device) -> Mapping:
         clone = copy.copy(obj)
         clone.update(moved)
         return clone
+    rebuild = cast(Callable[[dict], Mapping], type(obj))  # a Mapping built from a dict
     try:
-        return type(obj)(moved)
+        return rebuild(moved)
     except TypeError:
         raise TypeError(f"cannot rebuild the batch's {type(obj).__name__} on the device: give "
                         "it a .to(device) method, or make it a MutableMapping") from None

@@ -38,6 +38,7 @@ import numpy as np
 import torch.distributed as dist
 
 from .collective import PeerFailure
+from .protocol import ABORT_KEY, vote_key
 
 ABORT = b"\x00abort"  # a vote is b"v" + payload, so never equal to it
 # seconds between looks at the owner's abort while a vote is missing: a rank killed before it
@@ -71,7 +72,8 @@ class Vote:
                  read: tuple[str, ...] = ()):
         self.store = store
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
-        self.read, self.read_values = list(read), []
+        self.read = list(read)
+        self.read_values: list[bytes] = []
         self.round = 0
 
     def sum(self, values: list[float]) -> list[float]:
@@ -99,14 +101,14 @@ class Vote:
         if self.world_size == 1:
             self.read_values = list(self.store.multi_get(self.read)) if self.read else []
             return [payload]
-        keys = [f"vote/{n}/{r}" for r in range(self.world_size)]
+        keys = [vote_key(n, r) for r in range(self.world_size)]
         vote = b"v" + payload
         try:
             if self.store.compare_set(keys[self.rank], "", vote) != vote:
                 raise StepAborted(f"a peer gave up waiting for this rank's vote in round {n}")
             values = self._read(keys)
             if n >= 2:  # every rank read round n-2 before any could post round n-1
-                self.store.delete_key(f"vote/{n - 2}/{self.rank}")
+                self.store.delete_key(vote_key(n - 2, self.rank))
         except dist.DistError as e:  # the store itself is gone: the owner ended the run
             raise PeerFailure(f"the commit vote failed: {e}") from e
         votes, self.read_values = values[:len(keys)], values[len(keys):]
@@ -127,7 +129,7 @@ class Vote:
                     return self.store.multi_get(keys + self.read)
                 except RuntimeError:  # the slice ran out (TCPStore's DistStoreError, FileStore's
                     # RuntimeError); a store that is gone fails again in check()
-                    if time.monotonic() < deadline and not self.store.check(["abort"]):
+                    if time.monotonic() < deadline and not self.store.check([ABORT_KEY]):
                         continue
                 for key in keys:  # first writer wins: a vote that lands meanwhile stands
                     self.store.compare_set(key, "", ABORT)

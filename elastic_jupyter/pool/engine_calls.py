@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..engine import entrypoints
+from ..engine.protocol import GenerationSpec
+
+if TYPE_CHECKING:
+    from .processes import Engine
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -48,7 +53,7 @@ class GenerationTask:
             abandoned hung rank never logs "exception was never retrieved").
     """
 
-    def __init__(self, async_result):
+    def __init__(self, async_result: Any):  # ipyparallel's AsyncResult
         self._ar = async_result
         self.future = asyncio.wrap_future(async_result)
         self.future.add_done_callback(lambda f: f.cancelled() or f.exception())
@@ -66,30 +71,40 @@ class GenerationTask:
 
 
 class EngineCalls:
-    """Typed calls into a pool's engines; `engine` arguments are :class:`pool.Engine` objects."""
+    """Typed calls into a pool's engines; `engine` arguments are :class:`~.processes.Engine`
+    objects.
 
-    def __init__(self, pool):
-        self._pool = pool
+    Args:
+        client: returns the pool's ipyparallel client (its engine sets own it; None until the
+            pool started).
+    """
+
+    def __init__(self, client: Callable[[], Any]):
+        self._client = client
 
     @property
-    def client(self):
-        return self._pool.client  # the pool owns the client (None until it started)
+    def client(self) -> Any:
+        return self._client()
 
-    def _submit(self, engine, fn, *args):
+    def _submit(self, engine: Engine, fn: Callable[..., Any], *args: Any) -> Any:
         return self.client[engine.engine_id].apply_async(fn, *args)
 
-    async def _each(self, engines, fn, *args, return_exceptions: bool = False) -> list:
+    async def _each(self, engines: Sequence[Engine], fn: Callable[..., Any], *args: Any,
+                    return_exceptions: bool = False) -> list:
         futures = [asyncio.wrap_future(self._submit(e, fn, *args)) for e in engines]
         return await asyncio.gather(*futures, return_exceptions=return_exceptions)
 
     async def init_engines(self, engine_ids: list[int]) -> list[dict]:
         """Bind fresh engines to the slot in their environment; [{"pid", "slot", "device",
         "host", "versions"}] in `engine_ids` order."""
-        ar = self.client[engine_ids].apply_async(_init_from_env, entrypoints.init_engine)
+        from ipyparallel.datapub import publish_data  # the engines' live-update channel
+        ar = self.client[engine_ids].apply_async(_init_from_env, entrypoints.init_engine,
+                                                 publish_data)
         return await asyncio.wrap_future(ar)
 
-    async def setup_run(self, engines, config: dict, source, setup_bytes, push: dict,
-                        log_path, workdir: str) -> list:
+    async def setup_run(self, engines: Sequence[Engine], config: dict, source: str | None,
+                        setup_bytes: bytes | None, push: dict,
+                        log_path: Callable[[Engine], str], workdir: str) -> list:
         """Run the cell on every engine, in `workdir`; one result dict or exception per
         engine."""
         futures = [asyncio.wrap_future(self._submit(
@@ -97,36 +112,49 @@ class EngineCalls:
             for e in engines]
         return await asyncio.gather(*futures, return_exceptions=True)
 
-    async def connect_store(self, engines, host: str, port: int, timeout: float) -> None:
+    async def connect_store(self, engines: Sequence[Engine], host: str, port: int,
+                            timeout: float) -> None:
         await self._each(engines, entrypoints.connect_store, host, port, timeout)
 
-    def train_generation(self, engine, spec: dict, log_path: str) -> GenerationTask:
+    def train_generation(self, engine: Engine, spec: GenerationSpec,
+                         log_path: str) -> GenerationTask:
         return GenerationTask(self._submit(engine, entrypoints.train_generation, spec, log_path))
 
-    async def load_state(self, engine, folder: str) -> dict:
+    async def load_state(self, engine: Engine, folder: str) -> dict:
         """Restore `engine` from the newest usable checkpoint in `folder`."""
         return await asyncio.wrap_future(self._submit(engine, entrypoints.load_state, folder))
 
-    async def training_state(self, engine) -> dict:
+    async def training_state(self, engine: Engine) -> dict:
         return await asyncio.wrap_future(self._submit(engine, entrypoints.training_state))
 
-    async def progress(self, engines) -> list[dict]:
+    async def progress(self, engines: Sequence[Engine]) -> list[dict]:
         return await self._each(engines, entrypoints.progress)
 
-    async def history_since(self, engine, step: int, pending: bool = False) -> list[dict]:
+    async def history_since(self, engine: Engine, step: int, pending: bool = False) -> list[dict]:
         return await asyncio.wrap_future(self._submit(engine, entrypoints.history_since, step,
                                                       pending))
 
-    async def drop_run(self, engines) -> None:
+    def engine_set(self, engine_id: int) -> Any:
+        """Ask a registered engine which engine set started it (its ``ELASTIC_JUPYTER_SET``);
+        returns ipyparallel's AsyncResult at once (``ready()``, ``get()``): the pool's look at
+        arrivals polls it rather than awaiting it."""
+        return self.client[engine_id].apply_async(_set_from_env)
+
+    async def drop_run(self, engines: Sequence[Engine]) -> None:
         """Make the engines forget the run (errors ignored: an engine may be gone)."""
         await self._each(engines, entrypoints.drop_run, return_exceptions=True)
 
 
-def _init_from_env(init_engine):
+def _init_from_env(init_engine: Callable[..., dict], publisher: Callable[[dict], None]) -> dict:
     import os
     import torch
     slot = int(os.environ["ELASTIC_JUPYTER_SLOT"])
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     device = f"cuda:{gpu}" if gpu and torch.cuda.is_available() else "cpu"
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
-    return init_engine(slot, device, threads)
+    return init_engine(slot, device, threads, publisher)
+
+
+def _set_from_env() -> str:
+    import os
+    return os.environ.get("ELASTIC_JUPYTER_SET", "")

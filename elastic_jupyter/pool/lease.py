@@ -1,4 +1,4 @@
-"""A pool's slots from the machine's arbiter: its lease, and the size policy that follows it.
+"""A pool's slots from the machine's arbiter: its lease, and the follower of its grants.
 
 A pool in *lease mode* (``--auto``, or any pool on a machine whose admin runs a shared arbiter)
 starts engines only on slots the arbiter leased to it, and follows what the arbiter says:
@@ -6,8 +6,8 @@ starts engines only on slots the arbiter leased to it, and follows what the arbi
 - the arbiter's ``slots`` are the pool's training slots and ``standby`` its standby slots; an
   engine starts only on one of them;
 - ``give_back`` names training slots to hand back at the next step boundary: the run shrinks
-  (:class:`LeasePolicy` asks for the smaller size; the members on those slots leave) and the
-  pool releases each slot once no engine of its own runs there;
+  (its size policy, run.sizing.LeasePolicy, asks for the smaller size; the members on those
+  slots leave) and the pool releases each slot once no engine of its own runs there;
 - ``revoke`` names standby slots to hand back now: their spare engines stop at once;
 - more ``slots`` than engines: the run grows into them (auto mode, or a manual request the
   arbiter granted).
@@ -18,20 +18,28 @@ and of the newest grant; it lives on the owner loop, and its calls to the arbite
 worker thread so the loop never waits on them: a Unix socket round trip of about a
 millisecond (up to ``START_TIMEOUT`` while the arbiter restarts), or, with the launcher's own
 arbiter (:meth:`~.launchers.Launcher.arbiter`), ssh round trips to every host's arbiter or a
-look at Slurm's queue (seconds when slurmctld is busy).
+look at Slurm's queue (seconds when slurmctld is busy). :class:`LeaseFollower` takes the
+grant every ``POLL_S``: while no run trains, it starts and stops the pool's engines to match
+it; while one trains, the run follows it at step boundaries.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
+import os
+import uuid
+from typing import Any, Callable
 
-from ..arbiter.client import ArbiterClient
-from ..arbiter.table import ArbiterError, UnknownRun
-from ..config import UsageError
-from ..run.sizing import SizePolicy, SizeRequest
+from ..arbiter.client import ArbiterClient, arbiter_configured
+from ..arbiter.table import ArbiterError, UnknownRun, check_weight
+from ..config import PoolConfig, UsageError
+from ..owner import background
+from .claimant import Claimant
+from .engine_sets import EngineSets
+from .launchers import Arbiter, Launcher, StartWithdrawn
 
 POLL_S = 0.5  # seconds between the pool's looks at its grant (the arbiter reaps every 0.5 s)
+RETRY_S = 5.0  # after a failed look at the grant (or engine start), wait this long
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +54,10 @@ class SlotLease:
         client: the arbiter's client (default: the machine's arbiter, started on demand).
     """
 
-    def __init__(self, pool_id: str, demand: dict, client: ArbiterClient | None = None):
+    def __init__(self, pool_id: str, demand: dict, client: Arbiter | None = None):
         self.id = pool_id
         self.demand = dict(demand)
-        self.client = client or ArbiterClient()
+        self.client: Arbiter = client or ArbiterClient()
         self.grant: dict = {}
         self.active = False  # whether a run trains on the pool (the pool's claim sets it)
         self.closed = False  # unregistered: no request registers the pool again
@@ -96,7 +104,7 @@ class SlotLease:
         return await self._call(self.client.register, self.id, active=self.active,
                                 engines=self.engines, **self.demand)
 
-    async def update(self, **changes) -> dict:
+    async def update(self, **changes: Any) -> dict:
         """Change the demand (``auto``, ``weight``, ``wanted``, ``standby``, ``name``...);
         returns the grant. Raises UsageError, with the demand unchanged, when the arbiter
         refuses it."""
@@ -132,7 +140,7 @@ class SlotLease:
             log.warning("elastic_jupyter: could not hand the pool's slots back (the arbiter "
                         "frees them within 2 s of the kernel's exit): %s", e)
 
-    async def _call(self, fn, *args, **kwargs) -> dict:
+    async def _call(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         if self.closed:  # a late update (a run that ended after its pool stopped)
             return self.grant
         self._sent += 1
@@ -142,6 +150,40 @@ class SlotLease:
         if number > self._taken:  # replies overtaken by a newer one are stale
             self._taken, self.grant = number, reply
         return self.grant
+
+
+def pool_lease(config: PoolConfig, launcher: Launcher, jobs: Callable[[], list[str]],
+               auto: bool, weight: float, arbiter: bool | None, gpus: str, name: str,
+               notebook: str | None) -> SlotLease | None:
+    """The lease of a new pool (EnginePool's arguments), or None when it does not take its
+    slots from an arbiter; `jobs` returns the pool's batch jobs (a Slurm auto pool's own).
+    Raises UsageError: ``auto`` without the arbiter, a refused weight, a GPU list in lease
+    mode, or ``auto`` where the launcher's arbiter refuses it."""
+    if arbiter is None:
+        arbiter = auto or arbiter_configured()
+    if not arbiter:
+        if auto:
+            raise UsageError("auto mode needs the machine's arbiter: leave arbiter unset")
+        return None
+    check_weight_usage(weight)
+    client = launcher.arbiter(jobs)  # None: this machine's arbiter
+    if client is None and (gpus not in ("all", "none")
+                           or (gpus == "none" and PoolConfig.gpu_count())):
+        raise UsageError(f"--gpus {gpus}: in lease mode the machine's arbiter places the "
+                         "engines on its slots; give --gpus all, or start the pool without "
+                         "the arbiter (--no-arbiter, EnginePool(arbiter=False))")
+    return SlotLease(f"pool-{uuid.uuid4().hex}", dict(
+        name=name or "pool", notebook=notebook or os.environ.get("JPY_SESSION_NAME", ""),
+        min=config.min_size, max=config.max_size, weight=weight, auto=auto, wanted=config.n,
+        standby=0), client)
+
+
+def check_weight_usage(weight: float) -> None:
+    """Raises UsageError for a weight the arbiter refuses (outside (0, 1e6])."""
+    try:
+        check_weight(weight)
+    except ArbiterError as e:
+        raise UsageError(str(e)) from None
 
 
 def describe_slot_event(event: dict, kind: str) -> str:
@@ -157,20 +199,88 @@ def describe_slot_event(event: dict, kind: str) -> str:
     return f"gave {where} to run {event['to']}"
 
 
-class LeasePolicy(SizePolicy):
-    """The size follows the pool's lease: the training slots it keeps (see module docstring).
+class LeaseFollower:
+    """Follows the lease's grants with the pool's engines (owner loop, from the pool's start to
+    its stop): every POLL_S it tells the arbiter what runs where and takes its grant; while no
+    run trains it starts and stops engines to match it (a run follows it at step boundaries);
+    slots to give back go back once no engine of the pool runs there.
 
-    Asks for a size only when that number changes, so a user's request in between stands until
-    the arbiter's grant moves again. The run's manual requests go to the arbiter as the pool's
-    ``wanted`` and come back here once granted.
+    Args:
+        lease: the pool's lease; engine_sets: the pool's engines (and its slots).
+        claimant: returns who holds the pool now (None: idle); it notes the grant's events.
+        kind: "gpu" or "cpu": how the events name a slot.
     """
 
-    def __init__(self, lease: SlotLease, size: int):
-        self.lease, self._last = lease, size
+    def __init__(self, lease: SlotLease, engine_sets: EngineSets,
+                 claimant: Callable[[], Claimant | None], kind: str):
+        self.lease, self.engine_sets, self.slots = lease, engine_sets, engine_sets.slots
+        self._claimant, self._kind = claimant, kind
+        self._task: asyncio.Task | None = None
 
-    def requests(self, step: int, now: float) -> list[SizeRequest]:
-        wish = self.lease.kept
-        if wish == self._last or wish < 1:
-            return []
-        self._last = wish
-        return [SizeRequest(wish, time=time.time(), source="arbiter")]
+    def start(self) -> None:
+        self._task = background(self._follow(), self.warn)
+
+    async def stop(self) -> None:
+        """Stop following (first, as the pool stops: it must start no engine from now on)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _follow(self) -> None:
+        failing = None
+        while self.engine_sets.running:
+            try:
+                await self.lease.poll(engines={e.slot: e.pid for e in self.engine_sets.engines})
+                self._show_events()
+                if self._claimant() is None:
+                    await self._follow_idle()
+                await self._release_unused()
+                failing = None
+            except Exception as e:  # the arbiter restarts, or an engine did not start:
+                if str(e) != failing:  # the pool keeps what it holds and tries again
+                    self.warn(f"{type(e).__name__}: {e}")
+                failing = str(e)
+                await asyncio.sleep(RETRY_S)
+            await asyncio.sleep(POLL_S)
+
+    async def _follow_idle(self) -> None:
+        async with self.engine_sets.resizing:
+            if self._claimant() is not None:
+                return  # a run claimed the pool meanwhile: it follows the lease from now
+            leaving = [e for e in self.engine_sets.engines if e.slot in self.slots.leaving()]
+            if leaving:
+                self.engine_sets.remove(leaving)
+            missing = min(self.lease.kept - len(self.engine_sets.engines),
+                          self.slots.startable())
+            if missing > 0:
+                try:
+                    await self.engine_sets.add(missing)
+                except StartWithdrawn:
+                    pass  # the slot went back; the next look follows the grant again
+
+    async def _release_unused(self) -> None:
+        """Give back the slots the arbiter asks for (and, while idle, standby slots) that no
+        engine of the pool runs on, starts on or still stops on."""
+        used = {e.slot for e in self.engine_sets.engines} | self.slots.busy
+        unused = self.lease.leaving
+        if self._claimant() is None:
+            unused |= set(self.lease.grant.get("standby", []))
+        unused -= used
+        if unused:
+            await self.lease.release(sorted(unused))
+
+    def _show_events(self) -> None:
+        """The arbiter's "grew into"/"gave" events go to the claimant's events (its chart)."""
+        events, self.lease.events = self.lease.events, []
+        if (claimant := self._claimant()) is not None:
+            for event in events:
+                claimant.note_event("slot", message=describe_slot_event(event, self._kind),
+                                    slot=event["slot"])
+
+    def warn(self, message: str) -> None:
+        """A failed look at the arbiter (or a request to it): logged, and noted on the
+        claimant."""
+        log.warning("elastic_jupyter: the slot arbiter: %s", message)
+        if (claimant := self._claimant()) is not None:
+            claimant.note_event("warning", message=f"the slot arbiter: {message}")

@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Sequence
 
 import psutil
 
@@ -62,7 +63,7 @@ def main(owner_pid: int, owner_start: float, pidfile: str) -> None:
         time.sleep(POLL)
 
 
-def write_pidfile(pidfile: str, pids: list[int], jobs: list[str] = ()) -> None:
+def write_pidfile(pidfile: str, pids: list[int], jobs: Sequence[str] = ()) -> None:
     """Record the processes the reaper must end (with their start times) and the Slurm jobs it
     must cancel, atomically."""
     listed = []

@@ -1,4 +1,3 @@
-"""The owner loop's run machinery: the run handle, its driver, sizing, membership, recovery,
-the run's log and setup. May import pool/, server/ (publishing a run), engine/ (checkpoint
-files) and the shared modules; never ui/ except the handle's dashboard() and plot().
+"""The owner loop's run machinery: the run handle (run.py) and the owners it delegates to.
+May import pool/, server/, engine/ and the shared modules; ui/ only in run.dashboard() and plot().
 """

@@ -8,26 +8,40 @@ generation too; recovery brings the members back to one state first. A rank its 
 to go (SIGTERM: preemption, a time limit) ends the generation at a step boundary too
 (engine.drain): it is dropped with nothing lost, and a replacement is started.
 
-The driver is the only writer of the run's state, error and final state. Decisions come from
-the Sizer (sizing.py), engines from Membership (membership.py), records and events go to the
-RunLog (runlog.py).
+The driver is the only writer of the run's state and error, and holds the run's rendezvous
+store (rendezvous.py) from the setup to the end. Decisions come from the Sizer (sizing.py),
+engines from Membership (membership.py), the final state is kept by FinalState
+(final_state.py), records and events go to the RunLog (runlog.py).
 """
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
+from typing import TYPE_CHECKING, Callable
 
 from . import faults
 from ..config import UsageError
-from ..engine import checkpoint as ckpt
+from ..engine.protocol import GenerationSpec
 from ..pool.engine_calls import remote_message, remote_summary
 from ..owner import background
+from ..server.snapshot import TRAINING_STATES, RunState
+from .cellsetup import CellSetup
+from .final_state import FinalState
+from .membership import Membership
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
+from .rendezvous import Rendezvous
+from .resume import Resume
+from .runlog import RunLog
+from .sizing import SizePolicy, Sizer
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
+    from ..pool.engine_calls import EngineCalls
+    from ..pool.pool import EnginePool
+    from ..pool.processes import Engine
 
 POLL = 0.05  # seconds between the driver's looks at a running generation
-RECORDS_TIMEOUT = 10.0  # seconds rank 0 has to send its last records after an error
-STATE_TIMEOUT = 120.0  # seconds rank 0 has to send its committed state after an error
 
 
 class GenerationError(Exception):
@@ -42,21 +56,28 @@ class Driver:
     """Drives one run's generations.
 
     Args:
-        pool, calls (EngineCalls), log (RunLog), sizer (Sizer), policies (SizePolicy list),
-        membership, cell (CellSetup), config (RunConfig), checkpoint_dir.
+        pool, calls, log, sizer, policies: the size policies the sizer is fed from.
+        cell: runs the cell on engines. config, checkpoint_dir: the run's.
         on_end: called on the owner loop once the run reached a final state.
+
+    Attributes:
+        membership (members, spares), recovery, final (the final state), rendezvous (the
+        run's store, served from the setup to the run's end), state, error.
     """
 
-    def __init__(self, pool, calls, log, sizer, policies, membership, cell, config,
-                 checkpoint_dir: str, on_end):
+    def __init__(self, pool: EnginePool, calls: EngineCalls, log: RunLog, sizer: Sizer,
+                 policies: list[SizePolicy], cell: CellSetup, config: RunConfig,
+                 checkpoint_dir: str, on_end: Callable[[], None]):
         self.pool, self.calls, self.log = pool, calls, log
-        self.sizer, self.policies, self.membership, self.cell = sizer, policies, membership, cell
+        self.sizer, self.policies, self.cell = sizer, policies, cell
         self.config, self.checkpoint_dir, self._on_end = config, checkpoint_dir, on_end
-        self.recovery = Recovery(membership, calls, log, sizer, pool, checkpoint_dir,
+        self.membership = Membership(pool, log, self.prepare)
+        self.recovery = Recovery(self.membership, calls, log, sizer, pool, checkpoint_dir,
                                  config.standby, POLL)
-        self.state = "created"
+        self.final = FinalState(calls, log, checkpoint_dir, config.keep)
+        self.rendezvous: Rendezvous | None = None
+        self.state = RunState.CREATED
         self.error: str | None = None
-        self.final_state: dict | None = None
         self.done = threading.Event()
         self._task: asyncio.Task | None = None
 
@@ -73,28 +94,41 @@ class Driver:
         """Set the run up on the pool's first `size` engines: the cell everywhere, the
         schedule checked against the run's steps, a checkpoint loaded on rank 0 (returns its
         path) and the rendezvous. On failure the engines forget the run and it re-raises."""
-        self.state = "starting"
+        self.state = RunState.STARTING
         pool = self.pool
         if size != pool.size:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
         # a batch job may wait in its queue without bound: grow by the engines that are up
-        self.sizer.begin(size, pool.min_size, pool.usable_slots,
+        self.sizer.begin(size, pool.min_size, pool.slots.usable,
                          grow_in_parts=not pool.launcher.local)
         self.take_requests()  # a schedule given up front
         try:
             await self.cell.run_cell(self.members)
             self._check_schedule()
             if resume_from:
-                resume_from = await self.cell.resume(self.members[0], self.checkpoint_dir)
-            self.cell.open_rendezvous(pool.launcher.address)
-            await self.cell.connect(self.members)
+                resume_from = await Resume(self.calls, self.log, self.cell.config).load(
+                    self.members[0], self.checkpoint_dir, self.cell.dataset)
+            # served on the pool's address: loopback on one host
+            self.rendezvous = Rendezvous(pool.launcher.address,
+                                         timeout=self.config.collective_timeout)
+            await self._connect(self.members)
         except BaseException:
             if pool.client is not None:
                 await self.calls.drop_run(self.members)
             self.membership.start_with([])
             raise
         return resume_from
+
+    async def prepare(self, engines: list[Engine]) -> None:
+        """Set engines that join the run up: the cell, then the rendezvous connection."""
+        await self.cell.run_cell(engines)
+        await self._connect(engines)
+
+    async def _connect(self, engines: list[Engine]) -> None:
+        if (rdv := self.rendezvous) is not None:
+            await self.calls.connect_store(engines, rdv.host, rdv.port,
+                                           self.config.collective_timeout)
 
     def _check_schedule(self) -> None:
         total = self.cell.total_steps
@@ -106,12 +140,12 @@ class Driver:
 
     def fail_setup(self, error: BaseException) -> None:
         """The setup raised `error` (already reported to the caller): the run is failed."""
-        self.state, self.error = "failed", str(error)
+        self.state, self.error = RunState.FAILED, str(error)
         self.done.set()
 
     def launch(self) -> None:
         """Start driving generations in the background (after the run's setup)."""
-        self.state = "training"
+        self.state = RunState.TRAINING
         self._task = background(self._drive(), lambda e: self.log.log(f"driver failed: {e}"))
         self.membership.boot(self._wanted())
 
@@ -129,7 +163,8 @@ class Driver:
                     await self._drain(result["drained"])
                     if result["reason"] == "finished" or self.sizer.stop_requested:
                         return await self._finish(
-                            "finished" if result["reason"] == "finished" else "stopped")
+                            RunState.FINISHED if result["reason"] == "finished"
+                            else RunState.STOPPED)
                     newcomers = await (self._after_drain() if result["drained"] else
                                        self._change_membership(result["progress"]["step"]))
                 broadcast = bool(newcomers)
@@ -150,22 +185,24 @@ class Driver:
     # ---------------------------------------------------------------- one generation
 
     def _end_at(self) -> int | None:
-        end_at = self.sizer.end_at(len(self.members), len(self.membership.spares))
+        end_at = self.sizer.end_at(len(self.members), len(self.membership.spares),
+                                   time.monotonic())
         return 0 if end_at is None and self.membership.swappable() else end_at
 
     async def _run_generation(self, generation: int, newcomers: set, broadcast: bool) -> dict:
         """Run one generation to its end; returns rank 0's result, or {"reason": "fault"}."""
         end_at = self._end_at()
-        rendezvous = self.cell.rendezvous
+        rendezvous = self.rendezvous
+        assert rendezvous is not None, "generations run after the setup opened the store"
         rendezvous.request_end(generation, end_at)
         acknowledged = self.log.complete_upto
         rendezvous.acknowledge(generation, acknowledged)
         W = len(self.members)
-        tasks = [self.calls.train_generation(engine, {
-            "rank": rank, "world_size": W, "generation": generation,
-            "backend": self.pool.backend, "timeout": self.config.collective_timeout,
-            "receive_state": engine.engine_id in newcomers, "broadcast": broadcast,
-            "end_at": end_at}, self.cell.engine_log(engine))
+        tasks = [self.calls.train_generation(engine, GenerationSpec(
+            rank=rank, world_size=W, generation=generation,
+            backend=self.pool.backend, timeout=self.config.collective_timeout,
+            receive_state=engine.engine_id in newcomers, broadcast=broadcast,
+            end_at=end_at), self.log.engine_log(engine.slot))
             for rank, engine in enumerate(self.members)]
         first_failure, died = None, False
         while not all(t.future.done() for t in tasks):
@@ -174,9 +211,10 @@ class Driver:
             if self.log.complete_upto != acknowledged:
                 acknowledged = self.log.complete_upto
                 rendezvous.acknowledge(generation, acknowledged)
-            failed = [(e, t.error()) for e, t in zip(self.members, tasks) if t.error()]
+            failed = [(e, error) for e, t in zip(self.members, tasks)
+                      if (error := t.error()) is not None]
             for engine, error in failed:
-                if not self.pool.alive(engine) or faults.is_engine_death(error):
+                if not self.pool.engine_sets.alive(engine) or faults.is_engine_death(error):
                     faults.kill(engine)  # a zombie's sockets may still hold peers
                     died = True
             if failed and first_failure is None:
@@ -197,7 +235,7 @@ class Driver:
         if outcome.fault:
             return {"reason": "fault", "outcome": outcome}
         if outcome.errors:
-            await self._keep_after_error(tasks[0])
+            await self.final.keep_after_error(tasks[0], self.members[0])
             raise GenerationError(*outcome.errors[0])
         result = outcome.results[self.members[0].engine_id]
         self.log.merge(result, complete=True)
@@ -205,26 +243,6 @@ class Driver:
         result["drained"] = [(e, outcome.results[e.engine_id]["drained"]) for e in self.members
                              if outcome.results[e.engine_id].get("drained")]
         return result
-
-    async def _keep_after_error(self, task) -> None:
-        """An error ends the run; no committed step is lost. Takes rank 0's records the live
-        stream had not delivered (the step whose evaluation failed among them), so the history
-        keeps every committed step, and rank 0's state (a failed step is undone on every rank:
-        the state is the last committed step's) as the run's final state, written as a
-        checkpoint unless its step has one: ``state_dict()``, ``export()`` and ``--resume``
-        work from it. Skipped when rank 0 is still out (hung) or does not answer."""
-        if not task.future.done():
-            return
-        try:
-            records = await asyncio.wait_for(self.calls.history_since(
-                self.members[0], self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
-            self.log.merge({"records": records}, complete=True)
-            self.final_state = await asyncio.wait_for(
-                self.calls.training_state(self.members[0]), STATE_TIMEOUT)
-        except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
-            self.log.log(f"rank 0's last records or state could not be read: {e}")
-            return
-        await self._write_checkpoint(self.final_state)
 
     def take_requests(self) -> None:
         """Feed the size policies' new requests to the sizer, and keep as many engines set up
@@ -235,12 +253,12 @@ class Driver:
             self.log.log(f"resize request size={request.size} at_step={request.at_step} "
                          f"from {request.source}")
         self.membership.readmit()  # slots whose cooldown ended: the target grows back
-        self.sizer.set_usable(self.pool.usable_slots)
+        self.sizer.set_usable(self.pool.slots.usable)
         if self.membership.gave_up:
-            self.sizer.settle(len(self.members))
+            self.sizer.stop_growing_at(len(self.members))
         if leaving := self.membership.leaving():  # slots the machine's arbiter wants back
             self.membership.stop_spares(leaving)
-        if self.sizer.settled(now) and self.state in ("training", "resizing"):
+        if self.sizer.settled(now) and self.state in TRAINING_STATES:
             self.membership.boot(self._wanted())
             self.membership.trim(self._wanted())
 
@@ -259,7 +277,7 @@ class Driver:
                                "the machine's arbiter wants back")
             self.membership.trim(self._wanted())
             return {e.engine_id for e in newcomers}
-        self.state = "resizing"
+        self.state = RunState.RESIZING
         self.log.resize_started(step, W, target, change.requested_time or time.time(),
                                 change.scheduled)
         newcomers = []
@@ -268,7 +286,7 @@ class Driver:
         else:
             newcomers = await self.membership.grow(target, POLL)
             if len(self.members) < target:
-                self.sizer.settle(len(self.members))
+                self.sizer.stop_growing_at(len(self.members))
                 why = (f"after {self.membership.boot_failures} failed starts"
                        if self.membership.gave_up else "no slot is free (see the slot events)")
                 self.log.event("warning", message=f"could not grow to {target} engines "
@@ -276,7 +294,7 @@ class Driver:
             self.log.resize_settled(len(self.members))
         self.membership.trim(self._wanted())
         self.membership.boot(self._wanted())  # standby engines used by this grow are replaced
-        self.state = "training"
+        self.state = RunState.TRAINING
         return {e.engine_id for e in newcomers}
 
     async def _drain(self, drained: list) -> None:
@@ -287,7 +305,7 @@ class Driver:
         if not drained:
             return
         if len(drained) == len(self.members):
-            await self._write_checkpoint(await self.calls.training_state(self.members[0]))
+            await self.final.write_checkpoint(await self.calls.training_state(self.members[0]))
         self.membership.drain([engine for engine, _ in drained])
         now = time.time()
         for engine, asked in drained:
@@ -306,55 +324,25 @@ class Driver:
 
     # ---------------------------------------------------------------- end states
 
-    async def _finish(self, state: str) -> None:
-        self.final_state = await self._last_state()
-        if state == "stopped":
-            await self._write_checkpoint(self.final_state)
+    async def _finish(self, state: RunState) -> None:
+        final = await self.final.take(self.members)
+        if state == RunState.STOPPED:
+            await self.final.write_checkpoint(final)
         self.state = state
-        self.log.event(state, world_size=len(self.members))
+        self.log.event(state.value, world_size=len(self.members))
         await self._release()
-
-    async def _last_state(self) -> dict:
-        """The run's state at its last step: from the checkpoint of that step when rank 0 wrote
-        one (a finished run always does), which spares rank 0 a serialized copy of the whole
-        state in a reply; else from rank 0."""
-        written = self.log.last_event("checkpoint")  # this run's, not an older file's
-        if written is not None and written["step"] == self.log.step:
-            try:
-                return await asyncio.get_running_loop().run_in_executor(
-                    None, ckpt.load_checkpoint, written["path"])
-            except (ckpt.CheckpointError, RuntimeError):  # pruned, unreadable; interpreter exit
-                pass
-        return await self.calls.training_state(self.members[0])
-
-    async def _write_checkpoint(self, state: dict) -> None:
-        """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
-        slow)."""
-        step = state["progress"]["step"]
-        if any(c["step"] == step for c in ckpt.list_checkpoints(self.checkpoint_dir)):
-            return
-        args = (self.checkpoint_dir, state, self.config.keep)
-        try:
-            try:
-                record = await asyncio.get_running_loop().run_in_executor(
-                    None, ckpt.write_checkpoint, *args)
-            except RuntimeError:  # at interpreter exit the executor takes no work: write here
-                record = ckpt.write_checkpoint(*args)
-            self.log.event("checkpoint", step=step, path=record["path"], bytes=record["bytes"])
-        except ckpt.CheckpointError as e:
-            self.log.event("checkpoint_failed", step=step, message=str(e))
 
     async def _stop_below_minimum(self, message: str) -> None:
         written = self.log.last_event("checkpoint")
         self.log.event("warning", message=message)
         if self.members:
             await self.recovery.roll_back()
-            await self._finish("stopped")
+            await self._finish(RunState.STOPPED)
         elif written is not None and written["step"] == self.log.step:
-            await self._finish("stopped")  # every rank drained: the drain wrote this first
+            await self._finish(RunState.STOPPED)  # every rank drained: the drain wrote this first
         else:
             self.error = message + " (from the newest checkpoint: all engines were lost)"
-            self.state = "failed"
+            self.state = RunState.FAILED
             self.log.event("error", message=self.error)
             await self._release()
 
@@ -369,11 +357,12 @@ class Driver:
                           f"{remote_message(error.error)}")
         else:
             self.error = f"{type(error).__name__}: {error}"
-        self.state = "failed"
+        self.state = RunState.FAILED
         self.log.event("error", message=self.error)
         await self._release()
 
     async def _release(self) -> None:
         await self.membership.release()
-        self.cell.close_rendezvous()
+        if self.rendezvous is not None:
+            self.rendezvous.close()
         self._on_end()

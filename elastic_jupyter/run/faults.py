@@ -18,12 +18,10 @@ no step made) is an error too (:meth:`Outcome.signature`): retrying it cannot he
 """
 from __future__ import annotations
 
-import os
 import re
-import signal
 from dataclasses import dataclass, field
 
-import psutil
+from ..pool.processes import alive, kill  # noqa: F401 -- kill: the driver's and membership's
 
 HANG_GRACE = 3.0  # seconds the owner waits for the other ranks once one has failed
 MAX_SLOT_FAULTS = 3  # faults of one slot within FAULT_WINDOW that leave it out for a cooldown
@@ -43,29 +41,6 @@ def is_peer_failure(error: BaseException) -> bool:
     """One of our collectives failed on this rank because a peer did (not the cause itself):
     the engine raised ``engine.collective.PeerFailure`` (ipyparallel names its type ``ename``)."""
     return (getattr(error, "ename", None) or type(error).__name__) == "PeerFailure"
-
-
-def alive(engine) -> bool:
-    """Whether `engine`'s process runs. Another host's engine counts as alive: its death
-    reaches us as ipyparallel's ``EngineError`` (its nanny tells the controller)."""
-    if not engine.local:
-        return True
-    try:
-        return psutil.Process(engine.pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def kill(engine) -> None:
-    """SIGKILL a lost or hung engine: also closes its sockets, so peers blocked in a collective
-    with it fail now instead of at the group timeout. Another host's engine ends with its
-    job when the pool removes it."""
-    if not engine.local:
-        return
-    try:
-        os.kill(engine.pid, signal.SIGKILL)
-    except OSError:
-        pass
 
 
 @dataclass

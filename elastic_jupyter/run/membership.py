@@ -13,28 +13,23 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from . import faults
-from ..config import UsageError
 from ..pool.engine_calls import remote_summary
 from ..pool.launchers import StartWithdrawn
 from ..owner import background
+from .runlog import RunLog
+
+if TYPE_CHECKING:
+    from ..pool.pool import EnginePool
+    from ..pool.processes import Engine
 
 
 MAX_BOOT_FAILURES = 3  # consecutive failed boots before a grow gives up
 
 
 # ---------------------------------------------------------------------- decisions (pure)
-
-def free_slots(max_size: int, used: set, excluded: set, k: int) -> list[int]:
-    """The `k` slots the next engines take: the lowest that are neither used nor left out.
-    Raises UsageError when fewer are free."""
-    free = [s for s in range(max_size) if s not in used and s not in excluded]
-    if len(free) < k:
-        raise UsageError(f"no free slot: the pool has {max_size} slots"
-                         + (f", {len(excluded)} left out" if excluded else ""))
-    return free[:k]
-
 
 def plan_shrink(members: list, target: int, wanted: int, spares: int,
                 leaving_slots: frozenset = frozenset()) -> tuple[list, list, list]:
@@ -132,11 +127,12 @@ class Membership:
             connects the rendezvous); raises on failure.
     """
 
-    def __init__(self, pool, log, prepare):
+    def __init__(self, pool: EnginePool, log: RunLog,
+                 prepare: Callable[[list[Engine]], Awaitable[None]]):
         self.pool, self.log, self._prepare = pool, log, prepare
-        self.members: list = []
-        self.spares: list = []
-        self.joining: list = []
+        self.members: list[Engine] = []
+        self.spares: list[Engine] = []
+        self.joining: list[Engine] = []
         self.health = SlotHealth()
         self._left_out: set[int] = set()  # slots this run left out for a cooldown
         self.boot_failures = 0
@@ -153,7 +149,7 @@ class Membership:
         one later)."""
         booting = self._booting is not None and not self._booting.done()
         pool = self.pool
-        return not booting and pool.lease is None and pool.startable() <= 0 and all(
+        return not booting and pool.lease is None and pool.slots.startable() <= 0 and all(
             x.until is None for x in pool.excluded_slots.values())
 
     def start_with(self, engines: list) -> None:
@@ -168,7 +164,7 @@ class Membership:
             return
         self._booting = None
         staying = self._staying()  # members on slots to give back get swapped
-        missing = min(wanted - len(staying) - len(self.spares), self.pool.startable())
+        missing = min(wanted - len(staying) - len(self.spares), self.pool.slots.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
                                        lambda e: self.log.event("warning", message=f"boot: {e}"))
@@ -177,11 +173,11 @@ class Membership:
         """Stop ready spares that no pending request or standby needs any more."""
         self.spares, extra = plan_trim(self.spares, wanted, len(self._staying()))
         if extra:
-            self.pool.remove_engines(extra)
+            self.pool.engine_sets.remove(extra)
 
     def leaving(self) -> set:
         """Slots the machine's arbiter wants back (lease mode; else none)."""
-        return self.pool.leaving_slots() if self.pool.lease is not None else set()
+        return self.pool.slots.leaving()
 
     def _staying(self) -> list:
         leaving = self.leaving()  # once: it is computed from the pool's engines and grant
@@ -203,7 +199,7 @@ class Membership:
         gone = gone[:len(ready)]
         self.members = [m for m in self.members if m not in gone] + ready
         self.spares = [s for s in self.spares if s not in ready]
-        self.pool.remove_engines(gone)
+        self.pool.engine_sets.remove(gone)
         return ready
 
     def stop_spares(self, slots: set) -> None:
@@ -211,7 +207,7 @@ class Membership:
         gone = [e for e in self.spares if e.slot in slots]
         if gone:
             self.spares = [e for e in self.spares if e not in gone]
-            self.pool.remove_engines(gone)
+            self.pool.engine_sets.remove(gone)
 
     async def _boot(self, k: int) -> None:
         if self.pool.launcher.local:
@@ -220,14 +216,14 @@ class Membership:
             await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
 
     async def _boot_together(self, k: int) -> None:
-        first = (self.pool.next_free_slots(1) or [None])[0]
+        first = next(iter(self.pool.slots.next_free(1)), None)
         await asyncio.sleep(self.health.delay(first, time.time()))  # back off a bad slot
-        slots = self.pool.next_free_slots(k)
+        slots = self.pool.slots.next_free(k)
         if not slots:
             return
         t0 = time.time()
         try:
-            engines = await self.pool.add_engines(len(slots), slots)
+            engines = await self.pool.engine_sets.add(len(slots), slots)
         except StartWithdrawn as e:  # the slot went back before its job ran: no failure
             self.log.log(str(e))
             return
@@ -245,10 +241,10 @@ class Membership:
         try:
             await self._prepare(engines)
         except asyncio.CancelledError:  # the run ended meanwhile (release)
-            await self.pool.remove_engines(engines)
+            await self.pool.engine_sets.remove(engines)
             raise
         except Exception as e:
-            await self.pool.remove_engines(engines)
+            await self.pool.engine_sets.remove(engines)
             self._boot_failed(f"new engines failed to set up: {remote_summary(e)}")
             return
         self.spares.extend(engines)
@@ -269,7 +265,7 @@ class Membership:
         self.members, kept, stopped = plan_shrink(self.members, target, wanted,
                                                   len(self.spares), leaving_slots)
         self.spares += kept
-        self.pool.remove_engines(stopped)
+        self.pool.engine_sets.remove(stopped)
 
     async def grow(self, target: int, poll: float) -> list:
         """Add ready spares until `target` members, waiting for boots still under way (the
@@ -287,7 +283,7 @@ class Membership:
         """Members their scheduler told to go left the group with the others: forget them and
         end their engines (a batch job ends). Not a fault: their slots count none."""
         self.members = [m for m in self.members if m not in engines]
-        self.pool.remove_engines(engines)
+        self.pool.engine_sets.remove(engines)
 
     # ---------------------------------------------------------------- faults
 
@@ -297,7 +293,7 @@ class Membership:
         for engine in lost:
             faults.kill(engine)
         self.members = [m for m in self.members if m not in lost]
-        self.pool.remove_engines(lost)
+        self.pool.engine_sets.remove(lost)
         now = time.time()
         for engine in lost:
             if (pause := self.health.record_fault(engine.slot, now)) is not None:
@@ -307,7 +303,7 @@ class Membership:
 
     def _leave_out(self, slot: int, reason: str, until: float | None) -> None:
         """Leave `slot` out of engine starts until `until` (wall time; None: for good)."""
-        self.pool.exclude_slot(slot, reason, until)
+        self.pool.slots.exclude(slot, reason, until)
         self._left_out.add(slot)
         back = "it stays out" if until is None else f"back in {until - time.time():.0f} s"
         self.log.event("slot", slot=slot, until=until,
@@ -323,10 +319,10 @@ class Membership:
 
     def drop_dead(self) -> bool:
         """Drop members whose process died (a fault during recovery); True if any did."""
-        dead = [m for m in self.members if not self.pool.alive(m)]
+        dead = [m for m in self.members if not self.pool.engine_sets.alive(m)]
         if dead:
             self.members = [m for m in self.members if m not in dead]
-            self.pool.remove_engines(dead)
+            self.pool.engine_sets.remove(dead)
         return bool(dead)
 
     async def wait_for_joiners(self, needed: int, wanted: int, deadline: float,
@@ -361,4 +357,4 @@ class Membership:
         spares, self.spares = self.spares + self.joining, []
         self.joining = []
         if spares:
-            await self.pool.remove_engines(spares)
+            await self.pool.engine_sets.remove(spares)

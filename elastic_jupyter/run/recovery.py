@@ -13,9 +13,18 @@ the run.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from . import faults
 from ..engine import checkpoint as ckpt
+from .membership import Membership
+from .runlog import RunLog
+from .sizing import Sizer
+
+if TYPE_CHECKING:
+    from ..pool.engine_calls import EngineCalls
+    from ..pool.pool import EnginePool
+    from ..pool.processes import Engine
 
 
 class BelowMinimum(Exception):
@@ -27,7 +36,7 @@ class RepeatedFailure(Exception):
 
     Attributes: engine (one of the ranks that raised it), error (its remote error)."""
 
-    def __init__(self, engine, error):
+    def __init__(self, engine: Engine, error: BaseException):
         super().__init__(str(error))
         self.engine, self.error = engine, error
 
@@ -36,8 +45,8 @@ class Recovery:
     """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, checkpoint_dir,
     standby (engines kept set up besides the members), poll (s between looks while waiting)."""
 
-    def __init__(self, membership, calls, log, sizer, pool, checkpoint_dir: str, standby: int,
-                 poll: float):
+    def __init__(self, membership: Membership, calls: EngineCalls, log: RunLog, sizer: Sizer,
+                 pool: EnginePool, checkpoint_dir: str, standby: int, poll: float):
         self.membership, self.calls, self.log = membership, calls, log
         self.sizer, self.pool = sizer, pool
         self.checkpoint_dir, self.standby, self.poll = checkpoint_dir, standby, poll
@@ -45,14 +54,14 @@ class Recovery:
         self._faults_without_progress = 0
         self._last_signature: frozenset | None = None  # the last fault's (Outcome.signature)
 
-    async def recover(self, outcome) -> set:
+    async def recover(self, outcome: faults.Outcome) -> set:
         """Recover from `outcome` (a faulted generation); returns the engine ids that receive
         the state by broadcast in the next generation. Raises BelowMinimum, or RuntimeError
         when the run keeps failing without progress."""
         self._check_repeated(outcome)
         members = self.membership
         members.drop(outcome.lost)
-        self.sizer.set_usable(self.pool.usable_slots)
+        self.sizer.set_usable(self.pool.slots.usable)
         self._count_fault()
         members.boot(self.sizer.engines_wanted(self.standby))
         await self.wait_for_minimum()
@@ -68,7 +77,7 @@ class Recovery:
                        world_size=len(members.members))
         return newcomers
 
-    def _check_repeated(self, outcome) -> None:
+    def _check_repeated(self, outcome: faults.Outcome) -> None:
         """Raise RepeatedFailure when `outcome` failed as the last fault did, with no step
         made since and no engine lost either time (a local error taken for a peer's)."""
         signature = outcome.signature()

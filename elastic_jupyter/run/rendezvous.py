@@ -15,6 +15,9 @@ import socket
 
 import torch.distributed as dist
 
+from ..engine.protocol import (ABORT_KEY, ACKNOWLEDGED_KEY, END_AT_KEY, VERSION_KEY,
+                               encode_end_at, generation_prefix)
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -31,32 +34,35 @@ class Rendezvous:
         listener.listen(512)
         self.host, self.port = host, listener.getsockname()[1]
         # the store takes ownership of the descriptor and closes it when it is destroyed
-        self.store = dist.TCPStore(host, self.port, is_master=True, wait_for_workers=False,
-                                   master_listen_fd=listener.detach(),
-                                   timeout=datetime.timedelta(seconds=timeout))
+        self.store: dist.TCPStore | None = dist.TCPStore(
+            host, self.port, is_master=True, wait_for_workers=False,
+            master_listen_fd=listener.detach(), timeout=datetime.timedelta(seconds=timeout))
 
-    def control(self, generation: int):
-        """The store seen by generation `generation` (its own key prefix)."""
-        return dist.PrefixStore(f"gen{generation}/", self.store)
+    def control(self, generation: int) -> dist.PrefixStore:
+        """The store seen by generation `generation` (its own key prefix). Raises RuntimeError
+        once closed."""
+        if self.store is None:
+            raise RuntimeError("the rendezvous store is closed")
+        return dist.PrefixStore(generation_prefix(generation), self.store)
 
     def request_end(self, generation: int, end_at: int | None) -> None:
         """Ask the ranks of `generation` to leave after step `end_at` (0: after the current
         step; None: keep training). Rank 0 reads it at its next step boundary."""
         control = self.control(generation)
-        control.set("end_at", "none" if end_at is None else str(end_at))
-        control.add("version", 1)
+        control.set(END_AT_KEY, encode_end_at(end_at))
+        control.add(VERSION_KEY, 1)
 
     def acknowledge(self, generation: int, step: int) -> None:
         """Tell generation `generation`'s ranks that the run log holds every record up to
         `step`: they may forget those (engine.history). Call before its ranks start, and again
         whenever the run log's complete step moved."""
-        self.control(generation).set("acknowledged", str(step))
+        self.control(generation).set(ACKNOWLEDGED_KEY, str(step))
 
     def abort(self, generation: int) -> None:
         """Tell the ranks of `generation` that one of them failed: a rank waiting for a vote
         that will not come aborts the step now instead of at the collective timeout
         (engine.vote)."""
-        self.control(generation).set("abort", "1")
+        self.control(generation).set(ABORT_KEY, "1")
 
     def close(self) -> None:
         self.store = None

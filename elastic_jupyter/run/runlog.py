@@ -14,8 +14,21 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Iterable, Protocol
 
 import numpy as np
+
+
+class RecordSink(Protocol):
+    """Where the records and events also go (tensorboard.TensorBoardLog)."""
+
+    def add_records(self, records: Iterable[dict]) -> None: ...
+
+    def add_event(self, event: dict) -> None: ...
+
+    def roll_back(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class RunLog:
@@ -36,7 +49,7 @@ class RunLog:
         self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
         self._resize: dict | None = None  # the latest resize's life (see `resize`)
         self._resize_event: dict | None = None  # its "resize" event
-        self.tensorboard = None  # a tensorboard.TensorBoardLog the records and events go to
+        self.tensorboard: RecordSink | None = None  # a tensorboard.TensorBoardLog, once open
 
     # ------------------------------------------------------------------ reading (any thread)
 
@@ -69,6 +82,10 @@ class RunLog:
         ended for it; then the first step at the new size), latency_s (s from request to that
         step; None while pending). None before the first resize."""
         return dict(self._resize) if self._resize is not None else None
+
+    def engine_log(self, slot: int) -> str:
+        """The log file of the engine on `slot` (its prints, warnings, tracebacks)."""
+        return os.path.join(self.log_dir, f"engine-slot{slot}.log")
 
     # ------------------------------------------------------------------ writing (owner thread)
 
@@ -103,7 +120,9 @@ class RunLog:
     def resize_settled(self, new: int) -> None:
         """The resize under way ends at `new` engines (fewer engines could start)."""
         if self._resize is not None and self._resize["pending"]:
-            self._resize["to"] = self._resize_event["to"] = new
+            self._resize["to"] = new
+            if self._resize_event is not None:
+                self._resize_event["to"] = new
 
     def merge(self, data: dict, complete: bool = False) -> None:
         """Take records and events streamed by rank 0 (repeats are skipped, unless the data
@@ -126,9 +145,9 @@ class RunLog:
 
     def _finish_resize(self) -> None:
         life = self._resize
-        first = self._records.get(life["step"] + 1) if life and life["pending"] else None
-        if first is not None:  # the first step at the new size: the resize is done
-            first = _as_dict(first)
+        held = self._records.get(life["step"] + 1) if life and life["pending"] else None
+        if life is not None and held is not None:  # the first step at the new size: done
+            first = _as_dict(held)
             life.update(pending=False, latency_s=first["time"] - life["requested_time"],
                         step=first["step"])
             self.event("resized", step=first["step"], latency_s=life["latency_s"],

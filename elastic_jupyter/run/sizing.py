@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import abc
 import bisect
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-COALESCE_S = 0.15  # requests closer than this are one: no engine boots for an overridden size
+if TYPE_CHECKING:
+    from ..pool.lease import SlotLease
+
+# requests closer than this are one (a slider's drag, whatever front end sends it): no engine
+# boots, and no generation ends, for a size overridden a moment later. The one coalescing window
+# of a resize; the front ends only debounce their slider.
+COALESCE_S = 0.15
 
 
 @dataclass(frozen=True)
@@ -73,6 +81,25 @@ class Schedule(SizePolicy):
         return pending
 
 
+class LeasePolicy(SizePolicy):
+    """The size follows the pool's lease: the training slots it keeps (pool.lease).
+
+    Asks for a size only when that number changes, so a user's request in between stands until
+    the arbiter's grant moves again. The run's manual requests go to the arbiter as the pool's
+    ``wanted`` and come back here once granted.
+    """
+
+    def __init__(self, lease: SlotLease, size: int):
+        self.lease, self._last = lease, size
+
+    def requests(self, step: int, now: float) -> list[SizeRequest]:
+        wish = self.lease.kept
+        if wish == self._last or wish < 1:
+            return []
+        self._last = wish
+        return [SizeRequest(wish, time=time.time(), source="arbiter")]
+
+
 @dataclass(frozen=True)
 class Change:
     """The size decided at a step boundary: `target` engines; `requested_time` is when the
@@ -98,6 +125,7 @@ class Sizer:
         self._schedule: list[tuple[int, int]] = []  # (at_step, size), soonest first
         self._request_time: float | None = None  # of the newest immediate request not yet met
         self._last_request = float("-inf")  # monotonic time of the newest request
+        self._burst = False  # the newest request came within COALESCE_S of the one before
 
     # ------------------------------------------------------------------ inputs
 
@@ -118,6 +146,8 @@ class Sizer:
             self._request_time = request.time
         else:
             bisect.insort(self._schedule, (request.at_step, request.size))
+        if now != self._last_request:  # requests taken together are one already
+            self._burst = not self.settled(now)
         self._last_request = now
 
     def _bounded(self, size: int) -> int:
@@ -145,7 +175,7 @@ class Sizer:
         the requested size is kept, so the run grows back when they return."""
         self.usable = usable
 
-    def settle(self, reached: int) -> None:
+    def stop_growing_at(self, reached: int) -> None:
         """Growing stopped at `reached` engines (engines failed to start): ask for no more."""
         self.requested = min(self.requested, reached)
 
@@ -160,13 +190,17 @@ class Sizer:
         """No request for COALESCE_S: a boot now serves the newest wish, not an overridden one."""
         return now - self._last_request >= COALESCE_S
 
-    def end_at(self, world_size: int, ready_spares: int) -> int | None:
+    def end_at(self, world_size: int, ready_spares: int, now: float | None = None) -> int | None:
         """The step after which the running generation should end: 0 for "after the current
         step" (stop, a shrink, or a grow whose engines are ready), the next scheduled step,
         or None (keep training). A grow waits until all its engines are ready, unless the run
-        grows in parts."""
+        grows in parts. At monotonic time `now`, requests still coming in a burst (each
+        within COALESCE_S of the last) change nothing until they settled: a lone request acts
+        at once."""
         if self.stop_requested:
             return 0
+        if now is not None and self._burst and not self.settled(now):
+            return self._schedule[0][0] if self._schedule else None
         missing = self.target - world_size
         if missing < 0 or 0 < missing <= ready_spares or (
                 missing > 0 and ready_spares and self.grow_in_parts):

@@ -24,9 +24,13 @@ and the run's start and end as text under ``events``.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Sequence
 
 from ..config import UsageError
 from .runlog import describe_event
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 TAGS = {"loss": "train/loss", "lr": "train/lr", "world_size": "elastic/world_size",
         "samples_per_s": "elastic/samples_per_s"}
@@ -47,6 +51,17 @@ def check_available() -> None:
             "or run without --tensorboard") from None
 
 
+def log_folder(setting: bool | str | None, checkpoint_dir: str, name: str) -> str | None:
+    """The folder of run `name`'s TensorBoard log for ``RunConfig.tensorboard`` = `setting`:
+    ``<checkpoint_dir>/tensorboard`` for True, ``<setting>/<name>`` for a folder, None when
+    off. Raises UsageError (with what to install) when TensorBoard is missing."""
+    if not setting:
+        return None
+    check_available()
+    return os.path.abspath(os.path.join(checkpoint_dir, "tensorboard") if setting is True
+                           else os.path.join(setting, name))
+
+
 class TensorBoardLog:
     """Writes records and events to TensorBoard event files in `folder` (created if missing).
 
@@ -56,11 +71,12 @@ class TensorBoardLog:
         events: the run's events so far: written at once.
     """
 
-    def __init__(self, folder: str, history: list[dict] = (), events: list[dict] = ()):
+    def __init__(self, folder: str, history: Sequence[dict] = (), events: Sequence[dict] = ()):
         self.folder = folder
         self._next = history[0]["step"] if history else 1  # the next step to write
         self._pending: dict[int, dict] = {}  # records that wait for an earlier step
-        self._writer = None  # opened at the first write, reopened after a rollback
+        # opened at the first write, reopened after a rollback
+        self._writer: SummaryWriter | None = None
         self._closed = False
         self.add_records(history)
         for event in events:

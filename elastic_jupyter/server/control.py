@@ -26,11 +26,39 @@ import asyncio
 import json
 import os
 import socket
+from typing import Any, Protocol
 
 from ..config import UsageError
+from .snapshot import RunSnapshot
 
 
-def answer(run, request: dict) -> dict:
+class ControlledRun(Protocol):
+    """What the channel reads and steers: a run.run.TrainingRun (server/ never imports run/)."""
+
+    name: str
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def active(self) -> bool: ...
+
+    @property
+    def events(self) -> list[dict]: ...
+
+    def snapshot(self) -> RunSnapshot: ...
+
+    def records_since(self, step: int) -> list[dict]: ...
+
+    def resize(self, n: Any, at_step: int | None = None) -> None:
+        """`n`: a request's world_size as it came (JSON): the run validates it."""
+
+    def auto(self, on: bool = True, weight: float | None = None) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def answer(run: ControlledRun, request: dict[str, Any]) -> dict:
     """The reply to one request (on the owner loop)."""
     op = request.get("op")
     if op == "status":
@@ -62,9 +90,9 @@ def answer(run, request: dict) -> dict:
 class ControlServer:
     """Serves `run` on the Unix socket `path` (owner-only permissions)."""
 
-    def __init__(self, run, path: str):
+    def __init__(self, run: ControlledRun, path: str):
         self.run, self.path = run, path
-        self._server = None
+        self._server: asyncio.Server | None = None
 
     async def start(self) -> None:
         old_umask = os.umask(0o177)  # the socket file itself: owner read/write only

@@ -21,17 +21,14 @@ import uuid
 import psutil
 
 from .control import ControlServer
-from ..host import alive, own_folder, process_start
+from ..host import alive, own_folder, process_start, runtime_folder
 from ..owner import background
 from .snapshot import FINAL_STATES, last_snapshot
 
 
 def registry_dir() -> str:
-    from jupyter_core.paths import jupyter_runtime_dir
-    path = os.path.join(jupyter_runtime_dir(), "elastic-jupyter")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    os.chmod(path, 0o700)
-    return path
+    """The registry's folder: this user's runtime folder (host.runtime_folder)."""
+    return runtime_folder()
 
 
 def kernel_id() -> str | None:

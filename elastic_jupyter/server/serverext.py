@@ -40,8 +40,8 @@ from traitlets import Float, Int
 from traitlets.config import LoggingConfigurable
 
 from . import control, registry, series
-from ..arbiter.client import ArbiterClient, arbiter_dir
-from ..arbiter.service import SOCKET
+from ..arbiter.client import ArbiterClient
+from ..arbiter.location import SOCKET, arbiter_dir
 from ..arbiter.table import ArbiterError
 from .snapshot import ACTIVE_STATES, of_entry
 

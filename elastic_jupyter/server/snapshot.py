@@ -36,6 +36,7 @@ kernel_id, started the kernel that runs it and when it started (s since the epoc
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass, field
 
@@ -43,8 +44,36 @@ from . import series
 from ..engine.checkpoint import list_checkpoints
 
 SPARKLINE_POINTS = 60
-ACTIVE_STATES = ("starting", "training", "resizing")
-FINAL_STATES = ("finished", "failed", "stopped")
+
+
+class RunState(str, enum.Enum):
+    """A run's state; a ``str`` (its value) on the wire and in comparisons (``== "training"``).
+
+    The run's driver moves it created -> starting -> training (<-> resizing) -> finished,
+    failed or stopped; the server side adds lost and unresponsive for a run that no longer
+    answers (:func:`of_entry`).
+    """
+
+    CREATED = "created"
+    STARTING = "starting"
+    TRAINING = "training"
+    RESIZING = "resizing"
+    FINISHED = "finished"
+    FAILED = "failed"
+    STOPPED = "stopped"
+    LOST = "lost"  # the kernel that ran it is gone
+    UNRESPONSIVE = "unresponsive"  # its kernel lives, the run does not answer
+
+    def __str__(self) -> str:  # the value, as the wire shows it (Enum's says "RunState.X")
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:  # f-strings too, on every Python version
+        return format(str(self.value), spec)
+
+
+ACTIVE_STATES = (RunState.STARTING, RunState.TRAINING, RunState.RESIZING)
+TRAINING_STATES = (RunState.TRAINING, RunState.RESIZING)  # a resize request is taken
+FINAL_STATES = (RunState.FINISHED, RunState.FAILED, RunState.STOPPED)
 
 
 @dataclass
@@ -144,13 +173,13 @@ def of_entry(entry: dict) -> RunSnapshot:
                               if k in {f.name for f in dataclasses.fields(RunSnapshot)}})
         snap.checkpoints = checkpoints
         return snap
-    state = "unresponsive" if entry["live"] else "lost"
+    state = RunState.UNRESPONSIVE if entry["live"] else RunState.LOST
     step = max([last.get("step") or 0] + [c["step"] for c in checkpoints])
     snap = RunSnapshot(name=entry["name"], state=state, step=step, checkpoints=checkpoints,
                        checkpoint_dir=entry["checkpoint_dir"], id=entry.get("id"),
                        notebook=entry.get("notebook"), total_steps=last.get("total_steps"),
                        loss=last.get("loss"), log_dir=os.path.join(entry["checkpoint_dir"], "logs"))
-    if state == "unresponsive":
+    if state == RunState.UNRESPONSIVE:
         snap.error = ("its kernel runs but the run does not answer on its control channel; "
                       "the notebook's own dashboard can still reach it")
     else:

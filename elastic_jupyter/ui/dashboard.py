@@ -11,8 +11,9 @@ most once a second, from which a new view or a reloaded page starts; ``range`` r
 full-resolution rows for a zoomed span.
 
 Front end -> kernel: ``resize`` (slider), ``stop``, ``auto`` (the auto toggle), ``hello`` (a new view asks for the rows after
-its snapshot), ``range`` and ``logs``. Slider moves within ``COALESCE_S`` of each other become
-one resize request with the last value. Where the server extension answers, the view sends
+its snapshot), ``range`` and ``logs``. A resize goes straight to ``run.resize`` (which validates
+it; the run's sizer coalesces a drag's requests: sizing.COALESCE_S); the view only debounces its
+slider. Where the server extension answers, the view sends
 resize and stop over its REST API instead (never through the kernel's shell); this comm path is
 the fallback (VS Code, no server extension).
 """
@@ -21,20 +22,24 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import anywidget
 import numpy as np
 import traitlets
 
-from ..server import series
 from ..config import UsageError
+from ..server import series
+from ..server.snapshot import RunState
+
+if TYPE_CHECKING:
+    from ..run.run import TrainingRun
 
 STATIC = pathlib.Path(__file__).parent.parent / "static"  # built by npm beside the package's folders
 UPDATES_PER_S = 5
 SNAPSHOT_PERIOD_S = 1.0
 SNAPSHOT_POINTS = 2000
 RANGE_POINTS = 50_000
-COALESCE_S = 0.15
 MARKER_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed", "warning",
                 "error", "finished", "stopped", "slot", "drain")
 
@@ -55,21 +60,18 @@ class Dashboard(anywidget.AnyWidget):
     min_size = traitlets.Int(1).tag(sync=True)
     max_size = traitlets.Int(1).tag(sync=True)
     status = traitlets.Dict().tag(sync=True)
-    events = traitlets.List().tag(sync=True)
+    events: traitlets.List[dict] = traitlets.List().tag(sync=True)
     history = traitlets.Dict().tag(sync=True)
     notice = traitlets.Unicode().tag(sync=True)
 
-    def __init__(self, run, feed: bool | None = None):
+    def __init__(self, run: TrainingRun, feed: bool | None = None):
         super().__init__(name=run.name, run_id=run.run_id,
                          min_size=run.pool.min_size, max_size=run.pool.max_size)
         self.run = run
         self._store = series.ColumnStore()  # everything sent so far, for snapshots
         self._sent_upto = 0  # newest step in the store (sent as an append or in a snapshot)
         self._snapshot_time = 0.0
-        self._wanted: int | None = None
-        self._lock = threading.Lock()  # guards the coalesced resize request
         self._send_lock = threading.RLock()  # one sender at a time: feeder or a request
-        self._timer: threading.Timer | None = None
         self._closed = threading.Event()
         if self.comm is not None and hasattr(self.comm, "_reply_subshell_for"):
             # ipykernel 7.4 routes a comm's incoming messages to the shell that last sent on
@@ -94,9 +96,6 @@ class Dashboard(anywidget.AnyWidget):
 
     def close(self) -> None:
         self._closed.set()
-        with self._lock:
-            if self._timer is not None:
-                self._timer.cancel()
         super().close()
 
     # ------------------------------------------------------------------ kernel -> front end
@@ -106,7 +105,7 @@ class Dashboard(anywidget.AnyWidget):
         last_beat = 0.0
         while not self._closed.wait(1 / UPDATES_PER_S):
             try:
-                ended = not self.run.active and self.run.state != "created"
+                ended = not self.run.active and self.run.state != RunState.CREATED
                 self.tick(force=ended)
                 if ended:
                     self.send({"type": "ended"})  # the view stops expecting beats
@@ -165,7 +164,7 @@ class Dashboard(anywidget.AnyWidget):
         names = list(self._store.names)
         cols = series.columns(rows, names)
         self.send({"type": kind, "columns": names, "rows": len(rows), **fields},
-                  buffers=[memoryview(np.ascontiguousarray(cols[n])) for n in names])
+                  buffers=[np.ascontiguousarray(cols[n]).data for n in names])
 
     def _snapshot(self) -> None:
         cols = self._store.arrays()
@@ -181,7 +180,7 @@ class Dashboard(anywidget.AnyWidget):
     # ------------------------------------------------------------------ front end -> kernel
 
     def _on_message(self, _widget, content: dict, buffers) -> None:
-        kind = content.get("type")
+        kind = str(content.get("type"))
         try:
             with self._send_lock:
                 self._handle(kind, content)
@@ -204,26 +203,11 @@ class Dashboard(anywidget.AnyWidget):
         elif kind == "logs":
             self.send({"type": "logs", "text": self.run.logs()})
 
-    def request_resize(self, n) -> None:
-        """Ask for world size `n`; requests within COALESCE_S of each other become one (the
-        last wins). Raises UsageError at once if `n` is outside the pool's bounds."""
-        n = self.run.pool.check_size(n)
-        with self._lock:
-            self._wanted = n
-            if self._timer is None:
-                self._timer = threading.Timer(COALESCE_S, self._flush_resize)
-                self._timer.daemon = True
-                self._timer.start()
-
-    def _flush_resize(self) -> None:
-        with self._lock:
-            n, self._wanted, self._timer = self._wanted, None, None
-        with self._send_lock:
-            try:
-                self.run.resize(n)
-                self.notice = ""
-            except UsageError as e:
-                self.notice = f"resize to {n} refused: {e}"
+    def request_resize(self, n: Any) -> None:
+        """Ask the run for world size `n` (the newest request wins); clears the notice.
+        Raises UsageError at once (outside the pool's bounds, the run not training)."""
+        self.run.resize(n)
+        self.notice = ""
 
     def _send_range(self, first: int, last: int) -> None:
         rows = [r for r in self.run.records_since(max(0, first - 1)) if r["step"] <= last]

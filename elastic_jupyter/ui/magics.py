@@ -9,47 +9,19 @@ import argparse
 import os
 import shlex
 import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from ..config import RunConfig, UsageError
-from ..pool.launchers import make_launcher
+from ..config import (LauncherOptions, PoolOptions, RunConfig, UsageError, flag, flagged,
+                      positive_int)
+from ..pool.launchers import Launcher, make_launcher
 from ..pool.pool import EnginePool, Exclusion
 from ..run.run import RunSetupError, TrainingRun
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UsageError(f"{message}\n{self.format_usage()}")
-
-    def exit(self, status=0, message=None):
-        raise _HelpShown()
-
-
-class _HelpShown(Exception):
-    pass
-
-
-def _pass_cost(text: str) -> float | str:
-    if text == "measure":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of samples or 'measure', got "
-                                         f"{text!r}") from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+from .options import HelpShown, Parser, add_options, values
 
 
 def _weight(value: float | None) -> float:
@@ -113,7 +85,7 @@ def _machine_table(view: dict, now: float) -> str:
         waiting = ", ".join(seen["waiting"]) or "none"
         return (f"{where}: {seen['idle_cpus']} idle CPU(s), {seen['idle_gpus']} idle GPU(s) "
                 f"(room for {seen['fits']} more engine(s)); other jobs waiting: {waiting}")
-    rows = [("slot", "holder", "user", "notebook", "for", "use")]
+    rows: list[tuple[str, ...]] = [("slot", "holder", "user", "notebook", "for", "use")]
     for s in view["slots"]:
         h = s["holder"]
         if h is not None:
@@ -134,147 +106,78 @@ def _machine_table(view: dict, now: float) -> str:
     return "\n".join(lines + _columns(rows))
 
 
-def _columns(rows: list[tuple]) -> list[str]:
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
 
 
-def _pool_parser() -> _Parser:
-    p = _Parser(prog="%elastic_pool", description="Start, inspect, resize or stop the engine pool.")
-    p.add_argument("action", choices=["start", "status", "resize", "stop"])
-    p.add_argument("size", nargs="?", help="new size (resize only)")
-    p.add_argument("-n", type=_positive_int, help="engines to start (default: #GPUs, or 2)")
-    p.add_argument("--min", type=_positive_int, help="smallest size (default 1)")
-    p.add_argument("--max", type=_positive_int, help="largest size (default: #GPUs, or 4)")
-    p.add_argument("--gpus", default="all", help="all | none | a list like 0,2 (default all)")
-    p.add_argument("--engine-timeout", type=float, default=60.0,
-                   help="seconds to wait for an engine to start (default 60)")
-    _auto_options(p)
-    p.add_argument("--no-arbiter", action="store_true",
-                   help="do not take slots from the machine's arbiter, even where the admin "
-                        "runs one (for --gpus lists and --schedule)")
-    g = p.add_argument_group("where the engines run")
-    g.add_argument("--launcher", choices=["local", "ssh", "slurm"], default="local",
-                   help="local: processes of this host (default); ssh: processes of --hosts, "
-                        "started over ssh; slurm: one batch job each")
-    g.add_argument("--hosts", help="ssh: hosts and their slots, like gpu1:4,gpu2:4")
-    g.add_argument("--partition", help="slurm: the partition (default: Slurm's)")
-    g.add_argument("--account", help="slurm: the account to charge")
-    g.add_argument("--time", help="slurm: each job's time limit, like 60 or 1-00:00:00")
-    g.add_argument("--gpus-per-engine", type=int,
-                   help="slurm, ssh: GPUs per engine (default 0: CPU engines, gloo)")
-    g.add_argument("--cpus-per-engine", type=int,
-                   help="slurm, ssh: CPU threads per engine (default 1)")
-    g.add_argument("--grace", type=int,
-                   help="slurm: seconds before the time limit when Slurm signals the engine to "
-                        "drain, and a replacement is queued (default 60)")
-    g.add_argument("--interface",
-                   help="slurm, ssh: the network interface the engines' hosts reach this "
-                        "kernel on (default: the one on the route to slurmctld, or to the "
-                        "first host). The rendezvous store has no authentication: never all "
-                        "interfaces")
+@dataclass
+class _PoolLine:
+    """%elastic_pool's own words; its options are the pool's and the launcher's (config)."""
+
+    action: str = field(metadata=flag("action", choices=("start", "status", "resize", "stop")))
+    size: str | None = field(default=None, metadata=flag("size", "new size (resize only)"))
+
+
+def _pool_parser() -> Parser:
+    p = Parser(prog="%elastic_pool", description="Start, inspect, resize or stop the engine pool.")
+    add_options(p, flagged(_PoolLine), flagged(PoolOptions))
+    add_options(p.add_argument_group("where the engines run"), flagged(LauncherOptions))
     return p
 
 
-_LAUNCHER_OPTIONS = {  # the options of each --launcher
-    "local": (),
-    "ssh": ("hosts", "gpus_per_engine", "cpus_per_engine", "interface"),
-    "slurm": ("partition", "account", "time", "gpus_per_engine", "cpus_per_engine", "grace",
-              "interface"),
-}
+def _launcher(line: argparse.Namespace) -> Launcher | None:
+    """The pool's Launcher from ``%elastic_pool start`` options (None: this host's). Raises
+    UsageError for an option the chosen launcher does not take."""
+    chosen = values(LauncherOptions, line)
+    launcher = make_launcher(chosen.launcher, **chosen.settings())
+    return None if chosen.launcher == "local" else launcher
 
 
-def _launcher(args):
-    """The pool's Launcher from ``%elastic_pool start`` options (None: this host's)."""
-    mine = _LAUNCHER_OPTIONS[args.launcher]
-    other = sorted({k for opts in _LAUNCHER_OPTIONS.values() for k in opts} - set(mine))
-    given = [f"--{k.replace('_', '-')}" for k in other if getattr(args, k) is not None]
-    if given:
-        raise UsageError(f"--launcher {args.launcher} takes none of {', '.join(given)}")
-    if args.launcher == "local":
-        return None
-    return make_launcher(args.launcher, **{k: getattr(args, k) for k in mine})
+@dataclass
+class _TrainLine:
+    """%%elastic_train's own options, shown among the run's (RunConfig) and the pool's."""
+
+    variable: str = field(default="run", metadata=flag(
+        "variable", "notebook variable for the run handle (default: run)"))
+    engines: int | None = field(default=None, metadata=flag(
+        "--engines", "starting world size (default: pool size)", parse=positive_int,
+        after="name"))
+    resume: bool = field(default=False, metadata=flag(
+        "--resume", "continue from the newest checkpoint", after="keep"))
+    push: str = field(default="", metadata=flag(
+        "--push", "notebook variables to send to the engines: a,b", after="seed"))
+    schedule: str = field(default="", metadata=flag(
+        "--schedule", "resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, "
+        "at_step=STEP))", after="sync_batchnorm"))
+    wait: bool = field(default=False, metadata=flag(
+        "--wait", "block until training ends, printing progress"))
+    no_dashboard: bool = field(default=False, metadata=flag(
+        "--no-dashboard", "do not show the live dashboard (run.dashboard() shows it later)"))
 
 
-def _auto_options(p: _Parser) -> None:
-    p.add_argument("--auto", action="store_true",
-                   help="auto mode: the machine's arbiter sizes the pool between --min and --max"
-                        " by weighted fair share with the machine's other runs (on Slurm: grow "
-                        "while the partition is idle, give back while other jobs wait; over "
-                        "ssh: each host's arbiter grants its slots)")
-    p.add_argument("--weight", type=float, default=None,
-                   help="the pool's weight in that fair share among your runs (default 1)")
-
-
-def _train_parser() -> _Parser:
-    p = _Parser(prog="%%elastic_train",
-                description="Train the model the cell defines across the pool. The cell runs on "
-                            "every engine and must define model, optimizer, dataset and "
-                            "loss_fn(model, batch).")
-    p.add_argument("variable", nargs="?", default="run",
-                   help="notebook variable for the run handle (default: run)")
-    p.add_argument("--name", required=True, help="run name; checkpoints go to elastic-checkpoints/NAME/")
-    p.add_argument("--engines", type=_positive_int, help="starting world size (default: pool size)")
-    p.add_argument("--global-batch", type=_positive_int, default=64,
-                   help="samples per optimizer step, whatever the world size (default 64)")
-    p.add_argument("--micro-batch", type=_positive_int,
-                   help="samples per micro-batch: a step of b samples is cut into ceil(b/N) "
-                        "(default: one micro-batch per slot of the pool's --max)")
-    p.add_argument("--pass-cost", type=_pass_cost,
-                   help="opt-in tuning: a forward/backward pass's fixed cost in samples; a "
-                        "step is cut into the fewest micro-batches that keep every world size "
-                        "balanced ('measure': timed at the start, the value is logged)")
-    p.add_argument("--drop-last", action="store_true",
-                   help="leave out each epoch's short last step, as DataLoader(drop_last=True)")
-    p.add_argument("--epochs", type=_positive_int, help="epochs to train (default 1)")
-    p.add_argument("--steps", type=_positive_int, help="optimizer steps to train (instead of --epochs)")
-    p.add_argument("--eval-every", type=_positive_int,
-                   help="evaluate eval_dataset every N steps (and always at the end)")
-    p.add_argument("--clip-grad-norm", type=float, help="clip the gradient's total norm")
-    p.add_argument("--checkpoint-every", type=int, default=100,
-                   help="checkpoint every N steps, and at the end (default 100; 0: end only)")
-    p.add_argument("--checkpoint-dir", help="folder (default: elastic-checkpoints/NAME/ beside the notebook)")
-    p.add_argument("--keep", type=_positive_int, default=3, help="checkpoints kept (default 3)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
-    p.add_argument("--seed", type=int, default=0, help="seed of initial weights and data order")
-    p.add_argument("--push", default="", help="notebook variables to send to the engines: a,b")
-    p.add_argument("--collective-timeout", type=float, default=30.0,
-                   help="seconds a rank may block in a collective before it counts as hung "
-                        "(default 30)")
-    p.add_argument("--commit-every", type=_positive_int, default=None,
-                   help="ignored: every step is committed by a vote, so a fault loses at most "
-                        "one step (accepted for one more release)")
-    p.add_argument("--workers", type=int, default=0,
-                   help="DataLoader processes per engine that fetch and collate the coming "
-                        "passes' samples ahead (default 0: in the training process)")
-    p.add_argument("--standby", type=int, default=0,
-                   help="engines kept set up outside the group so a grow is instant (default 0)")
-    p.add_argument("--plateau-metric",
-                   help="validation metric a ReduceLROnPlateau lr_scheduler steps on at each "
-                        "evaluation, like val_loss (needs --eval-every; default: once per epoch "
-                        "on the epoch's mean training loss)")
-    p.add_argument("--precision", choices=["bf16", "fp16"],
-                   help="run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
-                        "scaler (default: fp32)")
-    p.add_argument("--tensorboard", nargs="?", const=True, default=False, metavar="DIR",
-                   help="also log to TensorBoard, in DIR/NAME/ (default: tensorboard/ in the "
-                        "run's checkpoint folder); needs the tensorboard package. Put the "
-                        "handle's name first: a word after --tensorboard is its DIR")
-    p.add_argument("--sync-batchnorm", action="store_true",
-                   help="convert BatchNorm layers to SyncBatchNorm (GPU slots only)")
-    p.add_argument("--schedule", default="",
-                   help="resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, at_step=STEP))")
-    _auto_options(p)
-    p.add_argument("--wait", action="store_true", help="block until training ends, printing progress")
-    p.add_argument("--no-dashboard", action="store_true",
-                   help="do not show the live dashboard (run.dashboard() shows it later)")
+def _train_parser() -> Parser:
+    p = Parser(prog="%%elastic_train",
+               description="Train the model the cell defines across the pool. The cell runs on "
+                           "every engine and must define model, optimizer, dataset and "
+                           "loss_fn(model, batch).")
+    add_options(p, flagged(RunConfig), flagged(PoolOptions, "auto", "weight"),
+                flagged(_TrainLine))
     return p
 
 
-def _resize_parser() -> _Parser:
-    p = _Parser(prog="%elastic_resize", description="Resize the running run's pool.")
-    p.add_argument("size", help="new world size")
-    p.add_argument("--at-step", type=_positive_int, help="apply exactly after this step")
+@dataclass
+class _ResizeLine:
+    """%elastic_resize's options."""
+
+    size: str = field(metadata=flag("size", "new world size"))
+    at_step: int | None = field(default=None, metadata=flag(
+        "--at-step", "apply exactly after this step", parse=positive_int))
+
+
+def _resize_parser() -> Parser:
+    p = Parser(prog="%elastic_resize", description="Resize the running run's pool.")
+    add_options(p, flagged(_ResizeLine))
     return p
 
 
@@ -282,22 +185,22 @@ def _resize_parser() -> _Parser:
 class ElasticMagics(Magics):
     """The magics; one pool per kernel."""
 
-    def __init__(self, shell):
+    def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.pool: EnginePool | None = None
         self.run: TrainingRun | None = None
 
-    def _parse(self, parser: _Parser, line: str):
+    def _parse(self, parser: Parser, line: str) -> argparse.Namespace:
         try:
             words = shlex.split(line)
         except ValueError as e:  # unbalanced quotes
             raise UsageError(f"cannot parse options: {e}") from None
         return parser.parse_args(words)
 
-    def _guard(self, fn, *args):
+    def _guard(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:
             return fn(*args)
-        except _HelpShown:
+        except HelpShown:
             return None
         except (UsageError, RunSetupError) as e:
             raise IPythonUsageError(str(e)) from None
@@ -305,19 +208,21 @@ class ElasticMagics(Magics):
     # %elastic_pool -------------------------------------------------------------------------
 
     @line_magic
-    def elastic_pool(self, line):
+    def elastic_pool(self, line: str) -> Any:
         """%elastic_pool start|status|resize N|stop [-n N] [--min N] [--max N] [--gpus all|0,2|none]"""
         return self._guard(self._pool, line)
 
-    def _pool(self, line):
+    def _pool(self, line: str) -> _PoolStatus | None:
         args = self._parse(_pool_parser(), line)
         if args.action == "start":
             if self.pool is not None and self.pool.running:
                 raise UsageError(f"a pool is already running ({self.pool!r}); "
                                  "%elastic_pool stop it first")
-            self.pool = EnginePool(args.n, args.min, args.max, args.gpus, args.engine_timeout,
-                                   auto=args.auto, weight=_weight(args.weight),
-                                   arbiter=False if args.no_arbiter else None,
+            given = values(PoolOptions, args)
+            self.pool = EnginePool(given.n, given.min_size, given.max_size, given.gpus,
+                                   given.engine_timeout, auto=given.auto,
+                                   weight=_weight(given.weight),
+                                   arbiter=False if given.no_arbiter else None,
                                    launcher=_launcher(args)).start()
             print(f"Started {self.pool!r} on {self.pool.launcher.describe()}: " + ", ".join(
                 f"slot {e.slot} ({e.device} on {e.host}, pid {e.pid})"
@@ -344,16 +249,22 @@ class ElasticMagics(Magics):
     def _training(self) -> bool:
         return self.run is not None and self.run.active
 
+    def _training_run(self, otherwise: str) -> tuple[EnginePool, TrainingRun]:
+        """The pool and the run training on it; UsageError `otherwise` when none trains."""
+        if self.pool is None or self.run is None or not self.run.active:
+            raise UsageError(otherwise)
+        return self.pool, self.run
+
     # %%elastic_train -----------------------------------------------------------------------
 
     @line_cell_magic
-    def elastic_train(self, line, cell=None):
+    def elastic_train(self, line: str, cell: str | None = None) -> Any:
         """%%elastic_train [VARIABLE] --name NAME [options]: train the cell's model elastically."""
         if cell is None:  # the line form only shows the usage
             return self._guard(self._train_line, line)
         return self._guard(self._train, line, cell)
 
-    def _train_line(self, line):
+    def _train_line(self, line: str) -> None:
         try:
             self._parse(_train_parser(), line)  # --help prints the usage and stops here
         except UsageError:
@@ -361,21 +272,12 @@ class ElasticMagics(Magics):
         raise UsageError("%%elastic_train is a cell magic: put the training code in the cell "
                          "below the %%elastic_train line")
 
-    def _train(self, line, cell):
+    def _train(self, line: str, cell: str) -> None:
         args = self._parse(_train_parser(), line)
         if not args.variable.isidentifier():
             raise UsageError(f"{args.variable!r} is not a valid variable name for the run handle")
         push = self._pushed(args.push)
-        config = RunConfig(
-            name=args.name, global_batch=args.global_batch, micro_batch=args.micro_batch,
-            pass_cost=args.pass_cost, drop_last=args.drop_last,
-            epochs=args.epochs, steps=args.steps, eval_every=args.eval_every,
-            clip_grad_norm=args.clip_grad_norm, checkpoint_every=args.checkpoint_every,
-            checkpoint_dir=args.checkpoint_dir, keep=args.keep, seed=args.seed,
-            collective_timeout=args.collective_timeout, sync_batchnorm=args.sync_batchnorm,
-            commit_every=args.commit_every, standby=args.standby, workers=args.workers,
-            plateau_metric=args.plateau_metric, precision=args.precision,
-            tensorboard=args.tensorboard)
+        config = values(RunConfig, args)
         if self.pool is None or not self.pool.running:
             self.pool = EnginePool(auto=args.auto, weight=_weight(args.weight)).start()
             print(f"Started {self.pool!r}")
@@ -387,7 +289,7 @@ class ElasticMagics(Magics):
                           schedule=_schedule(args.schedule))
         run.start()
         self.run = run
-        self.shell.user_ns[args.variable] = run
+        self._namespace()[args.variable] = run
         print(f"Run {run.name!r} training on {run.world_size} engine(s) "
               f"({self.pool.backend}), {run.total_steps} steps; handle: {args.variable}. "
               f"Checkpoints: {run.checkpoint_dir}")
@@ -399,44 +301,49 @@ class ElasticMagics(Magics):
             run.wait(progress=True)
         return None
 
-    def _pushed(self, names: str) -> dict:
-        pushed = {}
+    def _pushed(self, names: str) -> dict[str, Any]:
+        pushed, namespace = {}, self._namespace()
         for name in filter(None, (n.strip() for n in names.split(","))):
-            if name not in self.shell.user_ns:
+            if name not in namespace:
                 raise UsageError(f"--push {name}: no variable {name!r} in the notebook")
-            pushed[name] = self.shell.user_ns[name]
+            pushed[name] = namespace[name]
         return pushed
+
+    def _namespace(self) -> dict[str, Any]:
+        """The notebook's variables."""
+        if self.shell is None:  # IPython registers the magics with its shell
+            raise UsageError("the magics run in an IPython shell")
+        return self.shell.user_ns
 
     # %elastic_resize, %elastic_stop ----------------------------------------------------------
 
     @line_magic
-    def elastic_resize(self, line):
+    def elastic_resize(self, line: str) -> Any:
         """%elastic_resize N [--at-step K]: resize the running training run."""
         return self._guard(self._resize, line)
 
-    def _resize(self, line):
+    def _resize(self, line: str) -> None:
         args = self._parse(_resize_parser(), line)
-        if not self._training():
-            raise UsageError("no run is training: start one with %%elastic_train")
-        size, run = self.pool.check_size(args.size), self.run
-        self.pool.owner.flush()  # an earlier request in flight counts: the newest one wins
+        pool, run = self._training_run("no run is training: start one with %%elastic_train")
+        # the text as a number, for the check below; run.resize validates it (bounds, type)
+        size: int | str = int(args.size) if args.size.strip().isdigit() else args.size
+        pool.owner.flush()  # an earlier request in flight counts: the newest one wins
         if args.at_step is None and size == run.world_size == run.requested_size:
             print(f"Run {run.name!r} already trains at world size {size}: nothing to do.")
             return
         run.resize(size, at_step=args.at_step)
         when = f"after step {args.at_step}" if args.at_step else "at the next step boundary"
-        print(f"Resize of {self.run.name!r} to {args.size} requested ({when}).")
+        print(f"Resize of {run.name!r} to {args.size} requested ({when}).")
 
     @line_magic
-    def elastic_stop(self, line):
+    def elastic_stop(self, line: str) -> Any:
         """%elastic_stop: stop the running run after its current step (a checkpoint is written)."""
         return self._guard(self._stop, line)
 
-    def _stop(self, line):
-        _Parser(prog="%elastic_stop", description=self.elastic_stop.__doc__).parse_args(
+    def _stop(self, line: str) -> None:
+        Parser(prog="%elastic_stop", description=ElasticMagics.elastic_stop.__doc__).parse_args(
             shlex.split(line))
-        if not self._training():
-            raise UsageError("no run is training: nothing to stop")
-        self.run.stop()
-        state = self.run.wait(timeout=60)
-        print(f"Run {self.run.name!r} {state} at step {self.run.step}.")
+        _, run = self._training_run("no run is training: nothing to stop")
+        run.stop()
+        state = run.wait(timeout=60)
+        print(f"Run {run.name!r} {state} at step {run.step}.")

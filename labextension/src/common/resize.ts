@@ -15,6 +15,12 @@ export interface Feedback {
   latency_s?: number;
 }
 
+/**
+ * A slider's debounce (ms): while it moves, only its last value is sent. A UI debounce, not the
+ * coalescing of requests, which the run's sizer does for every front end (sizing.COALESCE_S).
+ */
+export const SLIDER_DEBOUNCE_MS = 150;
+
 type Sizes = Pick<RunSnapshot, 'state' | 'world_size' | 'requested_size' | 'resize'>;
 
 /** The run trains at `size` with nothing left to carry out. */

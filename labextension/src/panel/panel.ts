@@ -8,7 +8,7 @@ import { Widget } from '@lumino/widgets';
 import { LossChart } from '../chart/lossChart';
 import { ApiError, RunsClient } from '../common/api';
 import { h } from '../common/dom';
-import { ResizeTracker } from '../common/resize';
+import { ResizeTracker, SLIDER_DEBOUNCE_MS } from '../common/resize';
 import { RunSnapshot, isActive, isEnded } from '../common/snapshot';
 import { MachineView, describeExcluded, describeQueued, sliderMax } from '../common/snapshot';
 import { HistoryCursor, RunList, describeLease } from './model';
@@ -19,8 +19,6 @@ export interface PanelActions {
   openPath(path: string): Promise<void>; // show a file in the file browser
   confirm(title: string, body: string): Promise<boolean>;
 }
-
-const COALESCE_MS = 150;
 
 export class ElasticPanel extends Widget {
   private list = new RunList();
@@ -238,7 +236,7 @@ export class ElasticPanel extends Widget {
     d.slider.addEventListener('change', () => {
       window.clearTimeout(this.resizeTimer); // quick moves (keyboard): only the last is sent
       const size = Number(d.slider.value);
-      this.resizeTimer = window.setTimeout(() => void this.resize(id, size), COALESCE_MS);
+      this.resizeTimer = window.setTimeout(() => void this.resize(id, size), SLIDER_DEBOUNCE_MS);
     });
     d.stop.addEventListener('click', () => void this.stop(id));
     d.auto.addEventListener('change', () => void this.setAuto(id, d.auto.checked));

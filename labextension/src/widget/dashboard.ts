@@ -11,7 +11,7 @@ import type { AnyModel, RenderProps } from '@anywidget/types';
 import { History } from '../chart/history';
 import { LossChart, Marker } from '../chart/lossChart';
 import { ApiError, RunsClient } from '../common/api';
-import { ResizeTracker } from '../common/resize';
+import { ResizeTracker, SLIDER_DEBOUNCE_MS } from '../common/resize';
 import { RunSnapshot, isActive, sliderMax, toSnapshot } from '../common/snapshot';
 import { pageRequester, readPageConfig } from './pageRequester';
 import { buildDom, reason, sizeText, statusLine } from './view';
@@ -29,7 +29,6 @@ interface Model {
 }
 
 const DISCONNECTED_AFTER_MS = 4000; // the kernel sends a beat every second
-const COALESCE_MS = 150;
 
 function render({ model, el }: RenderProps<Model>): () => void {
   const view = new DashboardView(model, el);
@@ -149,7 +148,10 @@ class DashboardView {
       const size = Number(slider.value);
       window.clearTimeout(this.resizeTimer); // quick moves (keyboard): only the last is sent
       if (this.tracker.request(size, this.snapshot(), Date.now())) {
-        this.resizeTimer = window.setTimeout(() => void this.request('resize', size), COALESCE_MS);
+        this.resizeTimer = window.setTimeout(
+          () => void this.request('resize', size),
+          SLIDER_DEBOUNCE_MS
+        );
       }
       this.showStatus();
     });

@@ -1,0 +1,144 @@
+"""The objects a run's cell (or setup function) defines, checked before anything uses them.
+
+A cell must define ``model``, ``optimizer``, ``dataset`` (map-style) and
+``loss_fn(model, batch)``; it may define ``lr_scheduler``, ``collate_fn``, ``worker_init_fn``,
+``eval_dataset`` with ``metric_fn(model, batch)``, ``min_micro_batch``, ``after_step`` and
+``extra_state``. A mistake in their kinds is a :class:`SetupError` naming what to change.
+
+This module imports nothing from IPython or the UI.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from .protocol import EngineConfig
+
+REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
+
+
+class SetupError(RuntimeError):
+    """The run's cell or setup function did not produce a usable training setup."""
+
+
+@dataclass
+class CellObjects:
+    """The cell's objects (see the module docstring); ``collate_fn`` is torch's default
+    collation when the cell gives none, ``extra_state`` {} (more training state to keep: an
+    EMA of the weights, {name: object with state_dict()}). One instance is shared by the
+    Worker and the owners it hands it to, so all of them see one model."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    dataset: Any
+    loss_fn: Callable
+    lr_scheduler: Any = None
+    collate_fn: Callable = torch.utils.data.default_collate
+    worker_init_fn: Callable | None = None
+    eval_dataset: Any = None
+    metric_fn: Callable | None = None
+    min_micro_batch: int | None = None  # the cell's floor, if declared
+    after_step: Callable | None = None  # called after each committed step
+    extra_state: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, namespace: dict, global_batch: int) -> CellObjects:
+        """The objects of the cell's `namespace`, checked for a run of `global_batch` samples
+        a step. Raises SetupError naming the first mistake."""
+        missing = [name for name in REQUIRED if name not in namespace]
+        if missing:
+            raise SetupError(
+                f"the cell did not define {', '.join(missing)}: it must define "
+                "model, optimizer, dataset and loss_fn(model, batch)")
+        objects = cls(
+            namespace["model"], namespace["optimizer"], namespace["dataset"],
+            namespace["loss_fn"], namespace.get("lr_scheduler"),
+            namespace.get("collate_fn") or torch.utils.data.default_collate,
+            namespace.get("worker_init_fn"), namespace.get("eval_dataset"),
+            namespace.get("metric_fn"), namespace.get("min_micro_batch"),
+            namespace.get("after_step"), namespace.get("extra_state") or {})
+        objects._check(global_batch)
+        return objects
+
+    def _check(self, global_batch: int) -> None:
+        if not isinstance(self.model, torch.nn.Module):
+            raise SetupError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise SetupError(
+                f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
+        if not callable(self.loss_fn):
+            raise SetupError("loss_fn must be a function loss_fn(model, batch) -> loss")
+        try:
+            n = len(self.dataset)
+        except TypeError:
+            raise SetupError("dataset must be a map-style torch Dataset (with __len__ and "
+                             "__getitem__); iterable datasets are not supported") from None
+        if n < global_batch:
+            raise SetupError(f"dataset has {n} samples, fewer than the global batch "
+                             f"{global_batch}: lower --global-batch")
+        self._check_extra_state()
+        floor = self.min_micro_batch
+        if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)
+                                  or floor < 1):
+            raise SetupError(f"min_micro_batch must be a positive integer (the fewest samples "
+                             f"a micro-batch may hold), got {floor!r}")
+        if self.eval_dataset is not None and self.metric_fn is None:
+            raise SetupError("eval_dataset is defined but metric_fn(model, batch) -> dict is not")
+
+    def _check_extra_state(self) -> None:
+        if self.after_step is not None and not callable(self.after_step):
+            raise SetupError("after_step must be a function after_step(model, optimizer, step)")
+        extra = self.extra_state
+        if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+            raise SetupError("extra_state must be a dict {name: object}, such as "
+                             "{'ema': ema}, got " + type(extra).__name__)
+        for name, obj in extra.items():
+            if name == "model":
+                raise SetupError("extra_state cannot be named 'model': run.state_dict() and "
+                                 "export() name the model so; choose another name")
+            if not (callable(getattr(obj, "state_dict", None))
+                    and callable(getattr(obj, "load_state_dict", None))):
+                raise SetupError(f"extra_state[{name!r}] is a {type(obj).__name__}, which has "
+                                 "no state_dict() and load_state_dict(): give a torch.nn.Module "
+                                 "(an EMA of the weights) or an object with both")
+
+    def use_sync_batchnorm(self, config: EngineConfig, device: torch.device) -> None:
+        """Replace the model by one with BatchNorm statistics over the whole global batch
+        instead of each micro-batch (torch's SyncBatchNorm). Raises SetupError where that
+        cannot work."""
+        if device.type != "cuda":
+            raise SetupError("--sync-batchnorm needs GPU slots: torch's SyncBatchNorm runs only "
+                             "on CUDA. Plain BatchNorm needs no conversion for results "
+                             "independent of the world size: its statistics are per "
+                             "micro-batch, combined in micro-batch order")
+        n, B, most = len(self.dataset), config.global_batch, config.pool_max_size
+        if B < most:
+            raise SetupError(f"--sync-batchnorm needs a sample on every rank at every step "
+                             f"(SyncBatchNorm is a collective): raise --global-batch {B} to at "
+                             f"least the pool's --max {most}")
+        if 0 < n % B < most and not config.drop_last:
+            raise SetupError(
+                f"--sync-batchnorm needs a sample on every rank at every step (SyncBatchNorm is a "
+                f"collective), but the last step of each epoch holds {n % B} samples, fewer than "
+                f"the pool's --max {most}: choose a --global-batch that divides the dataset size "
+                f"{n} or leaves a remainder of at least {most}")
+        # the converted layers keep the same Parameter objects, so the optimizer still holds them
+        self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+
+
+class CellAttribute:
+    """A Worker attribute that is the cell's object of the same name (``worker.model`` is
+    ``worker.objects.model``, read and written): the Worker and the owners it hands the
+    objects to (evaluation, trials, the cut) see one value."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, worker: Any, owner: type | None = None) -> Any:
+        return self if worker is None else getattr(worker.objects, self.name)
+
+    def __set__(self, worker: Any, value: Any) -> None:
+        setattr(worker.objects, self.name, value)

@@ -1,0 +1,134 @@
+"""The contract between the kernel and its engines: what a generation is told, what the
+rendezvous store's keys are called, and the run's options as an engine reads them.
+
+The kernel (run.driver, run.rendezvous, run.cellsetup) and the engine (engine.generation,
+engine.vote, engine.abort, engine.worker) both spell these names from here, so neither side
+reads a field or a key by a string of its own.
+
+- :class:`GenerationSpec` travels to each rank of a generation (pickled by ipyparallel: owner
+  and engines run the same package, which init_engine's versions check).
+- The store's keys: the owner writes a generation's requests under ``gen<g>/``
+  (:func:`generation_prefix`); the ranks form their process group under ``pg/`` within it and
+  vote under ``vote/<round>/<rank>``.
+- :class:`EngineConfig` is the engine's read-only view of the run's options: the kernel sends
+  ``RunConfig`` as a plain dict (also what checkpoints store); the engine builds this once.
+
+This module imports nothing but the standard library.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# ---------------------------------------------------------------- the rendezvous store's keys
+
+END_AT_KEY = "end_at"  # the owner's request: leave after this step ("none": keep training)
+VERSION_KEY = "version"  # counts the owner's requests: rank 0 reads end_at only when it moved
+ACKNOWLEDGED_KEY = "acknowledged"  # the newest step the owner's run log holds every record to
+ABORT_KEY = "abort"  # set by the owner once a rank died: waits on its peers end now
+PROCESS_GROUP_PREFIX = "pg/"  # the process group's own keys, within the generation's prefix
+END_AT_NONE = "none"  # END_AT_KEY's value for "no request"
+
+
+def generation_prefix(generation: int) -> str:
+    """The key prefix of generation `generation`'s store: no key of an old generation is ever
+    read by a new one."""
+    return f"gen{generation}/"
+
+
+def vote_key(round_: int, rank: int) -> str:
+    """The key of `rank`'s vote in round `round_` of a generation's commit vote (engine.vote)."""
+    return f"vote/{round_}/{rank}"
+
+
+def encode_end_at(end_at: int | None) -> str:
+    """END_AT_KEY's value for a request to leave after step `end_at` (None: keep training)."""
+    return END_AT_NONE if end_at is None else str(end_at)
+
+
+def decode_end_at(raw: bytes) -> int | None:
+    """The step END_AT_KEY's stored value `raw` asks to leave after; None: no request."""
+    text = raw.decode()
+    return None if text == END_AT_NONE else int(text)
+
+
+# ---------------------------------------------------------------- one generation, one rank
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What one rank of a generation is told at its start (engine.generation.run_generation).
+
+    Attributes:
+        rank, world_size: this rank and the generation's size.
+        generation: the generation's number (its store prefix, :func:`generation_prefix`).
+        backend: torch.distributed's backend, "gloo" or "nccl".
+        timeout: seconds a collective (and a missing vote) waits at most.
+        receive_state: this rank is a newcomer, sent the state by rank 0.
+        broadcast: some rank of the generation is a newcomer (every rank joins the broadcast).
+        end_at: leave after this step; None: keep training (the owner may ask later).
+    """
+
+    rank: int
+    world_size: int
+    generation: int
+    backend: str
+    timeout: float
+    receive_state: bool = False
+    broadcast: bool = False
+    end_at: int | None = None
+
+
+# ---------------------------------------------------------------- the run's options
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The run's options as an engine reads them: the same fields as config.RunConfig (a test
+    holds the two to the same names), with the same defaults. Read-only: what the engine derives
+    from them (the total steps from the epochs, the dataset's fingerprint) lives in its Worker.
+
+    Sizes are in samples. ``pool_min_size`` and ``pool_max_size`` are the pool's limits (the
+    default cut has one micro-batch per ``pool_max_size`` slot); ``total_steps`` is 0 when the
+    Worker derives it from ``steps`` or ``epochs``.
+    """
+
+    name: str = ""
+    global_batch: int = 64
+    micro_batch: int | None = None
+    pass_cost: float | str | None = None
+    drop_last: bool = False
+    epochs: int | None = None
+    steps: int | None = None
+    eval_every: int | None = None
+    clip_grad_norm: float | None = None
+    checkpoint_every: int | None = 100  # None or 0: only at the end
+    checkpoint_dir: str | None = None
+    keep: int = 3
+    seed: int = 0
+    collective_timeout: float = 30.0
+    commit_every: int | None = None
+    workers: int = 0
+    standby: int = 0
+    plateau_metric: str | None = None
+    precision: str | None = None
+    tensorboard: bool | str = False
+    sync_batchnorm: bool = False
+    pool_min_size: int = 1
+    pool_max_size: int = 1
+    fault_dir: str | None = None
+    total_steps: int = 0
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> EngineConfig:
+        """The config of the plain dict `options` (``RunConfig.as_dict()`` as the kernel sends
+        it, or a part of it); a key that names no field is ignored, as the engine always did
+        (a checkpoint's config holds ``dataset`` too)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in options.items() if k in names})
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as plain data, field by field (what a checkpoint stores)."""
+        return dataclasses.asdict(self)

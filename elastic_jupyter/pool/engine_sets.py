@@ -1,0 +1,417 @@
+"""Engine sets: the pool's ipyparallel cluster and client, and starting and stopping engines.
+
+Each slot's engine is its own engine set of one, because ipyparallel cannot stop a single engine
+of a larger set (``Cluster.stop_engine`` raises) and forgets per-set environments on restart.
+CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot change. Where the
+engines run (this host, other hosts over ssh, Slurm jobs) is the pool's
+:class:`~.launchers.Launcher`. A new engine says which set started it (its environment), so
+starts under way at once tell their engines apart, and one of a start that failed is never
+taken for a new one. The reaper (:mod:`.reaper`) ends what is listed in the pid file should
+the kernel die without stopping the pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+import uuid
+from typing import Any
+
+import psutil
+
+from ..config import PoolConfig
+from ..engine.entrypoints import versions
+from ..host import own_folder, runtime_folder
+from .engine_calls import EngineCalls
+from .launchers import Job, Launcher, StartWithdrawn
+from .processes import (Engine, alive, children, signal_all, terminate, with_descendants,
+                        processes)
+from .reaper import start_reaper, write_pidfile
+from .slots import Slots
+
+CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
+# Seconds the controller gets to exit on SIGTERM (it takes ~0.4 s and removes its connection
+# files) before SIGKILL, and a removed engine's nanny after its engine is gone.
+STOP_GRACE = 1.0
+
+log = logging.getLogger(__name__)
+
+
+def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool,
+                launcher: Launcher) -> dict:
+    env = {
+        "ELASTIC_JUPYTER_SLOT": str(slot),
+        "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
+        "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.update(launcher.engine_env())
+    if leased:  # the arbiter's GPU ids are NVML's, by PCI bus; CUDA's are by speed unless told
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    return env
+
+
+def check_versions(infos: list[dict]) -> None:
+    """Refuse engines whose Python, torch or elastic-jupyter differ from this kernel's: they
+    would fail later in a state transfer or a pickled call, far from the cause. Raises
+    RuntimeError naming the first engine's host and what differs."""
+    mine = versions()
+    for info in infos:
+        theirs = info.get("versions", {})  # an older engine sends none
+        diff = [f"{k} {theirs.get(k, 'unknown')} (this kernel: {mine[k]})" for k in mine
+                if theirs.get(k) != mine[k]]
+        if diff:
+            raise RuntimeError(f"the engine on {info['host']} runs {', '.join(diff)}: install "
+                               "the same versions where the engines run (a shared environment "
+                               "is simplest)")
+
+
+class EngineSets:
+    """The pool's engine processes: the controller, one engine set per engine (owner loop).
+
+    Args:
+        launcher: where the engines run; config: the pool's bounds, GPUs, threads and start
+            timeout; slots: the pool's slot accounting (engines start on its free slots).
+
+    Attributes:
+        engines: the engines, oldest first; cluster, client: ipyparallel's (None while not
+            running); calls: the typed calls into the engines.
+        queued: slot -> its engine's batch job, not running yet; replaced, never changed in
+            place: other threads read it (the cell printing the queue, views).
+    """
+
+    def __init__(self, launcher: Launcher, config: PoolConfig, slots: Slots):
+        self.launcher, self.config, self.slots = launcher, config, slots
+        self.engines: list[Engine] = []  # oldest first
+        self.cluster: Any = None
+        self.client: Any = None
+        self.calls = EngineCalls(lambda: self.client)
+        self.queued: dict[int, Job] = {}
+        self.resizing = asyncio.Lock()  # held by an idle resize and the lease's follower
+        self._stopping: set[asyncio.Future] = set()  # background tasks stopping engines
+        self._removing: set[psutil.Process] = set()  # the engines those tasks stop
+        self._pidfile: str | None = None
+        self._folder: str | None = None  # the pool's private folder (batch scripts)
+        self._reaper: Any = None  # subprocess.Popen of the reaper
+        self._set_of: dict[int, str | None] = {}  # engine id -> its set, asked once (_arrivals)
+        self._asking: dict[int, Any] = {}  # engine id -> its reply to that question, not in yet
+        self._forgotten: set[str] = set()  # sets of failed starts (_forget_sets)
+
+    @property
+    def running(self) -> bool:
+        return self.cluster is not None
+
+    @property
+    def stopping(self) -> bool:
+        """Whether removed engines are still stopping."""
+        return bool(self._removing)
+
+    @property
+    def pidfile(self) -> str | None:
+        """The file the reaper reads (None while not running)."""
+        return self._pidfile
+
+    async def start(self) -> None:
+        """Start the controller, the reaper and the client (no engine yet)."""
+        import ipyparallel as ipp
+        cluster_id = f"elastic-{uuid.uuid4().hex[:8]}"
+        self._folder = own_folder(os.path.join(runtime_folder(), f"pool-{cluster_id}"))
+        self.cluster = ipp.Cluster(n=0, cluster_id=cluster_id,
+                                   controller_args=list(CONTROLLER_ARGS), log_level=40,
+                                   **self.launcher.cluster_options(self._folder))
+        await self.cluster.start_controller()
+        self._pidfile = os.path.join(runtime_folder(), f"pool-{self.cluster.cluster_id}.pids")
+        self._update_pidfile()
+        self._reaper = start_reaper(self._pidfile)
+        self.client = await self.cluster.connect_client()
+
+    def _update_pidfile(self) -> None:
+        """Tell the reaper which processes to end if this process dies without stopping us."""
+        if self._pidfile is not None:
+            write_pidfile(self._pidfile, [self.cluster.controller.pid] +
+                          [e.pid for e in self.engines if e.local], self.jobs())
+
+    def jobs(self) -> list[str]:
+        """Batch jobs of this pool's engines (running or queued): the reaper cancels them.
+        Also called from the lease's worker thread (a Slurm auto pool's own jobs)."""
+        cluster = self.cluster
+        sets = list(cluster.engines.values()) if cluster is not None else []  # one GIL step
+        return [s.job_id for s in sets if getattr(s, "job_id", "")]
+
+    async def resize(self, n: int) -> None:
+        """Start or stop engines until `n` run (no run trains meanwhile). In lease mode the
+        engines on slots the arbiter wants back stop first, and a grow waits (up to a few
+        seconds) for leased slots whose engines are still stopping."""
+        async with self.resizing:
+            size = len(self.engines)
+            if n > size:
+                await self._wait_startable(n - size)
+                await self.add(n - size)
+            elif n < size:
+                leaving = self.slots.leaving()
+                order = ([e for e in self.engines if e.slot not in leaving]
+                         + [e for e in self.engines if e.slot in leaving])
+                await self.remove(order[n:])
+
+    async def _wait_startable(self, k: int, timeout: float = 5 * STOP_GRACE) -> None:
+        deadline = time.monotonic() + timeout
+        while (self.slots.leased and self.slots.startable() < k and self.slots.busy
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+
+    # ---------------------------------------------------------------- starting engines
+
+    async def add(self, k: int, slots: list[int] | None = None) -> list[Engine]:
+        """Start `k` engines on free slots (concurrently; on `slots` when given, as
+        :meth:`.Slots.next_free` named them) and wait until they registered. Raises
+        UsageError without free slots, RuntimeError for engines that did not register or
+        run other versions, StartWithdrawn (see :meth:`_wait_registered`)."""
+        if k <= 0:
+            return []
+        slots = slots or self.slots.free(k)
+        with self.slots.starting(slots):
+            return await self._start_engines(slots)
+
+    async def _start_set(self, slot: int, set_id: str) -> None:
+        """Start `slot`'s engine set of one, as `set_id` (its engine says it: _arrivals)."""
+        gpu = None
+        if self.config.gpus:  # in lease mode a slot is the machine's GPU index
+            gpu = slot if self.slots.leased else self.config.gpus[slot]
+        options = self.launcher.start_options(slot)
+        # a fresh dict each time: start_engines mutates the one it is given
+        env = _engine_env(slot, gpu, self.config.threads_per_engine,
+                          self.slots.leased and self.launcher.local, self.launcher)
+        env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
+        await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
+
+    async def _start_engines(self, slots: list[int]) -> list[Engine]:
+        set_ids = {slot: f"s{slot}-{uuid.uuid4().hex[:8]}" for slot in slots}
+        try:
+            # side by side: an SSH start takes seconds of round trips (in a worker thread)
+            started = await asyncio.gather(*(self._start_set(s, i) for s, i in set_ids.items()),
+                                           return_exceptions=True)
+            self._update_pidfile()  # batch jobs: cancelled should this process die meanwhile
+            if failed := [e for e in started if isinstance(e, BaseException)]:
+                raise failed[0]
+            new = await self._wait_registered(set_ids)
+            infos = await self.calls.init_engines(new)
+            check_versions(infos)
+        except BaseException:  # failed, timed out, refused or cancelled: nothing stays
+            await self._forget_sets(set(set_ids.values()))
+            raise
+        finally:
+            self.queued = {s: q for s, q in self.queued.items() if s not in slots}
+        engines = []
+        for engine_id, info in zip(new, infos):
+            engines.append(Engine(slot=info["slot"], device=info["device"], engine_id=engine_id,
+                                  set_id=set_ids[info["slot"]], pid=info["pid"],
+                                  started=time.time(),
+                                  host=self.launcher.host_of(info["slot"]) or info["host"],
+                                  local=self.launcher.local,
+                                  job_id=self._job_of(set_ids[info["slot"]])))
+        self.engines.extend(sorted(engines, key=lambda e: e.slot))
+        self._update_pidfile()
+        return engines
+
+    def _job_of(self, set_id: str) -> str:
+        """The batch job of an engine set ("" without a scheduler)."""
+        return str(getattr(self.cluster.engines.get(set_id), "job_id", None) or "")
+
+    async def _forget_sets(self, set_ids: set[str]) -> None:
+        """Stop engine sets of a start that failed (each on its own: one that cannot be
+        stopped must not keep the others), and never take their engines for new ones."""
+        self._set_of.update({i: None for i, s in self._set_of.items() if s in set_ids})
+        self._forgotten |= set_ids  # an engine of theirs that registers later is shut down
+        await self._stop_sets(set_ids)
+
+    async def _stop_sets(self, set_ids: Any) -> None:
+        """ipyparallel's stop of these engine sets, each on its own (one that cannot be
+        reached, a lost host, must not leave the others' stops pending), then forgotten: a
+        stop that failed is not tried again when the Cluster is collected."""
+        cluster = self.cluster
+        sets = [s for s in set_ids if s in cluster.engines]
+        await asyncio.gather(*(cluster.stop_engines(s) for s in sets), return_exceptions=True)
+        for s in sets:
+            cluster.engines.pop(s, None)
+
+    async def _wait_registered(self, set_ids: dict[int, str]) -> list[int]:
+        """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
+        their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
+        the scheduler's queue. Raises RuntimeError when one timed out or its job ended,
+        StartWithdrawn when the arbiter wants a slot back while its job still waits."""
+        k, timeout = len(set_ids), self.config.engine_timeout
+        deadline, next_look = time.monotonic() + timeout, 0.0
+        wanted = set(set_ids.values())
+        while len(mine := [i for i, s in self._arrivals().items() if s in wanted]) < k:
+            now = time.monotonic()
+            if not self.launcher.local and now >= next_look:  # a batch system: ask it
+                next_look = now + 1.0
+                jobs = await self.launcher.jobs(
+                    {s: self.cluster.engines[s] for s in set_ids.values()})
+                if jobs is None:  # the scheduler did not answer: ask again later
+                    continue
+                if ended := [j.why_ended() for j in jobs.values() if j.ended]:
+                    raise RuntimeError("; ".join(ended))
+                waiting = {slot: jobs[s] for slot, s in set_ids.items()
+                           if s in jobs and jobs[s].waiting}
+                if back := set(waiting) & self.slots.leaving():
+                    raise StartWithdrawn(f"slot(s) {sorted(back)} given back while their "
+                                         "job waited in the queue: job cancelled")
+                self.queued = {**{s: q for s, q in self.queued.items() if s not in set_ids},
+                               **waiting}
+                if waiting:
+                    deadline = now + timeout
+            if now > deadline:
+                raise RuntimeError(f"{k} engine(s) did not register within {timeout:.0f} s; "
+                                   "the machine may be overloaded (raise engine_timeout)")
+            await asyncio.sleep(0.05)
+        return sorted(mine)
+
+    def _arrivals(self) -> dict[int, str | None]:
+        """engine id -> engine set of the registered engines not in the pool yet, as far as
+        known: each is asked once (its set is in its environment). Starts under way at once
+        (a run's boots of batch jobs) tell their engines apart by it, and an engine of a start
+        that failed is never taken for a new one."""
+        known = {e.engine_id for e in self.engines}
+        for i in self.client.ids:
+            if i not in known and i not in self._set_of and i not in self._asking:
+                self._asking[i] = self.calls.engine_set(i)
+        for i, reply in list(self._asking.items()):
+            if reply.ready():
+                del self._asking[i]
+                try:
+                    self._set_of[i] = reply.get()
+                except Exception:  # noqa: BLE001 -- it went away: not one of ours to wait for
+                    self._set_of[i] = None
+                if self._set_of[i] in self._forgotten:  # a failed start's, registered late
+                    self._set_of[i] = None
+                    self.client.shutdown(targets=[i], hub=False, block=False)
+        return {i: self._set_of.get(i) for i in self.client.ids
+                if i not in known and i in self._set_of}
+
+    # ---------------------------------------------------------------- stopping engines
+
+    def remove(self, engines: list[Engine]) -> asyncio.Task:
+        """Forget these engines now and stop them (each is its own engine set) in the
+        background; await the returned task to wait until they are gone."""
+        for e in engines:
+            self.engines.remove(e)
+            self._set_of[e.engine_id] = None  # still registered a while: no new arrival
+        self._update_pidfile()
+        # the processes now (psutil then checks that a pid was not reused before signalling)
+        procs = processes([e.pid for e in engines if e.local])
+        self._removing.update(procs)
+        self.slots.stopping(e.slot for e in engines)
+        task = asyncio.ensure_future(self._stop_engines(engines, procs))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+        return task
+
+    async def _stop_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+        # a background task nobody may await: it reports its failure here, in one line,
+        # rather than leaving asyncio to print "Task exception was never retrieved"
+        try:
+            await self._end_engines(engines, procs)
+        except Exception as err:
+            log.warning("elastic_jupyter: stopping the engine(s) of slot %s failed: %s: %s",
+                        ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
+        finally:
+            self._removing.difference_update(procs)
+            self.slots.stopped(e.slot for e in engines)
+
+    def alive(self, engine: Engine) -> bool:
+        """Whether `engine` runs: its process on this host; another host's while the
+        controller counts it (it drops an engine whose nanny reports it dead or whose
+        heartbeats stop)."""
+        if engine.local:
+            return alive(engine)
+        return self.client is not None and engine.engine_id in self.client.ids
+
+    async def _shut_down_remote(self, engines: list[Engine]) -> None:
+        """Ask other hosts' engines to exit, through the controller (no ssh round trip, and a
+        lost host costs no connection timeout), and forget the engine sets of those that did:
+        ipyparallel's stop then reaches out only to engines that did not (ssh kill, scancel).
+        An engine's batch job ends with its engine."""
+        if not engines or self.client is None:
+            return
+        ids = [e.engine_id for e in engines if e.engine_id in self.client.ids]
+        if ids:
+            self.client.shutdown(targets=ids, hub=False, block=False)
+        deadline = time.monotonic() + 5 * STOP_GRACE
+        while set(ids) & set(self.client.ids) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        for e in engines:
+            if e.engine_id not in self.client.ids:
+                self.cluster.engines.pop(e.set_id, None)
+
+    async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+        if self.cluster is not None:
+            await self._shut_down_remote([e for e in engines if not e.local])
+        nannies = [c for p in procs for c in children(p)]
+        # ipyparallel's stop waits for the process with a blocking join, which would freeze
+        # the owner loop for seconds: end the processes here first, then let it clean up.
+        await terminate(procs)
+        if self.cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
+            await self._stop_sets([e.set_id for e in engines])
+            for e in engines:
+                await self._wait_unregistered(e.engine_id)
+        # each nanny has told the controller its engine is gone; without a controller it
+        # would linger for seconds
+        await terminate(nannies, grace=STOP_GRACE)
+
+    async def _wait_unregistered(self, engine_id: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while (self.client is not None and engine_id in self.client.ids
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        """End every engine, the controller and the reaper, at once and without blocking the
+        loop; then forget the cluster. Call once nothing starts engines any more."""
+        # removals in flight: their engines need no grace either (the nannies, still alive,
+        # tell the controller at once), then the tasks finish quickly and report their own errors
+        signal_all(list(self._removing), psutil.Process.kill)
+        await asyncio.gather(*self._stopping, return_exceptions=True)
+        # We end every process ourselves, all at once and without blocking the loop:
+        # ipyparallel's stop joins each launcher's wait thread in turn, blocking this loop for
+        # the SIGTERM grace of each engine, and knows nothing of the engines' nannies, which
+        # outlive their engine by seconds once the controller is gone. Engines get SIGKILL at
+        # once: they hold nothing by now (the run has stopped and drained its checkpoint
+        # writes) and their graceful exit takes a second of kernel and socket teardown.
+        # with their nannies; other hosts' engines are asked to exit, and batch jobs still
+        # queued are cancelled (stop_cluster below)
+        await self._shut_down_remote([e for e in self.engines if not e.local])
+        engines = with_descendants([e.pid for e in self.engines if e.local])
+        signal_all(engines, psutil.Process.kill)
+        others = [self.cluster.controller.pid]  # with its schedulers
+        if self._reaper is not None:
+            others.append(self._reaper.pid)  # nothing is left for it to watch
+        try:
+            await terminate(engines + with_descendants(others), grace=STOP_GRACE)
+            try:
+                await self._stop_sets(list(self.cluster.engines))  # ssh, queued jobs
+                await self.cluster.stop_cluster()  # now only its bookkeeping: state, files, logs
+            except Exception as e:
+                log.warning("elastic_jupyter: ipyparallel's cleanup after stopping the pool "
+                            "failed: %s: %s", type(e).__name__, e)
+        finally:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Forget the cluster (its pid file, folder, reaper, client, engines)."""
+        if self._pidfile is not None and os.path.exists(self._pidfile):
+            os.unlink(self._pidfile)  # a reaper still running exits
+        self._pidfile = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+        if self._reaper is not None and self._reaper.poll() is None:
+            self._reaper.terminate()
+        self._reaper = None  # Popen reaps it: no zombie is left behind
+        if self.client is not None:
+            self.client.close()
+        self.cluster = self.client = None
+        self.engines = []
+        self._set_of, self._asking, self._forgotten = {}, {}, set()

@@ -1,0 +1,91 @@
+"""The run's final state, and the checkpoints the owner writes itself.
+
+Once a run ends its state is kept in the kernel (``run.state_dict()``, ``export()``): the
+finished or stopped run's last step, or after an error the last committed step's. The owner
+writes it as a checkpoint when no rank did (a stop, an error, every rank drained), so
+``--resume`` works from it. The only writer of the final state.
+"""
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from ..engine import checkpoint as ckpt
+from .runlog import RunLog
+
+if TYPE_CHECKING:
+    from ..pool.engine_calls import EngineCalls, GenerationTask
+    from ..pool.processes import Engine
+
+RECORDS_TIMEOUT = 10.0  # seconds rank 0 has to send its last records after an error
+STATE_TIMEOUT = 120.0  # seconds rank 0 has to send its committed state after an error
+
+
+class FinalState:
+    """Args: calls (EngineCalls), log (RunLog), checkpoint_dir, keep (checkpoints kept, as
+    ``RunConfig.keep``).
+
+    Attributes:
+        state: the run's final training state (model, optimizer, progress, ...), None until
+            it ended (or after an error whose rank 0 could not be read).
+    """
+
+    def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int):
+        self.calls, self.log, self.checkpoint_dir, self.keep = calls, log, checkpoint_dir, keep
+        self.state: dict[str, Any] | None = None
+
+    async def take(self, members: list[Engine]) -> dict:
+        """Keep the run's state at its last step as its final state; returns it. From the
+        checkpoint of that step when rank 0 wrote one (a finished run always does; so did a
+        drain of every rank, which leaves no `members`), which spares rank 0 a serialized copy
+        of the whole state in a reply; else from rank 0 (``members[0]``)."""
+        self.state = await self._last_state(members)
+        return self.state
+
+    async def _last_state(self, members: list[Engine]) -> dict:
+        written = self.log.last_event("checkpoint")  # this run's, not an older file's
+        if written is not None and written["step"] == self.log.step:
+            try:
+                return await asyncio.get_running_loop().run_in_executor(
+                    None, ckpt.load_checkpoint, written["path"])
+            except (ckpt.CheckpointError, RuntimeError):  # pruned, unreadable; interpreter exit
+                pass
+        return await self.calls.training_state(members[0])
+
+    async def keep_after_error(self, task: GenerationTask, rank0: Engine) -> None:
+        """An error ends the run; no committed step is lost. Takes rank 0's records the live
+        stream had not delivered (the step whose evaluation failed among them), so the history
+        keeps every committed step, and rank 0's state (a failed step is undone on every rank:
+        the state is the last committed step's) as the run's final state, written as a
+        checkpoint unless its step has one: ``state_dict()``, ``export()`` and ``--resume``
+        work from it. Skipped when rank 0 (`task`: its generation) is still out (hung) or does
+        not answer."""
+        if not task.future.done():
+            return
+        try:
+            records = await asyncio.wait_for(self.calls.history_since(
+                rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
+            self.log.merge({"records": records}, complete=True)
+            state = await asyncio.wait_for(self.calls.training_state(rank0), STATE_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
+            self.log.log(f"rank 0's last records or state could not be read: {e}")
+            return
+        self.state = state
+        await self.write_checkpoint(state)
+
+    async def write_checkpoint(self, state: dict) -> None:
+        """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
+        slow); a failed write is an event, not an error."""
+        step = state["progress"]["step"]
+        if any(c["step"] == step for c in ckpt.list_checkpoints(self.checkpoint_dir)):
+            return
+        args = (self.checkpoint_dir, state, self.keep)
+        try:
+            try:
+                record = await asyncio.get_running_loop().run_in_executor(
+                    None, ckpt.write_checkpoint, *args)
+            except RuntimeError:  # at interpreter exit the executor takes no work: write here
+                record = ckpt.write_checkpoint(*args)
+            self.log.event("checkpoint", step=step, path=record["path"], bytes=record["bytes"])
+        except ckpt.CheckpointError as e:
+            self.log.event("checkpoint_failed", step=step, message=str(e))

@@ -1,0 +1,122 @@
+"""A run's results: its checkpoint files, its state (final, or the newest checkpoint's), the
+trained weights as a plain ``state_dict`` and its logs.
+
+Read by the run handle (``run.checkpoints``, ``state_dict()``, ``training_state()``,
+``load_into()``, ``export()``, ``logs()``) from any thread; nothing here writes the run.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from ..config import UsageError
+from ..engine import checkpoint as ckpt
+from ..engine.history import whole_history
+from .final_state import FinalState
+from .runlog import RunLog
+
+# a folder unchanged for this long keeps its mtime until its next change: far above the file
+# systems' timestamp granularity (a clock tick), short beside the time between checkpoints
+LISTING_SETTLED_NS = 1_000_000_000
+
+# the submodule torch.compile's OptimizedModule wraps: its name is in every key of a compiled
+# model's (or compiled submodule's) state dict
+_COMPILED = "_orig_mod"
+
+
+class RunResults:
+    """The results of run `name`, whose checkpoints are in `checkpoint_dir` and logs in
+    `log_dir`; `final` holds its final state once it ended, `log` its history."""
+
+    def __init__(self, name: str, checkpoint_dir: str, log_dir: str, log: RunLog,
+                 final: FinalState):
+        self.name, self.checkpoint_dir, self.log_dir = name, checkpoint_dir, log_dir
+        self.log, self.final = log, final
+        self._listing: tuple[int, list] | None = None  # the checkpoints, by the folder's mtime
+
+    def checkpoints(self) -> list[dict]:
+        """Checkpoint files, oldest first: file, path, step, bytes, time.
+
+        Views ask several times a second: the listing is read again only when the folder's
+        mtime changed (adding, pruning or renaming a file changes it). A change within the
+        file system's timestamp granularity of the listing may leave the mtime as it was, so
+        a listing is kept only once its folder has been quiet for LISTING_SETTLED_NS.
+        """
+        try:
+            stamp = os.stat(self.checkpoint_dir).st_mtime_ns
+        except OSError:  # not created yet
+            return []
+        cached = self._listing  # (stamp, list), one attribute: read by views' threads too
+        if cached is not None and cached[0] == stamp:
+            return list(cached[1])
+        listing = ckpt.list_checkpoints(self.checkpoint_dir)
+        if time.time_ns() - stamp > LISTING_SETTLED_NS:
+            self._listing = (stamp, listing)
+        return list(listing)
+
+    def state_dict(self, part: str = "model") -> dict:
+        """`part`'s state dict, plain-keyed (see TrainingRun.state_dict). Raises UsageError."""
+        state = self._state()[1]
+        if part == "model":
+            return plain_keys(state["model"])
+        extra = state.get("extra") or {}
+        if part not in extra:
+            raise UsageError(f"run {self.name!r} has no part {part!r}: its parts are "
+                             f"{', '.join(['model', *extra])} (the cell's extra_state names "
+                             "the others)")
+        keyed = isinstance(extra[part], dict) and all(isinstance(k, str) for k in extra[part])
+        return plain_keys(extra[part]) if keyed else extra[part]
+
+    def training_state(self) -> dict:
+        """The full training state with the whole run's history (see TrainingRun)."""
+        folder, state = self._state()
+        history = self.log.history() if folder is None else whole_history(folder, state)
+        return dict(state, history=history)
+
+    def _state(self) -> tuple[str | None, dict]:
+        """(None, the final state) once the run ended, else (its folder, the newest
+        checkpoint's state). Raises UsageError when there is neither."""
+        if self.final.state is not None:
+            return None, self.final.state
+        try:
+            path, state, _ = ckpt.load_latest(self.checkpoint_dir)
+        except ckpt.CheckpointError as e:
+            raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
+        return os.path.dirname(path), state
+
+    def load_into(self, model: Any, part: str = "model") -> Any:
+        """Copy `part`'s weights into the torch.nn.Module `model`; returns it."""
+        weights = self.state_dict(part)
+        own = {_plain_key(key): key for key in model.state_dict()}
+        model.load_state_dict({own.get(key, key): value for key, value in weights.items()})
+        return model
+
+    def export(self, path: str, part: str = "model") -> str:
+        """Write `part`'s plain state dict to `path` with ``torch.save``; returns the path."""
+        import torch
+        path = os.path.abspath(path)
+        weights = self.state_dict(part)
+        ckpt.atomic_write(path, lambda f: torch.save(weights, f))
+        return path
+
+    def logs(self, tail: int = 40) -> str:
+        """The run's log and the last `tail` lines of each engine's log, as text."""
+        parts = []
+        if os.path.isdir(self.log_dir):
+            for name in sorted(os.listdir(self.log_dir)):
+                with open(os.path.join(self.log_dir, name), errors="replace") as f:
+                    lines = f.read().splitlines()
+                parts.append(f"==> {name} <==\n" + "\n".join(lines[-tail:]))
+        return "\n\n".join(parts) or "(no logs yet)"
+
+
+def _plain_key(key: str) -> str:
+    """`key` of a state dict without the names torch.compile's wrappers add."""
+    return ".".join(part for part in key.split(".") if part != _COMPILED)
+
+
+def plain_keys(state_dict: dict) -> dict:
+    """`state_dict` keyed as the model's would be without torch.compile: ``_orig_mod.0.weight``
+    -> ``0.weight`` (also inside a compiled submodule: ``enc._orig_mod.w`` -> ``enc.w``)."""
+    return {_plain_key(key): value for key, value in state_dict.items()}

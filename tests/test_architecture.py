@@ -1,0 +1,85 @@
+"""The architecture, checked rather than only drawn (docs/ARCHITECTURE.md): import-linter's
+contracts in pyproject.toml hold (the layers ui -> run -> (server | pool) -> (arbiter | engine),
+engine/ apart from the rest, no import cycles), mypy finds no error in elastic_jupyter/, the
+engines import only torch, numpy and the standard library, no class is over 350 lines, engines
+are called only from pool/engine_calls.py, and no module reads another object's private state.
+Each tool runs as the developer would run it, and its report is the failure's message."""
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "elastic_jupyter" / "engine"
+BIN = os.path.dirname(sys.executable)  # the test environment's scripts (lint-imports)
+
+
+def _run(command: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def _mypy_cache() -> str:
+    """mypy's cache: in the test environment (out of the work tree, gone with `make clean`), so
+    that only the first run of a fresh clone checks cold (~20 s against ~1 s)."""
+    if os.access(sys.prefix, os.W_OK):
+        return os.path.join(sys.prefix, ".mypy_cache")
+    return os.path.join(tempfile.gettempdir(), f"elastic-jupyter-mypy-{os.getuid()}")
+
+
+def test_the_import_contracts_hold():
+    # --no-cache: the graph takes a fraction of a second to build, and no cache folder is left
+    out = _run([os.path.join(BIN, "lint-imports"), "--no-cache", "--no-logo"])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_package_type_checks():
+    # what to check and how strictly: [tool.mypy] in pyproject.toml
+    out = _run([sys.executable, "-m", "mypy", "--cache-dir", _mypy_cache()])
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_engines_import_only_torch_numpy_and_the_standard_library():
+    # import-linter forbids the kernel's packages by name (pyproject.toml); this catches any other
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy"}
+    outside = []
+    for path in sorted(ENGINE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue  # relative imports stay in the package: the contracts check where
+            outside += [f"{path.relative_to(ROOT)}:{node.lineno} imports {name}" for name in names
+                        if name.split(".")[0] not in allowed
+                        and not (name + ".").startswith("elastic_jupyter.engine.")]
+    assert not outside, "\n".join(outside)
+
+
+def _trees():
+    for path in sorted((ROOT / "elastic_jupyter").rglob("*.py")):
+        yield path.relative_to(ROOT), ast.parse(path.read_text(), str(path))
+
+
+def test_no_class_is_over_350_lines():
+    long = [f"{path}: {node.name} has {node.end_lineno - node.lineno + 1} lines"
+            for path, tree in _trees() for node in ast.walk(tree)
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 350]
+    assert not long, "\n".join(long)
+
+
+def test_only_the_engine_calls_module_calls_apply_async():
+    calls = [f"{path}:{node.lineno}" for path, tree in _trees()
+             if path != pathlib.Path("elastic_jupyter/pool/engine_calls.py")
+             for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr == "apply_async"]
+    assert not calls, "\n".join(calls)
+
+
+def test_the_owner_side_touches_no_other_objects_private_state():
+    out = subprocess.run([sys.executable, "-m", "pylint", "--disable=all",
+                          "--enable=protected-access", "elastic_jupyter"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
