@@ -315,8 +315,11 @@ class EnginePool:
         """Start the controller and the first ``n`` engines unless running (owner loop)."""
         if self.running:
             return
-        atexit.register(self._shutdown_at_exit)  # it stops only what runs by then
         await self.engine_sets.start()
+        # after the controller started: atexit runs handlers last-in first-out, and
+        # ipyparallel's Cluster registers its own stop then, which must not end the engines
+        # before the run stops and writes its checkpoint
+        atexit.register(self._shutdown_at_exit)
         if self.lease is None or self._follower is None:
             try:
                 await self.engine_sets.add(self.config.n)
