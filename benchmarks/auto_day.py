@@ -154,7 +154,7 @@ def standby_grow(folder) -> dict:
     pool = EnginePool(n=3, min_size=1, max_size=4, gpus="none", arbiter=True).start()
     try:
         run = endless_run(pool, "standby", folder, standby=1)
-        wait(lambda: run.step > 20 and len(run._membership.spares) == 1)  # set up, ready
+        wait(lambda: run.step > 20 and len(run._driver.membership.spares) == 1)  # set up, ready
         asked = time.time()
         run.resize(4)
         first = first_step_at(run, 4, asked)
