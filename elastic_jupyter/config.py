@@ -253,7 +253,8 @@ class RunConfig:
     by a resume): ``micro_batch`` (N samples each), else ``pass_cost`` (a number, or
     ``"measure"``: engine.calibration), else one per slot of the pool's ``pool_max_size``;
     ``pool_min_size`` and ``pool_max_size`` are filled in by the run. The fields with a flag
-    are ``%%elastic_train``'s options, in the order its --help lists them.
+    are ``%%elastic_train``'s options, listed by --help in this order (save where a Flag's
+    ``after`` moves one).
     """
 
     name: str = field(metadata=flag(
@@ -272,6 +273,9 @@ class RunConfig:
         "--drop-last", "leave out each epoch's short last step, as DataLoader(drop_last=True)"))
     epochs: int | None = field(default=None, metadata=flag(
         "--epochs", "epochs to train (default 1)", parse=positive_int))
+    workers: int = field(default=0, metadata=flag(  # DataLoader processes (engine.loader)
+        "--workers", "DataLoader processes per engine that fetch and collate the coming passes' "
+        "samples ahead (default 0: in the training process)", parse=int, after="commit_every"))
     steps: int | None = field(default=None, metadata=flag(
         "--steps", "optimizer steps to train (instead of --epochs)", parse=positive_int))
     eval_every: int | None = field(default=None, metadata=flag(
@@ -294,12 +298,14 @@ class RunConfig:
     commit_every: int | None = field(default=None, metadata=flag(  # see COMMIT_EVERY_NOTICE
         "--commit-every", "ignored: every step is committed by a vote, so a fault loses at most "
         "one step (accepted for one more release)", parse=positive_int))
-    workers: int = field(default=0, metadata=flag(  # DataLoader processes (engine.loader)
-        "--workers", "DataLoader processes per engine that fetch and collate the coming passes' "
-        "samples ahead (default 0: in the training process)", parse=int))
     standby: int = field(default=0, metadata=flag(
         "--standby", "engines kept set up outside the group so a grow is instant (default 0)",
         parse=int))
+    sync_batchnorm: bool = field(default=False, metadata=flag(
+        "--sync-batchnorm", "convert BatchNorm layers to SyncBatchNorm (GPU slots only)",
+        after="tensorboard"))
+    pool_min_size: int = 1
+    pool_max_size: int = 1
     plateau_metric: str | None = field(default=None, metadata=flag(
         "--plateau-metric", "validation metric a ReduceLROnPlateau lr_scheduler steps on at each "
         "evaluation, like val_loss (needs --eval-every; default: once per epoch on the epoch's "
@@ -311,10 +317,6 @@ class RunConfig:
         "--tensorboard", "also log to TensorBoard, in DIR/NAME/ (default: tensorboard/ in the "
         "run's checkpoint folder); needs the tensorboard package. Put the handle's name first: "
         "a word after --tensorboard is its DIR", metavar="DIR", bare=True))
-    sync_batchnorm: bool = field(default=False, metadata=flag(
-        "--sync-batchnorm", "convert BatchNorm layers to SyncBatchNorm (GPU slots only)"))
-    pool_min_size: int = 1
-    pool_max_size: int = 1
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 

@@ -127,6 +127,7 @@ def test_bad_requests_are_refused_with_the_reason(idle_pool, tmp_path):
             run.resize(9)
         fe.send(type="resize", world_size=9)
         assert "bounds [1, 4]" in widget.notice
+        assert widget.notice.startswith("resize to 9 refused: "), widget.notice
         fe.send(type="resize", world_size="many")
         assert "integer" in widget.notice
     finally:

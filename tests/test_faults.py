@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
+from elastic_jupyter.pool.processes import alive
 from elastic_jupyter.run import faults
 
 CELL = '''
@@ -95,7 +96,7 @@ def test_crash_in_each_phase_changes_the_time_not_the_result(idle_pool, tmp_path
     # the checkpoint writer runs on rank 0; the other phases are hit on rank 1
     victim = run.members[0 if phase == "checkpoint" else 1]
     hit_step, killed_at = kill_in_phase(run, phase, victim.slot)
-    wait_for(lambda: not faults.alive(victim), timeout=10, what="the kill")
+    wait_for(lambda: not alive(victim), timeout=10, what="the kill")
     wait_for(lambda: fault_events(run), timeout=30, what="the fault to be handled")
     wait_for(lambda: run.step >= hit_step or not run.active, timeout=30, what="recovery")
     print(f"{phase}: back at step {hit_step} {time.monotonic() - killed_at:.2f} s after the kill")
@@ -212,7 +213,7 @@ def test_a_newcomer_that_dies_joining_costs_a_plain_crash(idle_pool, tmp_path, p
         fault = fault_events(run)[0]
         assert fault["lost_slots"] == [slot] and fault["hung_slots"] == [], fault
         assert fault["lost_steps"] == 0, fault
-        assert run.members[0].engine_id == survivor.engine_id and faults.alive(survivor)
+        assert run.members[0].engine_id == survivor.engine_id and alive(survivor)
     finally:
         run.stop()
         run.wait(timeout=60)
@@ -228,7 +229,7 @@ def test_hung_engine_is_detected_killed_and_replaced(idle_pool, tmp_path, expect
     wait_for(lambda: fault_events(run), timeout=30, what="the hang to be detected")
     detected = time.monotonic() - stopped_at
     assert detected < run.config.collective_timeout + faults.HANG_GRACE + 5, detected
-    wait_for(lambda: not faults.alive(victim), timeout=10, what="the kill")
+    wait_for(lambda: not alive(victim), timeout=10, what="the kill")
     assert_same_result(run, expected)
 
 

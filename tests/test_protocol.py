@@ -10,7 +10,7 @@ from elastic_jupyter.engine.protocol import (EngineConfig, GenerationSpec, decod
 def test_the_engine_reads_every_option_the_kernel_sends_with_the_same_defaults():
     kernel = {f.name: f for f in dataclasses.fields(RunConfig)}
     engine = {f.name: f for f in dataclasses.fields(EngineConfig)}
-    assert set(engine) == set(kernel)
+    assert list(engine) == list(kernel)  # in order: a positional call means the same
     for name, field in kernel.items():
         if field.default is not dataclasses.MISSING:
             assert engine[name].default == field.default, name

@@ -107,6 +107,18 @@ def test_requests_coalesce_no_boot_until_they_settle():
     assert s.engines_wanted(standby=0) == 1  # the overridden 3 wants no engine
 
 
+def test_a_burst_of_requests_ends_the_generation_only_once_it_settled():
+    s = sizer()  # 2 engines, 4 usable
+    s.submit(SizeRequest(1), now=10.0)
+    assert s.end_at(world_size=2, ready_spares=0, now=10.0) == 0  # a lone request acts at once
+    s.submit(SizeRequest(2), now=10.0 + COALESCE_S / 3)  # a slider dragged on: a burst
+    assert s.end_at(world_size=2, ready_spares=0, now=10.0 + COALESCE_S / 2) is None
+    s.submit(SizeRequest(1), now=10.0 + COALESCE_S / 2)
+    assert s.end_at(world_size=2, ready_spares=0, now=10.0 + COALESCE_S) is None
+    # settled: the newest wish (1) acts, the overridden 2 never did
+    assert s.end_at(world_size=2, ready_spares=0, now=10.0 + 2 * COALESCE_S) == 0
+    assert s.due(step=5, step_time=0.0).target == 1
+
 def test_user_requests_policy_hands_over_what_was_queued_once():
     user = UserRequests()
     user.add(SizeRequest(3))

@@ -86,9 +86,10 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """The run's options as an engine reads them: the same fields as config.RunConfig (a test
-    holds the two to the same names), with the same defaults. Read-only: what the engine derives
-    from them (the total steps from the epochs, the dataset's fingerprint) lives in its Worker.
+    """The run's options as an engine reads them: the same fields as config.RunConfig, in the
+    same order and with the same defaults (a test holds the two together). Read-only: what the
+    engine derives from them (the total steps from the epochs, the dataset's fingerprint) lives
+    in its Worker.
 
     Sizes are in samples. ``pool_min_size`` and ``pool_max_size`` are the pool's limits (the
     default cut has one micro-batch per ``pool_max_size`` slot); ``total_steps`` is 0 when the
@@ -101,6 +102,7 @@ class EngineConfig:
     pass_cost: float | str | None = None
     drop_last: bool = False
     epochs: int | None = None
+    workers: int = 0
     steps: int | None = None
     eval_every: int | None = None
     clip_grad_norm: float | None = None
@@ -110,14 +112,13 @@ class EngineConfig:
     seed: int = 0
     collective_timeout: float = 30.0
     commit_every: int | None = None
-    workers: int = 0
     standby: int = 0
-    plateau_metric: str | None = None
-    precision: str | None = None
-    tensorboard: bool | str = False
     sync_batchnorm: bool = False
     pool_min_size: int = 1
     pool_max_size: int = 1
+    plateau_metric: str | None = None
+    precision: str | None = None
+    tensorboard: bool | str = False
     fault_dir: str | None = None
     total_steps: int = 0
 

@@ -157,7 +157,7 @@ class EngineSets:
 
     async def _wait_startable(self, k: int, timeout: float = 5 * STOP_GRACE) -> None:
         deadline = time.monotonic() + timeout
-        while (self.slots.leased and self.slots.startable() < k and self.slots.busy
+        while (self.slots.lease_mode and self.slots.startable() < k and self.slots.busy
                and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
 
@@ -178,11 +178,11 @@ class EngineSets:
         """Start `slot`'s engine set of one, as `set_id` (its engine says it: _arrivals)."""
         gpu = None
         if self.config.gpus:  # in lease mode a slot is the machine's GPU index
-            gpu = slot if self.slots.leased else self.config.gpus[slot]
+            gpu = slot if self.slots.lease_mode else self.config.gpus[slot]
         options = self.launcher.start_options(slot)
         # a fresh dict each time: start_engines mutates the one it is given
         env = _engine_env(slot, gpu, self.config.threads_per_engine,
-                          self.slots.leased and self.launcher.local, self.launcher)
+                          self.slots.lease_mode and self.launcher.local, self.launcher)
         env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
         await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 from typing import Any, Coroutine, TypeVar
 
 from ..arbiter.table import ArbiterError
@@ -28,6 +27,7 @@ from .engine_sets import EngineSets
 from .launchers import Job, Launcher, LocalLauncher
 from .lease import POLL_S, LeaseFollower, check_weight_usage, pool_lease
 from .processes import Engine
+from .queue_printer import QueuePrinter
 from .slots import Exclusion, Slots
 
 __all__ = ["EnginePool", "Engine", "Exclusion"]
@@ -91,6 +91,8 @@ class EnginePool:
         self.engine_sets = EngineSets(self.launcher, self.config, self.slots)
         self._claimant: Claimant | None = None  # who trains on this pool (claim / release)
         self._left_by: str | None = None  # the last run to end, which left the pool at its size
+        self._queue_printer = QueuePrinter(self.owner, self.lease, lambda: self.queued,
+                                           self.config.min_size)
         self._follower = None if self.lease is None else LeaseFollower(
             self.lease, self.engine_sets, lambda: self._claimant,
             "gpu" if self.config.gpus else "cpu")
@@ -212,31 +214,8 @@ class EnginePool:
 
     def wait_printing_queue(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run `coro` on the owner loop and return its result, printing the pool's place in
-        the machine's queue while it waits for its slots, and its engine jobs that wait in a
-        scheduler's queue (as ``Owner.call`` otherwise)."""
-        if self.owner.in_owner_thread():
-            coro.close()
-            raise RuntimeError("waiting on the owner thread would deadlock; await instead")
-        future, shown = self.owner.submit(coro), None
-        jobs: dict[int, Job] = {}
-        while True:
-            try:
-                concurrent.futures.wait([future], timeout=POLL_S)
-                if future.done():
-                    return future.result()
-            except BaseException:  # interrupted: the start is cancelled and cleans up
-                future.cancel()
-                raise
-            place = self.lease.queued if self.lease is not None else None
-            if place != shown and place is not None:
-                print(f"Waiting for {self.min_size} slot(s): place {place} in the machine's "
-                      "queue (%elastic_pool status shows who holds the slots)", flush=True)
-            shown = place
-            if self.queued != jobs:
-                jobs = self.queued
-                if jobs:
-                    print("Waiting in the queue: " + "; ".join(
-                        f"slot {slot}: {job}" for slot, job in sorted(jobs.items())), flush=True)
+        the machine's queue and its engine jobs waiting in a scheduler's (:mod:`.queue_printer`)."""
+        return self._queue_printer.wait(coro)
 
     def resize(self, n: int, at_step: int | None = None) -> None:
         """Change the number of engines. During a run this is the run's resize request.

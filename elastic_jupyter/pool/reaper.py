@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -81,10 +82,15 @@ def write_pidfile(pidfile: str, pids: list[int], jobs: Sequence[str] = ()) -> No
 def start_reaper(pidfile: str) -> subprocess.Popen:
     """Start the reaper for this process; it outlives us (own session, no pipes)."""
     me = psutil.Process()
+    # -m finds this package where this process found it (a source checkout on sys.path, not
+    # installed, included): its parent folder goes first on the reaper's path
+    parent = str(pathlib.Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (parent, os.environ.get("PYTHONPATH")) if p)}
     return subprocess.Popen(
         [sys.executable, "-m", __name__, str(me.pid), repr(process_start(me.pid)),
          pidfile], start_new_session=True, stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 if __name__ == "__main__":

@@ -71,8 +71,8 @@ class Slots:
         self._starting: set[int] = set()  # slots of engines starting (never handed out twice)
 
     @property
-    def leased(self) -> bool:
-        """Whether the slots are the machine's, leased by its arbiter (lease mode)."""
+    def lease_mode(self) -> bool:
+        """Whether the slots are the machine's, leased by its arbiter."""
         return self.lease is not None
 
     @property

@@ -24,6 +24,7 @@ from . import faults
 from ..config import UsageError
 from ..engine.protocol import GenerationSpec
 from ..pool.engine_calls import remote_message, remote_summary
+from ..pool.processes import kill
 from ..owner import background
 from ..server.snapshot import TRAINING_STATES, RunState
 from .cellsetup import CellSetup
@@ -215,7 +216,7 @@ class Driver:
                       if (error := t.error()) is not None]
             for engine, error in failed:
                 if not self.pool.engine_sets.alive(engine) or faults.is_engine_death(error):
-                    faults.kill(engine)  # a zombie's sockets may still hold peers
+                    kill(engine)  # a zombie's sockets may still hold peers
                     died = True
             if failed and first_failure is None:
                 first_failure = time.monotonic()

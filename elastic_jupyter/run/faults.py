@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ..pool.processes import alive, kill  # noqa: F401 -- kill: the driver's and membership's
+from ..pool.processes import alive
 
 HANG_GRACE = 3.0  # seconds the owner waits for the other ranks once one has failed
 MAX_SLOT_FAULTS = 3  # faults of one slot within FAULT_WINDOW that leave it out for a cooldown

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from . import faults
 from ..pool.engine_calls import remote_summary
 from ..pool.launchers import StartWithdrawn
+from ..pool.processes import kill
 from ..owner import background
 from .runlog import RunLog
 
@@ -291,7 +292,7 @@ class Membership:
         """Forget lost engines (dead or hung: they are killed), count their slots' faults and
         leave out a slot that keeps failing, for a cooldown (SlotHealth)."""
         for engine in lost:
-            faults.kill(engine)
+            kill(engine)
         self.members = [m for m in self.members if m not in lost]
         self.pool.engine_sets.remove(lost)
         now = time.time()

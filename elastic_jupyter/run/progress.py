@@ -2,13 +2,16 @@
 new step it sees (loss, world size, throughput) about twice a second."""
 from __future__ import annotations
 
+from typing import Callable
+
 from .runlog import RunLog, describe_event
 
 
 class ProgressPrinter:
-    """Prints a run's progress from its `log`; `total_steps` is the run's length."""
+    """Prints a run's progress from its `log`; `total_steps()` is the run's length, read at each
+    line (it is known once the run's setup measured the data, maybe after the wait began)."""
 
-    def __init__(self, log: RunLog, total_steps: int):
+    def __init__(self, log: RunLog, total_steps: Callable[[], int]):
         self.log, self.total_steps = log, total_steps
         self._printed_events = 0
         self._printed_step = -1
@@ -33,5 +36,6 @@ class ProgressPrinter:
     def _line(self, step: int) -> str:
         r = self.log.record(step)
         vals = " ".join(f"{k} {v:.4f}" for k, v in r.items() if k.startswith("val_"))
-        return (f"step {r['step']:>5}/{self.total_steps}  epoch {r['epoch']}  loss {r['loss']:.4f}"
-                f"  world size {r['world_size']}  {r['samples_per_s']:.0f} samples/s  {vals}")
+        return (f"step {r['step']:>5}/{self.total_steps()}  epoch {r['epoch']}  "
+                f"loss {r['loss']:.4f}  world size {r['world_size']}  "
+                f"{r['samples_per_s']:.0f} samples/s  {vals}")

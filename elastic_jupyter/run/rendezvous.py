@@ -3,8 +3,9 @@
 ``torch.distributed.TCPStore(is_master=True)`` listens on every interface even when given
 127.0.0.1 (measured; see shared/DESIGN.md). We bind the listening socket ourselves to one
 address and hand its descriptor to the store: loopback for a single-host pool, unreachable from
-the network; the named interface's address for a pool across hosts (launchers.py). The store
-has no authentication: anyone who reaches that address can write into the rendezvous.
+the network; the named interface's address for a pool across hosts
+(pool/launchers/base.py:listen_address). The store has no authentication: anyone who reaches
+that address can write into the rendezvous.
 Each generation reads and writes only under its own prefix ``gen<g>/``: no key of an old
 generation is ever read by a new one.
 """

@@ -281,7 +281,7 @@ class TrainingRun:
         if self.state == RunState.CREATED:
             raise UsageError(f"run {self.name!r} was not started: call run.start() first")
         deadline = None if timeout is None else time.monotonic() + timeout
-        printer = ProgressPrinter(self.log, self.total_steps)
+        printer = ProgressPrinter(self.log, lambda: self.total_steps)
         done = self._driver.done
         try:
             while not done.is_set():

@@ -185,7 +185,8 @@ class Dashboard(anywidget.AnyWidget):
             with self._send_lock:
                 self._handle(kind, content)
         except (UsageError, ValueError, KeyError, TypeError) as e:
-            self.notice = f"{kind} refused: {e}"
+            what = f"resize to {content.get('world_size')}" if kind == "resize" else kind
+            self.notice = f"{what} refused: {e}"
 
     def _handle(self, kind: str, content: dict) -> None:
         if kind == "resize":
