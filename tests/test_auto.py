@@ -15,6 +15,7 @@ steps at a fixed size (elastic resizes change nothing in what is learned).
 """
 import json
 import os
+import threading
 import time
 
 import torch
@@ -232,4 +233,27 @@ def test_a_standby_engine_is_the_first_to_go_when_another_run_needs_its_slot(tmp
     finally:
         for pool in pools:
             pool.stop()
+        stop(arbiter)
+
+
+def test_a_start_that_waits_for_slots_says_its_place_in_the_machine_queue(tmp_path, monkeypatch,
+                                                                          capsys):
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    arbiter = start_arbiter(str(folder), {"hold_s": 0, "cpu_slots": 2})
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))
+    holder = EnginePool(n=2, min_size=2, max_size=2, gpus="none").start()  # every slot
+    waiter = EnginePool(n=1, min_size=1, max_size=1, gpus="none")
+    started = threading.Thread(target=waiter.start)
+    try:
+        started.start()
+        wait_for("the waiting start's line", lambda: "place 1 in the machine's queue" in
+                 capsys.readouterr().out or waiter.lease.grant, timeout=30)
+        assert started.is_alive() and not waiter.engines
+        holder.stop()
+        started.join(timeout=60)
+        assert not started.is_alive() and waiter.size == 1
+    finally:
+        holder.stop()
+        waiter.stop()
         stop(arbiter)
