@@ -58,6 +58,7 @@ benchmark: setup $(SLURMD) $(SSHD)
 	$(PY) benchmarks/chart_render.py
 	$(PY) benchmarks/auto_day.py
 	$(PY) benchmarks/slurm_drain.py
+	$(PY) benchmarks/cluster_sim.py
 	$(PY) benchmarks/hosts_throughput.py
 
 clean:
