@@ -4,9 +4,10 @@ with its per-application measurements (benchmarks/data/pollux: source and licenc
 
 First it reproduces the study's published Tiresias figures with the study's own model (60 s
 decisions, a 30 s restart per placement change, benchmarks/sim/baselines.py); a model that
-misses them by more than 10 % judges nothing. Then it runs, per workload, fixed allocations
-and this product's fair share (the arbiter's own decision function, benchmarks/sim/product.py)
-with this project's measured costs of a start, a grow and a shrink and again with the study's
+misses them by more than 10 % judges nothing. Then it runs, per workload, fixed allocations,
+this product's fair share and its sharing by value (the arbiter's own decision function,
+benchmarks/sim/product.py; by value, each job reports the steps per second it trained at for
+each GPU count it held) with this project's measured costs of a start, a grow and a shrink and again with the study's
 30 s, and prints average and p99 job completion time (JCT), makespan and GPU utilisation
 beside the published Tiresias, Pollux and Optimus+Oracle averages. Every job keeps the batch
 size of its workload row (this product changes resources, never the training result).
@@ -29,7 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from sim.baselines import Tiresias  # noqa: E402
 from sim.cluster import Cluster, Outcome, load_workload, simulate  # noqa: E402
 from sim.jobs import PAPER_COSTS, Costs  # noqa: E402
-from sim.product import FairShare, FixedAllocations, auto_max  # noqa: E402
+from sim.product import FairShare, FixedAllocations, ValueShare, auto_max  # noqa: E402
 
 PUBLISHED = pathlib.Path(__file__).resolve().parent / "data" / "pollux" / "published.json"
 
@@ -72,7 +73,7 @@ def main() -> None:
     costs = {"ours": [OUR_COSTS], "paper": [PAPER_COSTS], "both": [OUR_COSTS, PAPER_COSTS]}
     rows = [("tiresias", PAPER_COSTS, reproduced)]
     for c in costs[args.costs]:
-        for policy in (FixedAllocations, FairShare):
+        for policy in (FixedAllocations, FairShare, ValueShare):
             rows.append((policy.name, c, {w: run(w, policy(), c, cluster) for w in numbers}))
     report(rows, numbers, published)
 

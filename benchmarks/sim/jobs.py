@@ -50,6 +50,8 @@ class SimJob:
         name, app, submitted (s), gpus: the GPUs it asked for, batch: its global batch.
         placement: GPUs per node now (() while it holds none); nodes: the node of each GPU.
         progress, epoch, completed (s or None), restarts: placement changes after the first.
+        measured: GPUs -> steps per second the job last trained at with that many (what a run
+        of this product reports as its speed).
     """
 
     name: str
@@ -63,6 +65,7 @@ class SimJob:
     epoch: int = 0
     completed: float | None = None
     restarts: int = 0
+    measured: dict[int, float] = field(default_factory=dict)
     _clock: float = 0.0
     _paused: float = 0.0  # seconds of the current change still to pay
     _old: tuple[int, ...] = ()  # the placement it trains on while growing
@@ -129,6 +132,7 @@ class SimJob:
         step, sync = self.app.step_time(placement, micro)
         batch = replicas * micro * (accumulate + 1)
         seconds = step + accumulate * (step - sync)
+        self.measured[replicas] = 1.0 / seconds  # steps per second: the same batch at any size
         return self.app.gain(batch, self.epoch) / seconds
 
 

@@ -11,6 +11,7 @@ pinned at a decision.
 from __future__ import annotations
 
 from elastic_jupyter.arbiter.fairshare import Demand, allocate
+from elastic_jupyter.arbiter.speed import Speed
 
 from .cluster import Cluster, pack
 from .jobs import SimJob
@@ -76,3 +77,15 @@ class FairShare(_ArbiterPolicy):
     def demand(self, job: SimJob, held: int, cluster: Cluster) -> Demand:
         return Demand(job.name, job.name, self.arrival[job.name], min=1,
                       max=auto_max(job, cluster), auto=True, held=held)
+
+
+class ValueShare(_ArbiterPolicy):
+    """Fair share with each job's measured speed (elastic_jupyter.arbiter.value): the speed it
+    last trained at for each GPU count it has held; other counts from the fitted model."""
+
+    name = "by value"
+
+    def demand(self, job: SimJob, held: int, cluster: Cluster) -> Demand:
+        speed = Speed(tuple(sorted(job.measured.items()))) if job.measured else None
+        return Demand(job.name, job.name, self.arrival[job.name], min=1,
+                      max=auto_max(job, cluster), auto=True, held=held, speed=speed)

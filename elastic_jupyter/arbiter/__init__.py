@@ -1,7 +1,8 @@
 """The slot arbiter: one per machine, consulted by every run on it.
 
 A run asks the arbiter for slots (GPUs, or CPU slots on a machine without GPUs) and holds them
-under leases; the arbiter decides how many each run should hold (:mod:`.fairshare`), keeps the
+under leases; the arbiter decides how many each run should hold (:mod:`.fairshare`, and for
+runs that report their speed, :mod:`.value` over :mod:`.speed`), keeps the
 leases (:mod:`.table`), serves them on a Unix socket (:mod:`.service`), learns which slots are
 busy outside from a provider (:mod:`.providers`, NVML for GPUs) and reads the admin's caps and
 weights (:mod:`.settings`). Runs talk to it through :class:`.client.ArbiterClient`, which starts

@@ -18,10 +18,16 @@ its demand, a slot is freed or taken from outside) and hands each run its target
   per-user cap bounds what all of a user's runs hold.
 - **No flapping.** A slot that moved less than the hold time ago is not taken again
   (``Demand.pinned``) unless a min needs it.
+- **By value** (:mod:`.value`), for auto runs that report their speed: a run gives up the slots
+  of its fair share that do not make it faster, and those slots go where they add the most
+  relative speed; no auto run is slower than at its fair share.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .speed import Speed
+from .value import Take, by_value
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,7 @@ class Demand:
         wanted: the size a manual run asks for (ignored in auto mode).
         held: training slots it holds now (standby slots apart).
         pinned: how many of those moved to it less than the hold time ago.
+        speed: its measured speed by world size (None: not reported; see :mod:`.value`).
     """
 
     run: str
@@ -49,6 +56,7 @@ class Demand:
     wanted: int = 0
     held: int = 0
     pinned: int = 0
+    speed: Speed | None = None
 
 
 @dataclass
@@ -59,11 +67,13 @@ class Allocation:
         targets: run -> training slots it should hold (absent for queued runs, which hold none).
         queue: runs waiting for their min, first in line first.
         fair: run -> its fair share before the no-flap rule (what the panel shows).
+        takes: where the value pass moved slots off the fair share, and why.
     """
 
     targets: dict[str, int] = field(default_factory=dict)
     queue: list[str] = field(default_factory=list)
     fair: dict[str, int] = field(default_factory=dict)
+    takes: list[Take] = field(default_factory=list)
 
 
 def allocate(demands: list[Demand], capacity: int, caps: dict[str, int] | None = None,
@@ -86,7 +96,8 @@ def allocate(demands: list[Demand], capacity: int, caps: dict[str, int] | None =
     ceiling = {d.run: max(floor[d.run], _ceiling(d)) for d in admitted}
     fair = _fill(admitted, floor, ceiling, capacity, caps, user_weights)
     targets = _hold_pinned(admitted, fair, floor, ceiling, capacity)
-    return Allocation(targets=targets, queue=[d.run for d in queue], fair=fair)
+    targets, takes = by_value(admitted, targets, ceiling, capacity, caps)
+    return Allocation(targets=targets, queue=[d.run for d in queue], fair=fair, takes=takes)
 
 
 def _floor(d: Demand) -> int:

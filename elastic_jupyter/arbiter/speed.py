@@ -1,0 +1,48 @@
+"""A run's speed by world size: measured where it trained, fitted between and beyond. Pure."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Speed:
+    """A run's measured speed by world size, from its own records.
+
+    Attributes:
+        measured: (world size, steps per second) for each size it has trained at (its recent
+            steps there); a run's global batch is fixed, so steps per second is its progress.
+
+    Sizes not measured follow a step time of ``a + b / n`` (a fixed part, such as input or
+    synchronisation, and a part that divides among the ranks), fitted by least squares to the
+    measured sizes, with a, b >= 0; from one measured size, linear scaling (a = 0).
+    """
+
+    measured: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        if not self.measured or any(n < 1 or s <= 0 for n, s in self.measured):
+            raise ValueError(f"a speed needs sizes >= 1 and speeds > 0, got {self.measured}")
+
+    def at(self, n: int) -> float:
+        """Steps per second at world size `n` (0 for no slot)."""
+        if n <= 0:
+            return 0.0
+        for size, speed in self.measured:
+            if size == n:
+                return speed
+        a, b = self._fit()
+        return 1.0 / (a + b / n)
+
+    def _fit(self) -> tuple[float, float]:
+        """(a, b) of the step time a + b / n, least squares over the measured sizes."""
+        xs = [1.0 / n for n, _ in self.measured]
+        ys = [1.0 / s for _, s in self.measured]
+        if len(set(xs)) < 2:
+            return 0.0, ys[0] / xs[0]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        b = max(b, 0.0)
+        a = max(my - b * mx, 0.0)
+        if a == 0.0:  # the step time is all per-rank work: refit b alone
+            b = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+        return a, b
