@@ -195,6 +195,10 @@ def test_a_slot_taken_outside_is_swapped_for_a_free_one_at_the_same_size(tmp_pat
                                           checkpoint_every=0),
                           source=BODY, push={"DELAY": 0.02}, workspace=str(tmp_path)).start()
         wait_for("2 ranks", lambda: run.world_size == 2 or run.world_size)
+        # the pool reports the run's speed at each size it trained at with its look
+        wait_for("the run's speed at 2 ranks, at the arbiter", lambda: 2 in [
+            n for r in ArbiterClient(str(folder)).view()["runs"] for n, _ in r["speed"]] or
+            ArbiterClient(str(folder)).view()["runs"])
         taken, step = run.members[-1].slot, run.step
         outside.write_text(json.dumps({str(taken): "pid 4242 (someone else's job)"}))
 

@@ -7,6 +7,9 @@ from hypothesis import given, settings, strategies as st
 
 from elastic_jupyter.arbiter.fairshare import Demand, allocate
 from elastic_jupyter.arbiter.speed import Speed
+from elastic_jupyter.arbiter.table import ArbiterError, SlotTable
+from elastic_jupyter.run.runlog import RunLog
+from elastic_jupyter.run.speed_meter import SpeedMeter
 
 LINEAR = Speed(((1, 2.0), (2, 4.0)))
 FLAT = Speed(((1, 3.0), (2, 3.0)))  # input-bound: a second slot adds nothing
@@ -80,3 +83,38 @@ def test_the_promise_holds_for_any_speeds(runs, capacity):
             assert d.min <= out.targets[d.run] <= d.max
             if d.speed is not None:
                 assert d.speed.at(out.targets[d.run]) >= d.speed.at(out.fair[d.run])
+
+
+# ------------------------------------------------------------- the arbiter's table, a run's meter
+
+def test_the_table_takes_each_runs_reported_speed_and_tells_it_why_it_moved():
+    t = SlotTable([0, 1, 2, 3], None, hold_s=0.0, by_value=True)
+    t.register(1, "alice", 11, 1.0, "A", name="a", max=4, auto=True)
+    t.register(2, "bob", 22, 2.0, "B", name="b", max=4, auto=True)
+    assert t.poll(1, "A")["target"] == 2  # no speed yet: the fair share
+    grant = t.poll(1, "A", speed=[[1, 30.0], [2, 30.0]])  # input-bound: 2 slots, no faster
+    assert grant["target"] == 1
+    (why,) = [e["why"] for e in grant["events"] if e["kind"] == "value"]
+    assert "gives up 1 slot(s) of its fair share 2" in why
+    assert t.poll(2, "B", speed=[[2, 40.0]])["target"] == 3
+    assert not [e for e in t.poll(1, "A", speed=[[1, 30.0], [2, 30.0]])["events"]
+                if e["kind"] == "value"]  # told once per change
+    with pytest.raises(ArbiterError, match=r"a speed is \[world size, speed\]"):
+        t.poll(1, "A", speed=[[1, "fast"]])
+    assert t.poll(1, "A")["target"] == 1  # the refused report changed nothing
+    plain = SlotTable([0, 1, 2, 3], None, hold_s=0.0)  # the admin's default: fair share
+    plain.register(1, "alice", 11, 1.0, "A", max=4, auto=True)
+    plain.register(2, "bob", 22, 2.0, "B", max=4, auto=True)
+    assert plain.poll(1, "A", speed=[[1, 30.0], [2, 30.0]])["target"] == 2
+
+
+def test_a_runs_speed_is_the_median_of_its_recent_steps_at_each_size(tmp_path):
+    log = RunLog(str(tmp_path))
+    meter = SpeedMeter(log)
+    sizes = [2] * 6 + [3] * 3 + [2] * 2
+    log.load([{"step": i + 1, "world_size": n, "samples_per_s": 100.0 * n + i, "loss": 1.0}
+              for i, n in enumerate(sizes)], upto=len(sizes))
+    # each size's first step after a change is left out; size 3 has 2 steps left: too few
+    assert meter.speeds() == [(2, 203.5)]
+    log.load([{"step": 12, "world_size": 3, "samples_per_s": 300.0, "loss": 1.0}], upto=12)
+    assert meter.speeds() == [(2, 203.5)]  # a new change of size: its first step left out

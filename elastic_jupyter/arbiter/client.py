@@ -74,9 +74,11 @@ class ArbiterClient:
     def register(self, run: str, **demand) -> dict:
         return self.call("register", run=run, **demand)
 
-    def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
+    def poll(self, run: str, active: bool = True, engines: dict | None = None,
+             speed: list | None = None) -> dict:
+        extra = {} if speed is None else {"speed": [list(pair) for pair in speed]}
         return self.call("poll", run=run, active=active,
-                         engines={str(k): v for k, v in (engines or {}).items()})
+                         engines={str(k): v for k, v in (engines or {}).items()}, **extra)
 
     def release(self, run: str, slots: list[int]) -> dict:
         return self.call("release", run=run, slots=list(slots))

@@ -187,7 +187,10 @@ class HostArbiters:
             wanted=min(most[host], max(least[host], wanted[host])), standby=standby[host],
             engines=engines[host])), every_host=True)  # a new demand: every host hears it
 
-    def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
+    def poll(self, run: str, active: bool = True, engines: dict | None = None,
+             speed: list | None = None) -> dict:
+        """As the machine's arbiter's; `speed` is not passed on: each host's arbiter sees a
+        part of the pool, and the pool's speed by its total size would mislead it."""
         engines = self._split_slots(engines or {})
         return self._each(lambda host, relay: relay.call("poll", run=run, active=active,
                                                          engines=engines[host]))

@@ -10,6 +10,7 @@ which only whoever starts the arbiter chooses) once at start. Every key is optio
       "weights": {"alice": 2.0},          # a user's weight in the fair share (default 1)
       "hold_s": 30,              # a slot that moved does not move again for this long
       "idle_s": 1800,            # a pool that has not trained for this long gives its slots back
+      "by_value": false,         # give slots by the speeds runs report (arbiter/value.py)
       "outside_memory_mib": 1024,         # a GPU no engine of ours uses, with more memory in use
                                           # than this, is busy outside
       "outside_file": null       # CPU slots: a JSON file {"<slot>": "<who>"} of slots busy
@@ -37,6 +38,7 @@ class Settings:
     weights: dict = field(default_factory=dict)
     hold_s: float = 30.0
     idle_s: float = 1800.0
+    by_value: bool = False
     outside_memory_mib: int = 1024
     outside_file: str | None = None
 
@@ -82,6 +84,8 @@ class Settings:
         for key in ("hold_s", "idle_s"):
             if not _number(getattr(self, key)) or getattr(self, key) < 0:
                 bad(key, "a non-negative number of seconds")
+        if not isinstance(self.by_value, bool):
+            bad("by_value", "true or false")
         if not _count(self.outside_memory_mib, 0):
             bad("outside_memory_mib", "a non-negative integer")
         if self.outside_file is not None and not isinstance(self.outside_file, str):

@@ -127,7 +127,9 @@ class SlurmArbiter:
             self.engines = dict(demand.get("engines") or self.engines)
             return self._grant()
 
-    def poll(self, run: str, active: bool = True, engines: dict | None = None) -> dict:
+    def poll(self, run: str, active: bool = True, engines: dict | None = None,
+             speed: list | None = None) -> dict:
+        """As the machine's arbiter's; `speed` is not used: Slurm's queue decides."""
         with self._lock:
             self._known(run)
             self.demand["active"] = active

@@ -1,7 +1,10 @@
 """A run's speed by world size: measured where it trained, fitted between and beyond. Pure."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+MAX_SIZES = 1024  # world sizes a report may list
 
 
 @dataclass(frozen=True)
@@ -9,8 +12,10 @@ class Speed:
     """A run's measured speed by world size, from its own records.
 
     Attributes:
-        measured: (world size, steps per second) for each size it has trained at (its recent
-            steps there); a run's global batch is fixed, so steps per second is its progress.
+        measured: (world size, speed) for each size it has trained at (its recent steps
+            there), smallest size first. Any rate of its steps will do, as only ratios are
+            compared: a run reports samples per second (its global batch is fixed, so that is
+            its progress); the cluster simulator steps per second.
 
     Sizes not measured follow a step time of ``a + b / n`` (a fixed part, such as input or
     synchronisation, and a part that divides among the ranks), fitted by least squares to the
@@ -20,7 +25,7 @@ class Speed:
     measured: tuple[tuple[int, float], ...]
 
     def __post_init__(self) -> None:
-        if not self.measured or any(n < 1 or s <= 0 for n, s in self.measured):
+        if not self.measured or any(n < 1 or not (0 < s < math.inf) for n, s in self.measured):
             raise ValueError(f"a speed needs sizes >= 1 and speeds > 0, got {self.measured}")
 
     def at(self, n: int) -> float:
@@ -46,3 +51,19 @@ class Speed:
         if a == 0.0:  # the step time is all per-rank work: refit b alone
             b = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
         return a, b
+
+    @classmethod
+    def parse(cls, raw: object) -> Speed | None:
+        """The speed a run reported over the wire: a list of [world size, speed] pairs (empty:
+        none yet). Raises ValueError saying what was wrong."""
+        if not isinstance(raw, list) or len(raw) > MAX_SIZES:
+            raise ValueError(f"speed must be a list of at most {MAX_SIZES} [world size, speed] "
+                             f"pairs, got {raw!r:.80}")
+        pairs = []
+        for pair in raw:
+            if (not isinstance(pair, (list, tuple)) or len(pair) != 2
+                    or isinstance(pair[0], bool) or not isinstance(pair[0], int)
+                    or isinstance(pair[1], bool) or not isinstance(pair[1], (int, float))):
+                raise ValueError(f"a speed is [world size, speed], got {pair!r:.80}")
+            pairs.append((pair[0], float(pair[1])))
+        return cls(tuple(sorted(pairs))) if pairs else None

@@ -20,9 +20,10 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .fairshare import Allocation, Demand, allocate
+from .speed import Speed
 
 log = logging.getLogger("elastic_jupyter.arbiter")
 
@@ -64,6 +65,7 @@ class Run:
     engines: dict = field(default_factory=dict)  # slot (str) -> engine pid, as reported
     events: list = field(default_factory=list)  # not yet delivered
     training: bool = True  # as of its last poll: an auto run that does not train wants its min
+    speed: list = field(default_factory=list)  # [[world size, speed], ...] as last reported
 
 
 @dataclass
@@ -87,15 +89,17 @@ class SlotTable:
         hold_s: a slot that moved is not taken again for this long (no flapping).
         idle_s: a run that has not trained for this long gives its slots back.
         alive: (pid, start_time) -> whether that process still runs.
+        by_value: give slots by the speeds runs report (arbiter/value.py); else fair share.
     """
 
-    def __init__(self, slots: list[int], path: str | None, cap=None, weights: dict | None = None, hold_s: float = 30.0, idle_s: float = 1800.0,
-                 alive=None):
+    def __init__(self, slots: list[int], path: str | None, cap=None,
+                 weights: dict | None = None, hold_s: float = 30.0, idle_s: float = 1800.0,
+                 alive=None, by_value: bool = False):
         self.slots = list(slots)
         self.path = path
         self.cap = cap or (lambda user: None)
         self.weights = dict(weights or {})
-        self.hold_s, self.idle_s = hold_s, idle_s
+        self.hold_s, self.idle_s, self.by_value = hold_s, idle_s, by_value
         self.alive = alive or (lambda pid, start: True)
         self.runs: dict[str, Run] = {}
         self.leases: dict[int, Lease] = {}
@@ -104,6 +108,7 @@ class SlotTable:
         self._arrivals = 0
         self._freed: dict[int, tuple] = {}  # slot -> (run id, name) that gave it back, for events
         self._saved: tuple | None = None  # the fingerprint of what the state file holds
+        self._told: dict[str, int] = {}  # run -> the target the value pass last told it of
         if path and os.path.exists(path):
             self._load(path)
 
@@ -147,11 +152,16 @@ class SlotTable:
         return self.grant(run, now)
 
     def poll(self, uid: int, run: str, *, active: bool = True, engines: dict | None = None,
-             now: float | None = None) -> dict:
-        """A run's regular look (every second or so): it says whether it trains and which
-        engine runs on which slot; returns its grant and its undelivered events."""
+             speed: list | None = None, now: float | None = None) -> dict:
+        """A run's regular look (every second or so): it says whether it trains, which
+        engine runs on which slot and, once it has trained, its speed by world size
+        (:meth:`.speed.Speed.parse`); returns its grant and its undelivered events.
+        Raises ArbiterError for a speed that is not one."""
         now = time.time() if now is None else now
         entry = self._run(run, uid)
+        if speed is not None:
+            _check_speed(speed)
+            entry.speed = speed
         if active:
             entry.active = now
         entry.training = active
@@ -219,7 +229,8 @@ class SlotTable:
                 "grantable": self._grantable(entry, now)}
 
     def view(self, now: float | None = None) -> dict:
-        """The machine: every slot with its holder, every run with its demand and target."""
+        """The machine: every slot with its holder, every run with its demand, target and
+        reported speed."""
         now = time.time() if now is None else now
         slots = []
         for slot in self.slots:
@@ -234,6 +245,7 @@ class SlotTable:
         runs = [{"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
                  "since": r.since, "min": r.min, "max": r.max, "weight": r.weight, "auto": r.auto,
                  "wanted": r.wanted, "target": self.allocation.targets.get(r.id, 0),
+                 "speed": r.speed,
                  "queued": (self.allocation.queue.index(r.id) + 1
                             if r.id in self.allocation.queue else None),
                  "held": sum(1 for x in self.leases.values()
@@ -248,6 +260,7 @@ class SlotTable:
         demand changed (before the reply that tells of it)."""
         self.allocation = allocate(self._demands(now), self._capacity(), self._caps(),
                                    self.weights)
+        self._tell_takes()
         self._assign(now)
         saved = self._fingerprint()
         if saved != self._saved:
@@ -273,7 +286,8 @@ class SlotTable:
                 run=r.id, user=r.user, arrival=r.arrival, min=0 if idle else r.min,
                 max=0 if idle else ceiling, weight=r.weight, auto=r.auto or idle,
                 wanted=r.wanted, held=len(training),
-                pinned=sum(1 for x in training if now - x.since < self.hold_s)))
+                pinned=sum(1 for x in training if now - x.since < self.hold_s),
+                speed=Speed.parse(r.speed) if r.auto and self.by_value else None))
         return demands
 
     def _assign(self, now: float) -> None:
@@ -329,8 +343,7 @@ class SlotTable:
 
     def _grantable(self, entry: Run, now: float) -> int:
         """The most slots `entry` could hold now if it asked for its max (for a slider)."""
-        demands = [d if d.run != entry.id else
-                   Demand(**{**asdict(d), "wanted": entry.max})
+        demands = [d if d.run != entry.id else replace(d, wanted=entry.max)
                    for d in self._demands(now)]
         return allocate(demands, self._capacity(), self._caps(),
                         self.weights).fair.get(entry.id, 0)
@@ -361,15 +374,20 @@ class SlotTable:
             self._freed[slot] = (entry.id, entry.name)
         del self.runs[entry.id]
 
+    def _tell_takes(self) -> None:
+        """Each run the value pass moves off its fair share hears why, once per change."""
+        takes = {t.run: t for t in self.allocation.takes if t.run in self.runs}
+        for run, take in takes.items():
+            if self._told.get(run) != take.to:
+                _note(self.runs[run], {"kind": "value", "why": take.why})
+        self._told = {run: t.to for run, t in takes.items()}
+
     def _event(self, r: Run, slot: int, giver: tuple | None) -> None:
         """`r` grew into `slot`; the run that gave it up (if any, and not `r`) hears where it
         went."""
-        r.events = (r.events + [{"kind": "grew", "slot": slot,
-                                 "from": giver[1] if giver else None}])[-MAX_EVENTS:]
+        _note(r, {"kind": "grew", "slot": slot, "from": giver[1] if giver else None})
         if giver and giver[0] in self.runs and giver[0] != r.id:
-            other = self.runs[giver[0]]
-            other.events = (other.events + [{"kind": "gave", "slot": slot, "to": r.name}])[
-                -MAX_EVENTS:]
+            _note(self.runs[giver[0]], {"kind": "gave", "slot": slot, "to": r.name})
 
     def _save(self) -> None:
         if not self.path:
@@ -421,6 +439,18 @@ def _check_demand(min, max, weight, wanted, standby) -> None:
                                or not min <= wanted <= max):
         raise ArbiterError(f"the size asked for must be an integer in [{min}, {max}], "
                            f"got {wanted!r}")
+
+
+def _note(r: Run, event: dict) -> None:
+    """An event for `r`'s next poll (the newest MAX_EVENTS kept)."""
+    r.events = (r.events + [event])[-MAX_EVENTS:]
+
+
+def _check_speed(speed) -> None:
+    try:
+        Speed.parse(speed)
+    except ValueError as e:
+        raise ArbiterError(str(e)) from None
 
 
 def check_weight(weight) -> None:

@@ -32,6 +32,11 @@ class Claimant(Protocol):
         """Block until it ended or `timeout` seconds passed; returns its state."""
         ...
 
+    def speed(self) -> list[tuple[int, float]]:
+        """(world size, samples per second) at each size it trained at recently (owner loop):
+        what the pool reports to the machine's arbiter."""
+        ...
+
     def note_event(self, kind: str, **fields: Any) -> None:
         """Record an event of the pool's (kind "slot" or "warning", with a ``message``) on
         the owner loop."""

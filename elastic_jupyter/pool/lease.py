@@ -62,7 +62,8 @@ class SlotLease:
         self.active = False  # whether a run trains on the pool (the pool's claim sets it)
         self.closed = False  # unregistered: no request registers the pool again
         self.engines: dict[str, int] = {}  # slot -> engine pid, as last reported
-        self.events: list[dict] = []  # "grew"/"gave" events not yet shown
+        self.events: list[dict] = []  # "grew"/"gave"/"value" events not yet shown
+        self._speed_taken = True  # the arbiter takes the run's speed (an older one does not)
         self._sent = self._taken = 0  # request numbers: a late reply never overwrites a newer
 
     # ---------------------------------------------------------------- what the grant says
@@ -116,16 +117,25 @@ class SlotLease:
             self.demand = before
             raise UsageError(str(e)) from None
 
-    async def poll(self, engines: dict[int, int]) -> dict:
+    async def poll(self, engines: dict[int, int],
+                   speed: list[tuple[int, float]] | None = None) -> dict:
         """The regular look: say whether the pool trains (an auto pool that does not wants
-        only its min) and which engine (pid) runs on which slot; returns the grant. A pool the
-        arbiter does not know (its state was lost) registers again, with its engines' slots."""
+        only its min), which engine (pid) runs on which slot and the run's speed by world size
+        (for the arbiter's value pass); returns the grant. A pool the arbiter does not know
+        (its state was lost) registers again, with its engines' slots. An arbiter of an
+        earlier release, which takes no speed, is asked without it from then on."""
         self.engines = {str(k): v for k, v in engines.items()}
+        extra = {"speed": speed} if speed and self._speed_taken else {}
         try:
             return await self._call(self.client.poll, self.id, active=self.active,
-                                    engines=self.engines)
+                                    engines=self.engines, **extra)
         except UnknownRun:
             return await self.register()
+        except ArbiterError as e:
+            if not extra or "unknown: speed" not in str(e):
+                raise
+            self._speed_taken = False
+            return await self.poll(engines)
 
     async def release(self, slots: list[int]) -> dict:
         """Hand back `slots` (no engine of the pool runs there any more)."""
@@ -231,7 +241,9 @@ class LeaseFollower:
         failing = None
         while self.engine_sets.running:
             try:
-                await self.lease.poll(engines={e.slot: e.pid for e in self.engine_sets.engines})
+                claimant = self._claimant()
+                await self.lease.poll({e.slot: e.pid for e in self.engine_sets.engines},
+                                      claimant.speed() if claimant is not None else None)
                 self._show_events()
                 if self._claimant() is None:
                     await self._follow_idle()
@@ -271,12 +283,16 @@ class LeaseFollower:
             await self.lease.release(sorted(unused))
 
     def _show_events(self) -> None:
-        """The arbiter's "grew into"/"gave" events go to the claimant's events (its chart)."""
+        """The arbiter's events ("grew into", "gave", and why its value pass moved slots) go to
+        the claimant's events (its chart)."""
         events, self.lease.events = self.lease.events, []
         if (claimant := self._claimant()) is not None:
             for event in events:
-                claimant.note_event("slot", message=describe_slot_event(event, self._kind),
-                                    slot=event["slot"])
+                if event["kind"] == "value":  # the arbiter's value pass moved slots: why
+                    claimant.note_event("slot", message=f"by value: {event['why']}")
+                else:
+                    claimant.note_event("slot", message=describe_slot_event(event, self._kind),
+                                        slot=event["slot"])
 
     def warn(self, message: str) -> None:
         """A failed look at the arbiter (or a request to it): logged, and noted on the

@@ -2,6 +2,8 @@
 new step it sees (loss, world size, throughput) about twice a second."""
 from __future__ import annotations
 
+import threading
+import time
 from typing import Callable
 
 from .runlog import RunLog, describe_event
@@ -15,6 +17,23 @@ class ProgressPrinter:
         self.log, self.total_steps = log, total_steps
         self._printed_events = 0
         self._printed_step = -1
+
+    def follow(self, done: threading.Event, timeout: float | None, progress: bool) -> bool:
+        """Block until `done` is set or `timeout` seconds pass, printing the progress about
+        twice a second when `progress`; returns False when interrupted (the kernel's stop
+        button), True otherwise."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not done.is_set():
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                done.wait(min(left, 0.5) if left is not None else 0.5)
+                if progress:
+                    self.print_new()
+        except KeyboardInterrupt:
+            return False
+        return True
 
     def print_new(self) -> None:
         """Print the events since the last call, then the newest step if it is new."""

@@ -29,6 +29,7 @@ from .driver import Driver
 from .progress import ProgressPrinter
 from .results import RunResults
 from .runlog import RunLog, describe_event
+from .speed_meter import SpeedMeter
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
 from .tensorboard import TensorBoardLog, log_folder
 
@@ -92,6 +93,7 @@ class TrainingRun:
             config.checkpoint_dir or os.path.join(workspace, CHECKPOINT_FOLDER, config.name))
         self.log_dir = os.path.join(self.checkpoint_dir, "logs")
         self.log = RunLog(self.log_dir)
+        self._speed = SpeedMeter(self.log)
         # the run's TensorBoard log opens there once the run is set up
         self.tensorboard_dir = log_folder(config.tensorboard, self.checkpoint_dir, self.name)
         if config.commit_every is not None:
@@ -253,6 +255,11 @@ class TrainingRun:
         if self.active:
             self._on_owner(self._sizer.stop)
 
+    def speed(self) -> list[tuple[int, float]]:
+        """(world size, samples per second) of the recent steps at each size it trained at
+        (owner loop; its pool reports it to the machine's arbiter)."""
+        return self._speed.speeds()
+
     def note_event(self, kind: str, **fields: Any) -> None:
         """Record an event of the pool's: its lease's slot events and warnings (owner loop)."""
         self.log.event(kind, **fields)
@@ -280,18 +287,8 @@ class TrainingRun:
         """
         if self.state == RunState.CREATED:
             raise UsageError(f"run {self.name!r} was not started: call run.start() first")
-        deadline = None if timeout is None else time.monotonic() + timeout
         printer = ProgressPrinter(self.log, lambda: self.total_steps)
-        done = self._driver.done
-        try:
-            while not done.is_set():
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                done.wait(min(left, 0.5) if left is not None else 0.5)
-                if progress:
-                    printer.print_new()
-        except KeyboardInterrupt:
+        if not printer.follow(self._driver.done, timeout, progress):
             print(f"Stopped waiting; run {self.name!r} keeps training (step {self.step}).")
             return self.state
         if progress:
