@@ -118,4 +118,4 @@ def _why(d: Demand, fair: int, to: int) -> str:
     s = _speed_of(d)
     verb = "gives up" if to < fair else "takes"
     return (f"{d.run} {verb} {abs(to - fair)} slot(s) of its fair share {fair}: "
-            f"{s.at(fair):.3g} steps/s at {fair}, {s.at(to):.3g} at {to}")
+            f"speed {s.at(fair):.3g} at {fair}, {s.at(to):.3g} at {to}")
