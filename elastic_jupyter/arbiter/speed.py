@@ -1,6 +1,7 @@
 """A run's speed by world size: measured where it trained, fitted between and beyond. Pure."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -35,11 +36,13 @@ class Speed:
         for size, speed in self.measured:
             if size == n:
                 return speed
-        a, b = self._fit()
+        a, b = self._fit
         return 1.0 / (a + b / n)
 
+    @functools.cached_property
     def _fit(self) -> tuple[float, float]:
-        """(a, b) of the step time a + b / n, least squares over the measured sizes."""
+        """(a, b) of the step time a + b / n, least squares over the measured sizes (fitted once:
+        the arbiter asks at every look)."""
         xs = [1.0 / n for n, _ in self.measured]
         ys = [1.0 / s for _, s in self.measured]
         if len(set(xs)) < 2:
