@@ -112,12 +112,12 @@ class JupyterLab:
         raise RuntimeError(f"jupyter lab did not answer within 90 s; see {self.log_path}")
 
     def __exit__(self, *exc) -> None:
-        # SIGINT twice is jupyter's graceful shutdown: kernels are shut down (their atexit
-        # handlers stop runs and pools), then the server exits.
-        for _ in range(2):
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGINT)
-            time.sleep(0.3)
+        # SIGTERM is jupyter's graceful stop, whatever the signal dispositions the server
+        # inherited (SIGINT is ignored in a process started in the background of a
+        # non-interactive shell, as CI may start the suite): its kernels are shut down (their
+        # atexit handlers stop runs and pools), then the server exits.
+        with contextlib.suppress(ProcessLookupError):
+            self.process.send_signal(signal.SIGTERM)
         try:
             self.process.wait(timeout=60)
         except subprocess.TimeoutExpired:

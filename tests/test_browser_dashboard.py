@@ -120,3 +120,6 @@ def test_slider_drag_resizes_while_a_cell_runs(lab, page):
     page.locator(".jp-Dialog button", has_text="Restart").click()
     wait_for(lambda: "Disconnected" in dashboard.locator(".ej-reason").inner_text(), 30,
              "the disconnected notice")
+    # the restart done before the server stops (one stopped mid-restart hangs in
+    # jupyter_client's shutdown_all: InvalidStateError on the kernel's ready future)
+    wait_for(lambda: "Kernel restarted" in open(lab.log_path).read(), 60, "the restart")
