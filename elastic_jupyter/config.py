@@ -202,6 +202,10 @@ class PoolOptions:
     weight: float | None = field(default=None, metadata=flag(
         "--weight", "the pool's weight in that fair share among your runs (default 1)",
         parse=float))
+    no_lend: bool = field(default=False, metadata=flag(
+        "--no-lend", "keep this pool's slots while no run trains on it (by default the "
+        "machine's arbiter lends them to auto runs after a minute, and they come back when "
+        "you train)"))
     no_arbiter: bool = field(default=False, metadata=flag(
         "--no-arbiter", "do not take slots from the machine's arbiter, even where the admin "
         "runs one (for --gpus lists and --schedule)"))

@@ -6,8 +6,10 @@ The timeline (each step waits for the world sizes the arbiter's fair share impli
 1. A (auto, min 1, max 4) alone grows to 4.
 2. B (auto) starts: A shrinks to 2 at a step boundary, B trains on the 2 freed slots.
 3. C (manual, 1 engine) starts: it takes a slot from an auto run; A + B hold 3.
-4. B stops its run (its idle auto pool keeps only its min), then its pool: A grows to 3;
-   C's slot is never taken.
+4. B stops its run: once its pool has been idle for the admin's lend_s, it lends its slot and
+   A grows to 3 while B's kernel and pool stay up ("lent to a" in B's status, "lent by b" in the
+   machine's view). B trains again: A hands the slot back at a step boundary. Then B stops its
+   pool: A grows to 3. C's slot is never taken.
 5. A process outside takes one of A's slots: A gives it up; once free, A grows back into it.
 
 Every run is then stopped, and its float64 parameters must equal those of a run of as many
@@ -83,7 +85,8 @@ def test_auto_runs_share_the_machine_and_learn_what_fixed_runs_learn(tmp_path, i
     folder.mkdir(mode=0o700)
     outside = tmp_path / "outside.json"
     outside.write_text("{}")
-    arbiter = start_arbiter(str(folder), {"hold_s": 2, "outside_file": str(outside)})
+    arbiter = start_arbiter(str(folder), {"hold_s": 2, "lend_s": 3,
+                                          "outside_file": str(outside)})
     env = {"ELASTIC_JUPYTER_ARBITER": str(folder)}
     kernels = {}
     try:
@@ -105,6 +108,21 @@ def test_auto_runs_share_the_machine_and_learn_what_fixed_runs_learn(tmp_path, i
             state(a)["w"] + state(b)["w"] == 3 or "A + B still hold 4"))
 
         final = {"b": b.execute("%elastic_stop\n" + PARAMS)[0]}
+        took = wait_for("A grows into the slot B's idle pool lends", sizes(a=(a, 3), c=(c, 1)))
+        print(f"A grew into B's lent slot {took:.1f} s after B's run stopped (lend_s 3)")
+        (table,) = b.execute(STATUS)
+        assert "lent to a (" in table and "back when you train" in table, table
+        lent = [s for s in ArbiterClient(str(folder)).view()["slots"]
+                if s["holder"] and s["holder"]["lent_by"]]
+        assert [(s["holder"]["name"], s["holder"]["lent_by"]["name"]) for s in lent] == [
+            ("a", "b")], lent
+        t0 = time.monotonic()
+        b.execute(f"%%elastic_train --name b2 --push DELAY {OPTIONS}\n{BODY}")
+        print(f"B's next run started on its slot, given back at A's step boundary, in "
+              f"{time.monotonic() - t0:.1f} s")
+        wait_for("B trains again beside A", lambda: (
+            state(b)["w"] == 1 and state(a)["w"] == 2) or (state(a), state(b)))
+        b.execute("%elastic_stop")
         b.execute("%elastic_pool stop")
         wait_for("A grows into B's slots", sizes(a=(a, 3), c=(c, 1)))
 

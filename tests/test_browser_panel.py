@@ -7,6 +7,7 @@ to artifacts/.
 """
 import json
 import os
+import pwd
 import shutil
 
 import pytest
@@ -115,12 +116,14 @@ def loss_fn(model, batch):
 
 def test_panel_shows_the_machine_and_its_auto_toggle_takes_effect(tmp_path, monkeypatch):
     """Three runs share a machine of 4 CPU slots, one of them busy outside: the panel's machine
-    view shows every holder, and ticking Auto on the manual run turns its auto mode on."""
+    view shows every holder, and ticking Auto on the manual run turns its auto mode on; once
+    that run stops, its idle pool lends its slot and the view says so."""
     folder = tmp_path / "arbiter"
     folder.mkdir(mode=0o700)
     outside = tmp_path / "outside.json"
     outside.write_text(json.dumps({"3": "pid 4242 (a job outside)"}))
-    arbiter = start_arbiter(str(folder), {"hold_s": 0, "outside_file": str(outside)})
+    arbiter = start_arbiter(str(folder), {"hold_s": 0, "lend_s": 10,
+                                          "outside_file": str(outside)})
     monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))  # the runs' and the server's
     pools = []
     try:
@@ -161,6 +164,11 @@ def test_panel_shows_the_machine_and_its_auto_toggle_takes_effect(tmp_path, monk
             wait_for(lambda: panel.locator(".ejp-machine-run[data-run='gamma']")
                      .get_attribute("data-auto") == "true", 15, "auto shown in the machine view")
             screenshot(page, "panel-machine.png")
+
+            pools[2].run.stop()  # gamma's pool idles: after lend_s, alpha or beta borrows
+            lent = panel.locator(".ejp-slot[data-lent-by='gamma']")
+            lent.wait_for(timeout=60_000)
+            assert f"lent by {pwd.getpwuid(os.getuid()).pw_name}/gamma" in lent.inner_text()
         view = ArbiterClient(str(folder)).view()
         assert [r["auto"] for r in view["runs"]] == [True, True, True]
     finally:

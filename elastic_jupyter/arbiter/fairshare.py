@@ -21,11 +21,14 @@ its demand, a slot is freed or taken from outside) and hands each run its target
 - **By value** (:mod:`.value`), for auto runs that report their speed: a run gives up the slots
   of its fair share that do not make it faster, and those slots go where they add the most
   relative speed; no auto run is slower than at its fair share.
+- **Lending** (:mod:`.lending`): a pool idle for the admin's ``lend_s`` lends the slots of its
+  target to auto runs that want more; it gets them back when it trains again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .lending import lend
 from .speed import Speed
 from .value import Take, by_value
 
@@ -44,6 +47,7 @@ class Demand:
         held: training slots it holds now (standby slots apart).
         pinned: how many of those moved to it less than the hold time ago.
         speed: its measured speed by world size (None: not reported; see :mod:`.value`).
+        lends: it lends its slots now (an idle pool: :mod:`.lending`).
     """
 
     run: str
@@ -57,6 +61,7 @@ class Demand:
     held: int = 0
     pinned: int = 0
     speed: Speed | None = None
+    lends: bool = False
 
 
 @dataclass
@@ -68,12 +73,14 @@ class Allocation:
         queue: runs waiting for their min, first in line first.
         fair: run -> its fair share before the no-flap rule (what the panel shows).
         takes: where the value pass moved slots off the fair share, and why.
+        lent: lender -> slots of its target that went to runs that want more.
     """
 
     targets: dict[str, int] = field(default_factory=dict)
     queue: list[str] = field(default_factory=list)
     fair: dict[str, int] = field(default_factory=dict)
     takes: list[Take] = field(default_factory=list)
+    lent: dict[str, int] = field(default_factory=dict)
 
 
 def allocate(demands: list[Demand], capacity: int, caps: dict[str, int] | None = None,
@@ -97,7 +104,9 @@ def allocate(demands: list[Demand], capacity: int, caps: dict[str, int] | None =
     fair = _fill(admitted, floor, ceiling, capacity, caps, user_weights)
     targets = _hold_pinned(admitted, fair, floor, ceiling, capacity)
     targets, takes = by_value(admitted, targets, ceiling, capacity, caps)
-    return Allocation(targets=targets, queue=[d.run for d in queue], fair=fair, takes=takes)
+    targets, lent = lend(admitted, targets, ceiling, caps)
+    return Allocation(targets=targets, queue=[d.run for d in queue], fair=fair, takes=takes,
+                      lent=lent)
 
 
 def _floor(d: Demand) -> int:

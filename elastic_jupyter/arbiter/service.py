@@ -19,7 +19,7 @@ The wire (requests carry ``"op"``; replies ``"ok"`` and, when false, ``"error"``
 op             arguments                                                   reply
 =============  ==========================================================  =================
 register       run, name, notebook, min, max, weight, auto, wanted,        the run's grant
-               standby
+               standby, lend (false: never lend its slots)
 poll           run, active (it trains), engines ({slot: pid}),              grant + events
                speed ([[world size, samples/s], ...]: arbiter/value.py)
 release        run, slots                                                   the run's grant
@@ -104,7 +104,8 @@ class Arbiter:
         self._table = SlotTable(self.provider.slots(), os.path.join(self.folder, STATE),
                                 cap=self.settings.cap, weights=self.settings.weights,
                                 hold_s=self.settings.hold_s, idle_s=self.settings.idle_s,
-                                alive=alive, by_value=self.settings.by_value)
+                                alive=alive, by_value=self.settings.by_value,
+                                lend_s=self.settings.lend_s)
         return True
 
     async def serve(self, linger_s: float | None = None) -> None:
@@ -222,7 +223,7 @@ class Arbiter:
 ARGUMENTS: dict[str, dict[str, type | tuple[type, ...]]] = {
     "register": {"run": str, "name": str, "notebook": str, "min": int, "max": int,
                  "weight": (int, float), "auto": bool, "wanted": (int, type(None)),
-                 "standby": int, "active": bool, "engines": dict},
+                 "standby": int, "active": bool, "engines": dict, "lend": bool},
     "poll": {"run": str, "active": bool, "engines": dict, "speed": list},
     "release": {"run": str, "slots": list},
     "unregister": {"run": str},

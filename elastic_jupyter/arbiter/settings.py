@@ -10,6 +10,7 @@ which only whoever starts the arbiter chooses) once at start. Every key is optio
       "weights": {"alice": 2.0},          # a user's weight in the fair share (default 1)
       "hold_s": 30,              # a slot that moved does not move again for this long
       "idle_s": 1800,            # a pool that has not trained for this long gives its slots back
+      "lend_s": 60,              # ... and after this long lends them to auto runs that want more
       "by_value": false,         # give slots by the speeds runs report (arbiter/value.py)
       "outside_memory_mib": 1024,         # a GPU no engine of ours uses, with more memory in use
                                           # than this, is busy outside
@@ -38,6 +39,7 @@ class Settings:
     weights: dict = field(default_factory=dict)
     hold_s: float = 30.0
     idle_s: float = 1800.0
+    lend_s: float = 60.0
     by_value: bool = False
     outside_memory_mib: int = 1024
     outside_file: str | None = None
@@ -81,7 +83,7 @@ class Settings:
         if not isinstance(self.weights, dict) or not all(
                 _number(v) and v > 0 for v in self.weights.values()):
             bad("weights", "an object of user names to positive numbers")
-        for key in ("hold_s", "idle_s"):
+        for key in ("hold_s", "idle_s", "lend_s"):
             if not _number(getattr(self, key)) or getattr(self, key) < 0:
                 bad(key, "a non-negative number of seconds")
         if not isinstance(self.by_value, bool):

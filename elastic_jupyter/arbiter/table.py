@@ -16,16 +16,12 @@ grows.
 """
 from __future__ import annotations
 
-import json
-import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .fairshare import Allocation, Demand, allocate
 from .speed import Speed
-
-log = logging.getLogger("elastic_jupyter.arbiter")
+from .state_file import StateFile
 
 MAX_EVENTS = 50  # undelivered events kept per run
 MAX_WEIGHT = 1e6  # a run's weight: finite, so shares per weight stay comparable
@@ -66,6 +62,7 @@ class Run:
     events: list = field(default_factory=list)  # not yet delivered
     training: bool = True  # as of its last poll: an auto run that does not train wants its min
     speed: list = field(default_factory=list)  # [[world size, speed], ...] as last reported
+    lend: bool = True  # its slots may be lent while it does not train (--no-lend: False)
 
 
 @dataclass
@@ -88,18 +85,19 @@ class SlotTable:
         weights: user -> weight in the fair share (absent: 1).
         hold_s: a slot that moved is not taken again for this long (no flapping).
         idle_s: a run that has not trained for this long gives its slots back.
+        lend_s: a run that has not trained for this long lends its slots (:mod:`.lending`).
         alive: (pid, start_time) -> whether that process still runs.
         by_value: give slots by the speeds runs report (arbiter/value.py); else fair share.
     """
 
     def __init__(self, slots: list[int], path: str | None, cap=None,
                  weights: dict | None = None, hold_s: float = 30.0, idle_s: float = 1800.0,
-                 alive=None, by_value: bool = False):
+                 alive=None, by_value: bool = False, lend_s: float = 60.0):
         self.slots = list(slots)
-        self.path = path
+        self.state_file = StateFile(path)
         self.cap = cap or (lambda user: None)
         self.weights = dict(weights or {})
-        self.hold_s, self.idle_s, self.by_value = hold_s, idle_s, by_value
+        self.hold_s, self.idle_s, self.by_value, self.lend_s = hold_s, idle_s, by_value, lend_s
         self.alive = alive or (lambda pid, start: True)
         self.runs: dict[str, Run] = {}
         self.leases: dict[int, Lease] = {}
@@ -109,8 +107,8 @@ class SlotTable:
         self._freed: dict[int, tuple] = {}  # slot -> (run id, name) that gave it back, for events
         self._saved: tuple | None = None  # the fingerprint of what the state file holds
         self._told: dict[str, int] = {}  # run -> the target the value pass last told it of
-        if path and os.path.exists(path):
-            self._load(path)
+        self._lent: dict[int, str] = {}  # slot -> the lender whose slot a borrower holds
+        self._load()
 
     # ------------------------------------------------------------------ requests
 
@@ -118,11 +116,11 @@ class SlotTable:
                  name: str = "", notebook: str = "", min: int = 1, max: int = 1,
                  weight: float = 1.0, auto: bool = False, wanted: int | None = None,
                  standby: int = 0, active: bool = True, engines: dict | None = None,
-                 now: float | None = None) -> dict:
+                 lend: bool = True, now: float | None = None) -> dict:
         """A run states (or restates) its demand, whether it trains and where its engines run
         (`active`, `engines` as in :meth:`poll`; a run registering again after the arbiter
-        lost its state gets the free slots its engines run on first). Returns its grant
-        (:meth:`grant`).
+        lost its state gets the free slots its engines run on first) and whether its slots
+        may be lent while it does not train (`lend`). Returns its grant (:meth:`grant`).
         Raises ArbiterError for bounds that do not fit, or a run of another user."""
         now = time.time() if now is None else now
         _check_demand(min, max, weight, wanted, standby)
@@ -144,7 +142,7 @@ class SlotTable:
         entry.name, entry.notebook = name or entry.name, notebook or entry.notebook
         entry.min, entry.max, entry.weight, entry.auto = min, max, float(weight), bool(auto)
         entry.wanted = min if wanted is None else wanted
-        entry.standby = standby
+        entry.standby, entry.lend = standby, bool(lend)
         entry.active, entry.training = now, bool(active)
         if engines is not None:
             entry.engines = {str(k): int(v) for k, v in engines.items()}
@@ -214,7 +212,8 @@ class SlotTable:
         """What `run` holds and should do: ``target`` training slots, the ``slots`` it trains
         on and its ``standby`` slots, ``give_back`` (training slots to release at its next step
         boundary), ``revoke`` (standby slots to release now), ``queued`` (its place in the
-        queue, 1 first, or None) and ``grantable`` (the most it could get now)."""
+        queue, 1 first, or None), ``grantable`` (the most it could get now) and ``lent`` (its
+        slots other runs hold while it does not train: slot, to, user)."""
         entry = self.runs[run]
         mine = [lease for lease in self.leases.values() if lease.run == run]
         training = sorted(x.slot for x in mine if not x.standby)
@@ -226,7 +225,10 @@ class SlotTable:
                 "revoke": sorted(x.slot for x in mine if x.standby and self._revoked(x)),
                 "queued": queue.index(run) + 1 if run in queue else None,
                 "fair": self.allocation.fair.get(run, 0),
-                "grantable": self._grantable(entry, now)}
+                "grantable": self._grantable(entry, now),
+                "lent": [{"slot": slot, "to": self.runs[self.leases[slot].run].name,
+                          "user": self.runs[self.leases[slot].run].user}
+                         for slot, lender in sorted(self._lent.items()) if lender == run]}
 
     def view(self, now: float | None = None) -> dict:
         """The machine: every slot with its holder, every run with its demand, target and
@@ -238,14 +240,18 @@ class SlotTable:
             holder = None
             if lease is not None:
                 r = self.runs[lease.run]
+                lender = self.runs.get(self._lent.get(slot, ""))
                 holder = {"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
                           "since": lease.since, "standby": lease.standby,
-                          "engine_pid": r.engines.get(str(slot))}
+                          "engine_pid": r.engines.get(str(slot)),
+                          "lent_by": None if lender is None else {
+                              "name": lender.name, "user": lender.user}}
             slots.append({"slot": slot, "holder": holder, "outside": self.outside.get(slot)})
         runs = [{"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
                  "since": r.since, "min": r.min, "max": r.max, "weight": r.weight, "auto": r.auto,
                  "wanted": r.wanted, "target": self.allocation.targets.get(r.id, 0),
-                 "speed": r.speed,
+                 "speed": r.speed, "lend": r.lend,
+                 "lent": sum(1 for lender in self._lent.values() if lender == r.id),
                  "queued": (self.allocation.queue.index(r.id) + 1
                             if r.id in self.allocation.queue else None),
                  "held": sum(1 for x in self.leases.values()
@@ -262,15 +268,20 @@ class SlotTable:
                                    self.weights)
         self._tell_takes()
         self._assign(now)
+        self._lent = {slot: lender for slot, lender in self._lent.items()
+                      if lender in self.runs and slot in self.leases
+                      and self.leases[slot].run != lender}
         saved = self._fingerprint()
         if saved != self._saved:
-            self._save()
+            self.state_file.save({"arrivals": self._arrivals,
+                                  "runs": [asdict(r) for r in self.runs.values()],
+                                  "leases": [asdict(x) for x in self.leases.values()]})
             self._saved = saved
 
     def _fingerprint(self) -> tuple:
         return (tuple(sorted((x.slot, x.run, x.standby) for x in self.leases.values())),
                 tuple(sorted((r.id, r.pid, r.name, r.notebook, r.min, r.max, r.weight, r.auto,
-                              r.wanted, r.standby) for r in self.runs.values())))
+                              r.wanted, r.standby, r.lend) for r in self.runs.values())))
 
     def _capacity(self) -> int:
         return len([s for s in self.slots if s not in self.outside])
@@ -282,12 +293,14 @@ class SlotTable:
                         and x.slot not in self.outside]
             idle = now - r.active > self.idle_s  # its pool gives every slot back
             ceiling = r.max if r.training or not r.auto else r.min  # nothing to train on more
+            lends = r.lend and not r.training and now - r.active > self.lend_s
             demands.append(Demand(
                 run=r.id, user=r.user, arrival=r.arrival, min=0 if idle else r.min,
                 max=0 if idle else ceiling, weight=r.weight, auto=r.auto or idle,
                 wanted=r.wanted, held=len(training),
                 pinned=sum(1 for x in training if now - x.since < self.hold_s),
-                speed=Speed.parse(r.speed) if r.auto and self.by_value else None))
+                speed=Speed.parse(r.speed) if r.auto and self.by_value else None,
+                lends=lends))
         return demands
 
     def _assign(self, now: float) -> None:
@@ -307,6 +320,8 @@ class SlotTable:
                 slot = free.pop(0)
                 giver = self._freed.pop(slot, None)
                 training.append(self.leases.setdefault(slot, Lease(slot, r.id, now)))
+                if giver and giver[0] != r.id and giver[0] in self.allocation.lent:
+                    self._lent[slot] = giver[0]
                 self._event(r, slot, giver)
         if any(self._short(r) for r in self.runs.values()):
             return  # someone waits: no slot goes to a standby wish
@@ -389,34 +404,14 @@ class SlotTable:
         if giver and giver[0] in self.runs and giver[0] != r.id:
             _note(self.runs[giver[0]], {"kind": "gave", "slot": slot, "to": r.name})
 
-    def _save(self) -> None:
-        if not self.path:
+    def _load(self) -> None:
+        def parse(state: dict) -> tuple:
+            return (int(state["arrivals"]), [Run(**r) for r in state["runs"]],
+                    [Lease(**x) for x in state["leases"]])
+        loaded = self.state_file.load(parse)
+        if loaded is None:
             return
-        state = {"arrivals": self._arrivals,
-                 "runs": [asdict(r) for r in self.runs.values()],
-                 "leases": [asdict(x) for x in self.leases.values()]}
-        tmp = f"{self.path}.tmp-{os.getpid()}"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(state, f)
-            os.replace(tmp, self.path)
-        except OSError as e:  # a full disk: serving goes on, a restart would lose this change
-            log.error("arbiter: could not save %s: %s", self.path, e)
-
-    def _load(self, path: str) -> None:
-        try:
-            with open(path) as f:
-                state = json.load(f)
-            runs = [Run(**r) for r in state["runs"]]
-            leases = [Lease(**x) for x in state["leases"]]
-            arrivals = int(state["arrivals"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            aside = f"{path}.unreadable-{int(time.time())}"
-            os.replace(path, aside)
-            log.error("arbiter: %s is unreadable (%s: %s); moved to %s, starting without "
-                      "leases", path, type(e).__name__, e, aside)
-            return
-        self._arrivals = arrivals
+        self._arrivals, runs, leases = loaded
         now = time.time()
         # when a run last trained is not saved at every poll: the idle clock starts anew
         for r in runs:

@@ -164,9 +164,11 @@ class SlotLease:
 
 def pool_lease(config: PoolConfig, launcher: Launcher, jobs: Callable[[], list[str]],
                auto: bool, weight: float, arbiter: bool | None, gpus: str, name: str,
-               notebook: str | None) -> SlotLease | None:
+               notebook: str | None, lend: bool = True) -> SlotLease | None:
     """The lease of a new pool (EnginePool's arguments), or None when it does not take its
     slots from an arbiter; `jobs` returns the pool's batch jobs (a Slurm auto pool's own).
+    A pool that keeps its slots says ``lend: false`` (only then: an arbiter of an earlier
+    release, which never lends, would refuse the word).
     Raises UsageError: ``auto`` without the arbiter, a refused weight, a GPU list in lease
     mode, or ``auto`` where the launcher's arbiter refuses it."""
     if arbiter is None:
@@ -185,7 +187,7 @@ def pool_lease(config: PoolConfig, launcher: Launcher, jobs: Callable[[], list[s
     return SlotLease(f"pool-{uuid.uuid4().hex}", dict(
         name=name or "pool", notebook=notebook or os.environ.get("JPY_SESSION_NAME", ""),
         min=config.min_size, max=config.max_size, weight=weight, auto=auto, wanted=config.n,
-        standby=0), client)
+        standby=0, **({} if lend else {"lend": False})), client)
 
 
 def check_weight_usage(weight: float) -> None:

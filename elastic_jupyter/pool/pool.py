@@ -48,6 +48,9 @@ class EnginePool:
             queue does (grow while the partition is idle, give back while others wait:
             :mod:`.arbiter.slurm`).
         weight: the pool's weight in that fair share among its user's runs (> 0).
+        lend: while no run trains on it for the admin's ``lend_s`` (a minute by default), the
+            arbiter may lend the pool's slots to auto runs that want more; they come back when
+            a run starts on it (docs/arbiter.md). False keeps them.
         arbiter: take slots from the machine's arbiter (default: with ``auto``, or when the
             admin runs a shared one or ``$ELASTIC_JUPYTER_ARBITER`` names one).
         name, notebook: how the machine's view shows the pool (a run on it renames it).
@@ -69,7 +72,8 @@ class EnginePool:
     def __init__(self, n: int | None = None, min_size: int | None = None,
                  max_size: int | None = None, gpus: str = "all", engine_timeout: float = 60.0,
                  auto: bool = False, weight: float = 1.0, arbiter: bool | None = None,
-                 name: str = "", notebook: str | None = None, launcher: Launcher | None = None):
+                 name: str = "", notebook: str | None = None, launcher: Launcher | None = None,
+                 lend: bool = True):
         self.launcher = launcher or LocalLauncher()
         if not self.launcher.local:
             if gpus not in ("all", "none"):
@@ -85,7 +89,7 @@ class EnginePool:
             self.config.threads_per_engine = self.launcher.cpus_per_engine
         # the pool's jobs are asked for once it runs (a Slurm auto pool's own)
         self.lease = pool_lease(self.config, self.launcher, lambda: self.engine_sets.jobs(),
-                                auto, weight, arbiter, gpus, name, notebook)
+                                auto, weight, arbiter, gpus, name, notebook, lend)
         self.owner = get_owner()
         self.slots = Slots(self.config.max_size, self.lease, lambda: {e.slot for e in self.engines})
         self.engine_sets = EngineSets(self.launcher, self.config, self.slots)
@@ -263,14 +267,16 @@ class EnginePool:
 
     def lease_status(self) -> dict | None:
         """The pool's lease as views show it (None outside lease mode): auto, weight, the
-        training and standby slots, target, queue place, grantable."""
+        training and standby slots, target, queue place, grantable, whether it lends and the
+        slots it lent (slot, to, user)."""
         if self.lease is None:
             return None
         g = self.lease.grant
         return {"auto": self.lease.demand["auto"], "weight": self.lease.demand["weight"],
                 "slots": g.get("slots", []), "standby": g.get("standby", []),
                 "target": g.get("target", 0), "queued": g.get("queued"),
-                "grantable": g.get("grantable", 0)}
+                "grantable": g.get("grantable", 0), "lend": self.lease.demand.get("lend", True),
+                "lent": g.get("lent", [])}
 
     def status(self) -> dict:
         return {"running": self.running, "size": self.size, "start_size": self.config.n,

@@ -1,5 +1,6 @@
 """What a start prints while the pool waits for its slots: its place in the machine's queue (lease
-mode) and its engine jobs that wait in a batch scheduler's queue."""
+mode), the runs its idle pool lent slots to, and its engine jobs that wait in a batch
+scheduler's queue."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -36,6 +37,7 @@ class QueuePrinter:
         future = self.owner.submit(coro)
         shown: int | None = None
         jobs: dict[int, Job] = {}
+        lent_shown = False
         while True:
             try:
                 concurrent.futures.wait([future], timeout=POLL_S)
@@ -49,6 +51,12 @@ class QueuePrinter:
                 print(f"Waiting for {self.min_size} slot(s): place {place} in the machine's "
                       "queue (%elastic_pool status shows who holds the slots)", flush=True)
             shown = place
+            lent = self.lease.grant.get("lent", []) if self.lease is not None else []
+            if lent and not lent_shown:
+                print("Waiting for the slot(s) this pool lent while idle: " + ", ".join(
+                    f"slot {x['slot']} from {x['to']} ({x['user']})" for x in lent)
+                    + ", back at that run's next step boundary", flush=True)
+            lent_shown = lent_shown or bool(lent)
             if (now := self.queued()) != jobs:
                 jobs = now
                 if jobs:

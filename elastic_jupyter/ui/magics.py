@@ -70,7 +70,12 @@ def _status_table(status: dict) -> str:
         lines.append(f"Lease: {'auto' if lease['auto'] else 'manual'}, weight {lease['weight']:g}"
                      f", training slots {lease['slots']}, standby {lease['standby']}, "
                      f"target {lease['target']}, grantable {lease['grantable']}"
-                     + (f", place {lease['queued']} in the queue" if lease["queued"] else ""))
+                     + (f", place {lease['queued']} in the queue" if lease["queued"] else "")
+                     + ("" if lease.get("lend", True) else ", keeps its slots (--no-lend)"))
+        for lent in lease.get("lent", []):
+            lines.append(f"Slot {lent['slot']} lent to {lent['to']} ({lent['user']}) while no "
+                         "run trains here; back when you train: the start waits for that "
+                         "run's next step and an engine start")
     return "\n".join(lines)
 
 
@@ -89,7 +94,8 @@ def _machine_table(view: dict, now: float) -> str:
     for s in view["slots"]:
         h = s["holder"]
         if h is not None:
-            who = h["name"] + (" (standby)" if h["standby"] else "")
+            who = h["name"] + (" (standby)" if h["standby"] else "") + (
+                f" (lent by {h['lent_by']['name']})" if h.get("lent_by") else "")
             row = (who, h["user"], h["notebook"] or "-", f"{now - h['since']:.0f} s")
         elif s["outside"]:
             row = ("outside: " + s["outside"], "-", "-", "-")
@@ -223,7 +229,7 @@ class ElasticMagics(Magics):
                                    given.engine_timeout, auto=given.auto,
                                    weight=_weight(given.weight),
                                    arbiter=False if given.no_arbiter else None,
-                                   launcher=_launcher(args)).start()
+                                   launcher=_launcher(args), lend=not given.no_lend).start()
             print(f"Started {self.pool!r} on {self.pool.launcher.describe()}: " + ", ".join(
                 f"slot {e.slot} ({e.device} on {e.host}, pid {e.pid})"
                 for e in self.pool.engines))

@@ -128,6 +128,8 @@ test('in lease mode the slider reaches what the arbiter can grant, never below t
   assert.equal(describeLease(lease), 'manual · slots 0, 2 · up to 3 now');
   assert.equal(describeLease({ ...lease, auto: true, weight: 2, slots: [], queued: 1 }),
     'auto ×2 · slots none · up to 3 now · queued #1');
+  assert.equal(describeLease({ ...lease, slots: [0], lent: [{ slot: 2, to: 'run-x', user: 'bob' }] }),
+    'manual · slots 0 · up to 3 now · slot 2 lent to bob/run-x; back when you train');
   assert.notEqual(fingerprint([run({ lease })]), fingerprint([run({ lease: { ...lease, auto: true } })]));
 });
 

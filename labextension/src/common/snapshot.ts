@@ -43,6 +43,8 @@ export interface LeaseState {
   target: number;
   queued: number | null; // place in the machine's queue, 1 next
   grantable: number; // the most slots the arbiter could grant now: the slider's range
+  lend?: boolean; // false: the pool keeps its slots while idle (--no-lend)
+  lent?: { slot: number; to: string; user: string }[]; // its slots other runs hold while it is idle
 }
 
 /** The machine as its arbiter sees it (GET elastic/api/machine). */
@@ -53,7 +55,10 @@ export interface MachineView {
   time?: number;
   slots?: {
     slot: number;
-    holder: { run: string; name: string; user: string; notebook: string; since: number; standby: boolean } | null;
+    holder: {
+      run: string; name: string; user: string; notebook: string; since: number; standby: boolean;
+      lent_by?: { name: string; user: string } | null; // an idle pool lent this slot to the holder
+    } | null;
     outside: string | null;
     util?: number;
     memory_mib?: number;

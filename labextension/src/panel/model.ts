@@ -30,7 +30,8 @@ export function describeLease(lease: LeaseState | null): string {
     `slots ${lease.slots.join(', ') || 'none'}`,
     lease.standby.length ? `standby ${lease.standby.join(', ')}` : '',
     `up to ${lease.grantable} now`,
-    lease.queued ? `queued #${lease.queued}` : ''
+    lease.queued ? `queued #${lease.queued}` : '',
+    ...(lease.lent ?? []).map(l => `slot ${l.slot} lent to ${l.user}/${l.to}; back when you train`)
   ].filter(Boolean).join(' · ');
 }
 
@@ -38,7 +39,7 @@ export function describeLease(lease: LeaseState | null): string {
 export function fingerprint(runs: RunSnapshot[]): string {
   return JSON.stringify(runs.map(r => [
     r.id, r.state, r.step, r.world_size, r.requested_size, r.resize?.pending, r.checkpoints.length,
-    r.lease?.auto, r.lease?.slots, r.queued, r.excluded
+    r.lease?.auto, r.lease?.slots, r.lease?.lent, r.queued, r.excluded
   ]));
 }
 

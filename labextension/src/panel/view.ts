@@ -75,10 +75,10 @@ export function renderMachine(view: MachineView, now: number): HTMLElement[] {
   const kind = view.kind === 'gpu' ? 'GPU' : 'slot';
   const slots = (view.slots ?? []).map(s => {
     const holder = s.holder
-      ? `${s.holder.name}${s.holder.standby ? ' (standby)' : ''} · ${s.holder.user}${s.holder.notebook ? ' · ' + basename(s.holder.notebook) : ''} · ${formatAge(now - s.holder.since)}`
+      ? `${s.holder.name}${s.holder.standby ? ' (standby)' : ''} · ${s.holder.user}${s.holder.notebook ? ' · ' + basename(s.holder.notebook) : ''} · ${formatAge(now - s.holder.since)}${s.holder.lent_by ? ` · lent by ${s.holder.lent_by.user}/${s.holder.lent_by.name}` : ''}`
       : s.outside ? `outside: ${s.outside}` : 'free';
     const use = [s.util !== undefined ? `${s.util}%` : '', s.memory_mib !== undefined ? `${s.memory_mib} MiB` : ''].filter(Boolean).join(' · ');
-    return h('tr', { class: 'ejp-slot', 'data-slot': String(s.slot), 'data-holder': s.holder?.name ?? (s.outside ? 'outside' : 'free') },
+    return h('tr', { class: 'ejp-slot', 'data-slot': String(s.slot), 'data-holder': s.holder?.name ?? (s.outside ? 'outside' : 'free'), 'data-lent-by': s.holder?.lent_by?.name ?? '' },
       h('td', {}, `${kind} ${s.slot}`), h('td', {}, holder), h('td', { class: 'ejp-dim' }, use));
   });
   const runs = (view.runs ?? []).map(r => h('tr', { class: 'ejp-machine-run', 'data-run': r.name, 'data-auto': String(r.auto) },

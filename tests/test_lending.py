@@ -1,0 +1,93 @@
+"""Idle pools lend their slots (arbiter/lending.py), without a process: the pure pass, and the
+slot table that keeps who lent what to whom (the two-kernel scenario is in test_auto.py)."""
+from __future__ import annotations
+
+from elastic_jupyter.arbiter.fairshare import Demand, allocate
+from elastic_jupyter.arbiter.speed import Speed
+from elastic_jupyter.arbiter.table import SlotTable
+
+
+def auto(run, user, arrival, lo=1, hi=4, **kw):
+    return Demand(run, user, arrival, min=lo, max=hi, auto=True, **kw)
+
+
+def lender(run, user, arrival, held=1):
+    """An idle auto pool (its ceiling is its min) that lends."""
+    return Demand(run, user, arrival, min=1, max=1, auto=True, held=held, lends=True)
+
+
+def test_an_idle_pool_lends_to_an_auto_run_that_wants_more_and_keeps_what_nobody_wants():
+    out = allocate([auto("A", "alice", 1, held=1), lender("B", "bob", 2)], 2)
+    assert out.targets == {"A": 2, "B": 0} and out.lent == {"B": 1}
+    # nobody wants more: the lender keeps its slot (and its engine up)
+    out = allocate([auto("A", "alice", 1, hi=1, held=1), lender("B", "bob", 2)], 2)
+    assert out.targets == {"A": 1, "B": 1} and out.lent == {}
+
+
+def test_only_auto_runs_borrow_within_their_users_cap():
+    manual = Demand("M", "alice", 1, min=1, max=4, wanted=4, held=1)
+    assert allocate([manual, lender("B", "bob", 2)], 2).targets == {"M": 1, "B": 1}
+    capped = allocate([auto("A", "alice", 1, held=1), lender("B", "bob", 2)], 2,
+                      caps={"alice": 1})
+    assert capped.targets == {"A": 1, "B": 1}
+    # a slot moving between one user's runs changes nothing in that user's cap
+    same_user = allocate([auto("A", "bob", 1, held=1), lender("B", "bob", 2)], 2,
+                         caps={"bob": 2})
+    assert same_user.targets == {"A": 2, "B": 0}
+
+
+def test_the_fewest_slots_per_weight_borrow_first_and_a_slot_that_adds_no_speed_is_not_taken():
+    out = allocate([auto("A", "alice", 1, held=2), auto("C", "carol", 3, held=1),
+                    lender("B", "bob", 2)], 4)
+    assert out.targets == {"A": 2, "C": 2, "B": 0}
+    flat = Speed(((1, 10.0), (2, 10.0)))  # a second slot makes it no faster
+    out = allocate([auto("A", "alice", 1, hi=2, held=1, speed=flat), lender("B", "bob", 2)], 2)
+    assert out.targets == {"A": 1, "B": 1} and out.lent == {}
+
+
+def test_a_lent_slot_never_admits_a_run():
+    # B lends its slot to A; C's min does not fit beside A's and B's mins: C waits
+    out = allocate([auto("A", "alice", 1, held=1), lender("B", "bob", 2),
+                    auto("C", "carol", 3)], 2)
+    assert out.queue == ["C"] and out.targets == {"A": 2, "B": 0}
+
+
+# ---------------------------------------------------------------------- the slot table
+
+def two_pools(**kw) -> SlotTable:
+    """A (alice, auto 1..2) holds slot 0 and wants 2; B (bob, auto min 1) holds slot 1 and
+    stops training at t=1000."""
+    t = SlotTable([0, 1], None, hold_s=0.0, lend_s=60.0, **kw)
+    t.register(1, "alice", 11, 1.0, "A", name="a", min=1, max=2, auto=True, now=1000.0)
+    t.register(2, "bob", 22, 2.0, "B", name="b", min=1, max=1, auto=True, now=1000.0)
+    t.release(1, "A", t.poll(1, "A", now=1000.0)["give_back"], now=1000.0)
+    assert t.poll(1, "A", now=1000.0)["slots"] == [0]
+    assert t.poll(2, "B", active=False, now=1000.0)["slots"] == [1]
+    return t
+
+
+def test_a_pool_idle_for_lend_s_lends_and_gets_its_slot_back_when_it_trains():
+    t = two_pools()
+    assert t.poll(2, "B", active=False, now=1059.0)["give_back"] == []  # not idle long enough
+    assert t.poll(2, "B", active=False, now=1061.0)["give_back"] == [1]
+    t.release(2, "B", [1], now=1061.5)
+    assert t.poll(1, "A", now=1062.0)["slots"] == [0, 1]
+    b = t.poll(2, "B", active=False, now=1062.0)
+    assert b["lent"] == [{"slot": 1, "to": "a", "user": "alice"}] and b["target"] == 0
+    view = t.view(now=1062.0)
+    assert view["slots"][1]["holder"]["lent_by"] == {"name": "b", "user": "bob"}
+    assert [r["lent"] for r in view["runs"]] == [0, 1]
+    # B trains again: A hands the slot back at its next step boundary, B's min is kept
+    assert t.poll(2, "B", active=True, now=1100.0)["target"] == 1
+    assert t.poll(1, "A", now=1100.0)["give_back"] == [1]
+    t.release(1, "A", [1], now=1101.0)
+    assert t.poll(2, "B", now=1101.0)["slots"] == [1]
+    assert t.poll(2, "B", now=1101.0)["lent"] == [] and t.view(now=1101.0)["runs"][1]["lent"] == 0
+
+
+def test_a_pool_that_keeps_its_slots_never_lends():
+    t = two_pools()
+    t.register(2, "bob", 22, 2.0, "B", name="b", min=1, max=1, auto=True, active=False,
+               lend=False, now=1000.0)
+    assert t.poll(2, "B", active=False, now=1500.0)["give_back"] == []
+    assert t.view(now=1500.0)["runs"][1]["lend"] is False
