@@ -22,7 +22,13 @@ run's first completed step on 4 ranks. (2) With a standby engine: a run at 3 wit
 ``--standby 1`` holds the 4th slot as standby; ``run.resize(4)``: request to the first step
 on 4 ranks (the arbiter turns the standby lease into a training lease, no engine starts).
 
-Run: ``python benchmarks/auto_day.py [--only day|latency]``; figures in BENCHMARKS.md.
+**A lent slot** (the arbiter's default ``lend_s``, 60 s): an auto run trains on 3 slots while
+another notebook's auto pool trains on the 4th; that pool's run stops and the pool stays up.
+Reported: from the run's stop to the auto run's first step on 4 ranks (lend_s, then a cold
+growth), and the lender's next run, from its ``start()`` to its first step (the borrower's step
+boundary, an engine start and the cell's setup).
+
+Run: ``python benchmarks/auto_day.py [--only day|latency|lend]``; figures in BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -165,6 +171,33 @@ def standby_grow(folder) -> dict:
         pool.stop()
 
 
+def lent_slot(folder) -> dict:
+    """An idle pool lends its slot to an auto run and gets it back for its next run."""
+    from elastic_jupyter import EnginePool
+    lender = EnginePool(n=1, min_size=1, max_size=1, gpus="none", auto=True).start()
+    pool = EnginePool(n=3, min_size=1, max_size=4, gpus="none", auto=True).start()
+    try:
+        run = endless_run(pool, "borrower", folder)
+        first = endless_run(lender, "lender", folder)
+        wait(lambda: run.world_size == 3 and run.step > 20 and first.step > 5)
+        first.stop()
+        first.wait(60)
+        stopped = time.time()
+        grown = first_step_at(run, 4, stopped, timeout=240)
+        asked = time.time()
+        again = endless_run(lender, "lender-again", folder)
+        wait(lambda: again.history)
+        back = again.history[0]["time"]
+        again.stop()
+        again.wait(60)
+        run.stop()
+        run.wait(60)
+        return {"lent": grown - stopped, "back": back - asked}
+    finally:
+        pool.stop()
+        lender.stop()
+
+
 def endless_run(pool, name: str, folder: str, **options):
     """A run of CELL on `pool` that trains until stopped."""
     from elastic_jupyter import RunConfig, TrainingRun
@@ -172,12 +205,12 @@ def endless_run(pool, name: str, folder: str, **options):
     return TrainingRun(pool, config, source=CELL, workspace=folder).start()
 
 
-def first_step_at(run, size: int, since: float) -> float:
+def first_step_at(run, size: int, since: float, timeout: float = 180.0) -> float:
     """When the run's first step on `size` ranks after wall time `since` ended."""
     def found():
         return next((r["time"] for r in run.history
                      if r["world_size"] == size and r["time"] > since), None)
-    wait(lambda: found() is not None)
+    wait(lambda: found() is not None, timeout)
     return found()
 
 
@@ -191,10 +224,15 @@ def wait(condition, timeout: float = 180.0) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", choices=["day", "latency"], help="one part only")
-    parts = parser.parse_args().only or "day latency"
+    parser.add_argument("--only", choices=["day", "latency", "lend"], help="one part only")
+    parts = parser.parse_args().only or "day latency lend"
     if "latency" in parts:
         latency()
+    if "lend" in parts:
+        lent = arbiter(lent_slot)
+        print(f"lent slot (lend_s 60): run stopped -> borrower's first step at 4: "
+              f"{lent['lent']:.1f} s; the lender's next run, start() -> first step: "
+              f"{lent['back']:.1f} s", flush=True)
     if "day" in parts:
         days()
 
