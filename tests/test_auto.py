@@ -17,6 +17,7 @@ steps at a fixed size (elastic resizes change nothing in what is learned).
 """
 import json
 import os
+import re
 import threading
 import time
 
@@ -136,6 +137,8 @@ def test_auto_runs_share_the_machine_and_learn_what_fixed_runs_learn(tmp_path, i
         assert sizes(c=(c, 1))() is True  # a manual run's slot is never taken
         (table,) = a.execute(STATUS)
         assert f"outside: pid 4242 (someone else's job)" in table and "c  " in table, table
+        # the machine's runs with the speeds they report (A's at the sizes it trained at)
+        assert "samples/s by size" in table and re.search(r"\n\s*a\s.*\b3: [\d.]+", table), table
         outside.write_text("{}")
         wait_for("A grows back once the slot is free", sizes(a=(a, 3)))
 

@@ -105,10 +105,13 @@ def _machine_table(view: dict, now: float) -> str:
         rows.append((str(s["slot"]),) + row + (use or "-",))
     lines = [f"Machine: {len(view['slots'])} {view.get('kind', '')} slot(s)"]
     lines += _columns(rows)
-    rows = [("run", "user", "auto", "weight", "min", "max", "holds", "target", "queue")]
+    rows = [("run", "user", "auto", "weight", "min", "max", "holds", "target", "queue",
+             "samples/s by size")]
     rows += [(r["name"], r["user"], "on" if r["auto"] else "off", f"{r['weight']:g}",
               str(r["min"]), str(r["max"]), str(r["held"]), str(r["target"]),
-              str(r["queued"] or "-")) for r in view["runs"]]
+              str(r["queued"] or "-"),
+              ", ".join(f"{n}: {v:.3g}" for n, v in r.get("speed") or []) or "-")
+             for r in view["runs"]]
     return "\n".join(lines + _columns(rows))
 
 
