@@ -91,3 +91,54 @@ def test_a_pool_that_keeps_its_slots_never_lends():
                lend=False, now=1000.0)
     assert t.poll(2, "B", active=False, now=1500.0)["give_back"] == []
     assert t.view(now=1500.0)["runs"][1]["lend"] is False
+
+
+def test_a_lender_keeps_its_place_and_a_manual_lender_gets_every_slot_back():
+    # L lent its only slot to A; Q (earlier, min 2) is not admitted in L's place
+    q = Demand("Q", "carol", 1, min=2, max=2, auto=True)
+    out = allocate([auto("A", "alice", 2, held=2), q,
+                    Demand("L", "bob", 3, min=1, max=1, auto=True, lent=1, lends=True)], 3)
+    assert out.queue == ["Q"] and out.targets == {"A": 3, "L": 0}
+    # a manual pool that lent 2 slots and trains again gets both back, not its fair share
+    back = allocate([auto("A", "alice", 1, held=3),
+                     Demand("M", "bob", 2, min=1, max=2, wanted=2, held=0, lent=2)], 3)
+    assert back.targets == {"A": 1, "M": 2}
+
+
+def test_lent_slots_go_by_user_weight_first_as_the_fair_share_does():
+    runs = [auto(f"A{i}", "alice", i, held=1) for i in range(3)]
+    out = allocate(runs + [auto("B", "bob", 5, held=1), lender("L", "carol", 6)], 5,
+                   user_weights={"bob": 3})
+    assert out.targets["B"] == 2 and out.borrowed == {"B": 1}
+
+
+def test_a_pool_that_waited_in_the_queue_does_not_lend_the_slot_it_just_got():
+    t = SlotTable([0, 1], None, hold_s=0.0, lend_s=60.0)
+    t.register(1, "alice", 11, 1.0, "A", name="a", min=2, max=2, wanted=2, now=1000.0)
+    t.register(2, "bob", 22, 2.0, "P", name="p", min=1, max=1, auto=True, active=False,
+               now=1000.0)
+    t.register(3, "carol", 33, 3.0, "C", name="c", min=1, max=2, auto=True, now=1000.0)
+    assert t.poll(2, "P", active=False, now=1100.0)["queued"] == 1
+    t.unregister(1, "A", now=1101.0)  # P is admitted 101 s after it registered
+    assert t.poll(2, "P", active=False, now=1102.0)["slots"] == [0]
+    assert t.poll(3, "C", now=1102.0)["slots"] == [1]
+    assert t.poll(2, "P", active=False, now=1150.0)["give_back"] == []  # its clock started anew
+    assert t.poll(2, "P", active=False, now=1163.0)["give_back"] == [0]  # now C borrows it
+
+
+def test_a_lender_that_trains_again_is_owed_no_more_once_a_borrower_gives_back_any_slot():
+    t = SlotTable([0, 1, 2], None, hold_s=30.0, lend_s=60.0)
+    t.register(1, "alice", 11, 1.0, "A", name="a", min=1, max=3, auto=True, now=0.0)
+    t.register(2, "bob", 22, 2.0, "L", name="l", min=1, max=1, auto=True, now=0.0)
+    t.release(1, "A", t.poll(1, "A", now=0.0)["give_back"], now=0.0)
+    assert t.poll(2, "L", active=False, now=0.0)["slots"] == [2]
+    t.release(2, "L", t.poll(2, "L", active=False, now=100.0)["give_back"], now=100.0)
+    assert t.poll(1, "A", now=100.0)["slots"] == [0, 1, 2]  # slot 2 is pinned to A for 30 s
+    assert t.poll(2, "L", active=True, now=101.0)["lent"] == [{"slot": 2, "to": "a",
+                                                              "user": "alice"}]
+    give = t.poll(1, "A", now=101.0)["give_back"]
+    assert give == [1]  # an older slot goes first
+    t.release(1, "A", give, now=101.5)
+    assert t.poll(2, "L", now=102.0)["slots"] == [1]
+    assert t.poll(2, "L", now=102.0)["lent"] == [] and t.view(now=102.0)["slots"][2]["holder"][
+        "lent_by"] is None

@@ -48,6 +48,8 @@ class Demand:
         pinned: how many of those moved to it less than the hold time ago.
         speed: its measured speed by world size (None: not reported; see :mod:`.value`).
         lends: it lends its slots now (an idle pool: :mod:`.lending`).
+        lent: slots it lent that other runs still hold: they count as held when runs are
+            admitted and in a manual run's floor, so they come back when it trains again.
     """
 
     run: str
@@ -62,6 +64,7 @@ class Demand:
     pinned: int = 0
     speed: Speed | None = None
     lends: bool = False
+    lent: int = 0
 
 
 @dataclass
@@ -73,7 +76,8 @@ class Allocation:
         queue: runs waiting for their min, first in line first.
         fair: run -> its fair share before the no-flap rule (what the panel shows).
         takes: where the value pass moved slots off the fair share, and why.
-        lent: lender -> slots of its target that went to runs that want more.
+        lent: lender -> slots of its target that went to runs that want more;
+            borrowed: borrower -> how many of those it got.
     """
 
     targets: dict[str, int] = field(default_factory=dict)
@@ -81,6 +85,7 @@ class Allocation:
     fair: dict[str, int] = field(default_factory=dict)
     takes: list[Take] = field(default_factory=list)
     lent: dict[str, int] = field(default_factory=dict)
+    borrowed: dict[str, int] = field(default_factory=dict)
 
 
 def allocate(demands: list[Demand], capacity: int, caps: dict[str, int] | None = None,
@@ -104,15 +109,15 @@ def allocate(demands: list[Demand], capacity: int, caps: dict[str, int] | None =
     fair = _fill(admitted, floor, ceiling, capacity, caps, user_weights)
     targets = _hold_pinned(admitted, fair, floor, ceiling, capacity)
     targets, takes = by_value(admitted, targets, ceiling, capacity, caps)
-    targets, lent = lend(admitted, targets, ceiling, caps)
+    targets, lent, borrowed = lend(admitted, targets, ceiling, caps, user_weights)
     return Allocation(targets=targets, queue=[d.run for d in queue], fair=fair, takes=takes,
-                      lent=lent)
+                      lent=lent, borrowed=borrowed)
 
 
 def _floor(d: Demand) -> int:
-    """The least a run holds: its min, and for a manual run what it holds (never taken) unless
-    it asks for less."""
-    return d.min if d.auto else max(d.min, min(d.held, d.wanted))
+    """The least a run holds: its min, and for a manual run what it holds or lent (never taken)
+    unless it asks for less."""
+    return d.min if d.auto else max(d.min, min(d.held + d.lent, d.wanted))
 
 
 def _ceiling(d: Demand) -> int:
@@ -123,7 +128,8 @@ def _admit(demands: list[Demand], capacity: int, caps: dict[str, int]):
     """(admitted, queued): holders first, then waiting runs in arrival order while their
     floors fit the machine and their user's cap. A run that waits for the machine holds up
     those behind it; one that waits for its own user's cap holds up nobody else."""
-    order = sorted(demands, key=lambda d: (d.held == 0, d.arrival))
+    # a lender's lent slots count as held: lending never costs it its place
+    order = sorted(demands, key=lambda d: (d.held + d.lent == 0, d.arrival))
     admitted, queued, used, blocked = [], [], 0, False
     per_user: dict[str, int] = {}
     for d in order:
@@ -131,7 +137,7 @@ def _admit(demands: list[Demand], capacity: int, caps: dict[str, int]):
         cap = caps.get(d.user)
         fits_user = cap is None or per_user.get(d.user, 0) + need <= cap
         fits = not blocked and used + need <= capacity
-        if d.held > 0 or (fits and fits_user):
+        if d.held + d.lent > 0 or (fits and fits_user):
             admitted.append(d)
             used += need
             per_user[d.user] = per_user.get(d.user, 0) + need

@@ -20,6 +20,8 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 from .fairshare import Allocation, Demand, allocate
+from .loans import Loans
+from .machine_view import machine_view
 from .speed import Speed
 from .state_file import StateFile
 
@@ -57,7 +59,7 @@ class Run:
     wanted: int
     standby: int
     since: float
-    active: float  # wall time it last said it trains (or registered)
+    active: float  # wall time it last said it trains (or registered, or waited for its min)
     engines: dict = field(default_factory=dict)  # slot (str) -> engine pid, as reported
     events: list = field(default_factory=list)  # not yet delivered
     training: bool = True  # as of its last poll: an auto run that does not train wants its min
@@ -107,7 +109,7 @@ class SlotTable:
         self._freed: dict[int, tuple] = {}  # slot -> (run id, name) that gave it back, for events
         self._saved: tuple | None = None  # the fingerprint of what the state file holds
         self._told: dict[str, int] = {}  # run -> the target the value pass last told it of
-        self._lent: dict[int, str] = {}  # slot -> the lender whose slot a borrower holds
+        self.loans = Loans()  # which slot an idle pool lent to whom
         self._load()
 
     # ------------------------------------------------------------------ requests
@@ -183,6 +185,7 @@ class SlotTable:
         for slot in slots:
             del self.leases[slot]
             self._freed[slot] = (entry.id, entry.name)
+        self.loans.forget(slots)
         self._changed(now)
         return self.grant(run, now)
 
@@ -228,36 +231,12 @@ class SlotTable:
                 "grantable": self._grantable(entry, now),
                 "lent": [{"slot": slot, "to": self.runs[self.leases[slot].run].name,
                           "user": self.runs[self.leases[slot].run].user}
-                         for slot, lender in sorted(self._lent.items()) if lender == run]}
+                         for slot in self.loans.of(run)]}
 
     def view(self, now: float | None = None) -> dict:
         """The machine: every slot with its holder, every run with its demand, target and
-        reported speed."""
-        now = time.time() if now is None else now
-        slots = []
-        for slot in self.slots:
-            lease = self.leases.get(slot)
-            holder = None
-            if lease is not None:
-                r = self.runs[lease.run]
-                lender = self.runs.get(self._lent.get(slot, ""))
-                holder = {"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
-                          "since": lease.since, "standby": lease.standby,
-                          "engine_pid": r.engines.get(str(slot)),
-                          "lent_by": None if lender is None else {
-                              "name": lender.name, "user": lender.user}}
-            slots.append({"slot": slot, "holder": holder, "outside": self.outside.get(slot)})
-        runs = [{"run": r.id, "name": r.name, "user": r.user, "notebook": r.notebook,
-                 "since": r.since, "min": r.min, "max": r.max, "weight": r.weight, "auto": r.auto,
-                 "wanted": r.wanted, "target": self.allocation.targets.get(r.id, 0),
-                 "speed": r.speed, "lend": r.lend,
-                 "lent": sum(1 for lender in self._lent.values() if lender == r.id),
-                 "queued": (self.allocation.queue.index(r.id) + 1
-                            if r.id in self.allocation.queue else None),
-                 "held": sum(1 for x in self.leases.values()
-                             if x.run == r.id and not x.standby)}
-                for r in sorted(self.runs.values(), key=lambda r: r.arrival)]
-        return {"slots": slots, "runs": runs, "hold_s": self.hold_s, "time": now}
+        reported speed (:func:`.machine_view.machine_view`)."""
+        return machine_view(self, time.time() if now is None else now)
 
     # ------------------------------------------------------------------ decisions
 
@@ -268,14 +247,13 @@ class SlotTable:
                                    self.weights)
         self._tell_takes()
         self._assign(now)
-        self._lent = {slot: lender for slot, lender in self._lent.items()
-                      if lender in self.runs and slot in self.leases
-                      and self.leases[slot].run != lender}
+        self._settle_loans(now)
         saved = self._fingerprint()
         if saved != self._saved:
             self.state_file.save({"arrivals": self._arrivals,
                                   "runs": [asdict(r) for r in self.runs.values()],
-                                  "leases": [asdict(x) for x in self.leases.values()]})
+                                  "leases": [asdict(x) for x in self.leases.values()],
+                                  "loans": self.loans.saved()})
             self._saved = saved
 
     def _fingerprint(self) -> tuple:
@@ -293,14 +271,18 @@ class SlotTable:
                         and x.slot not in self.outside]
             idle = now - r.active > self.idle_s  # its pool gives every slot back
             ceiling = r.max if r.training or not r.auto else r.min  # nothing to train on more
-            lends = r.lend and not r.training and now - r.active > self.lend_s
+            lent = len(self.loans.of(r.id))
+            # a pool lends once it has held its slots (not while it waits for them), and goes
+            # on lending while it does not train
+            lends = (r.lend and not r.training and now - r.active > self.lend_s
+                     and (bool(training) or lent > 0 or r.id in self.allocation.lent))
             demands.append(Demand(
                 run=r.id, user=r.user, arrival=r.arrival, min=0 if idle else r.min,
                 max=0 if idle else ceiling, weight=r.weight, auto=r.auto or idle,
                 wanted=r.wanted, held=len(training),
                 pinned=sum(1 for x in training if now - x.since < self.hold_s),
                 speed=Speed.parse(r.speed) if r.auto and self.by_value else None,
-                lends=lends))
+                lends=lends, lent=lent))
         return demands
 
     def _assign(self, now: float) -> None:
@@ -320,8 +302,7 @@ class SlotTable:
                 slot = free.pop(0)
                 giver = self._freed.pop(slot, None)
                 training.append(self.leases.setdefault(slot, Lease(slot, r.id, now)))
-                if giver and giver[0] != r.id and giver[0] in self.allocation.lent:
-                    self._lent[slot] = giver[0]
+                self._loan(r, slot, giver)
                 self._event(r, slot, giver)
         if any(self._short(r) for r in self.runs.values()):
             return  # someone waits: no slot goes to a standby wish
@@ -384,10 +365,32 @@ class SlotTable:
                                "only its owner (or root) may change it")
 
     def _drop(self, entry: Run) -> None:
-        for slot in [s for s, x in self.leases.items() if x.run == entry.id]:
+        mine = [s for s, x in self.leases.items() if x.run == entry.id]
+        for slot in mine:
             del self.leases[slot]
             self._freed[slot] = (entry.id, entry.name)
+        self.loans.forget(mine, run=entry.id)
         del self.runs[entry.id]
+
+    def _loan(self, r: Run, slot: int, giver: tuple | None) -> None:
+        """`r` got `slot` from `giver`: a borrower's loan is recorded, a lender's comes back."""
+        if self.loans.of(r.id):
+            self.loans.returned(r.id, slot)
+        elif (giver and giver[0] != r.id and giver[0] in self.allocation.lent
+              and r.id in self.allocation.borrowed):
+            self.loans.lent(slot, giver[0])
+
+    def _settle_loans(self, now: float) -> None:
+        """Loans last while the borrower holds the slot and the lender is not idle past
+        idle_s; a run that waits in the queue or for its min starts its lending clock anew
+        (it lends once it has held its slots for lend_s without training)."""
+        self.loans.keep(lambda slot, lender: (
+            lender in self.runs and slot in self.leases and self.leases[slot].run != lender
+            and now - self.runs[lender].active <= self.idle_s))
+        for r in self.runs.values():
+            held = sum(1 for x in self.leases.values() if x.run == r.id and not x.standby)
+            if r.id in self.allocation.queue or (held < r.min and not self.loans.of(r.id)):
+                r.active = now
 
     def _tell_takes(self) -> None:
         """Each run the value pass moves off its fair share hears why, once per change."""
@@ -407,15 +410,17 @@ class SlotTable:
     def _load(self) -> None:
         def parse(state: dict) -> tuple:
             return (int(state["arrivals"]), [Run(**r) for r in state["runs"]],
-                    [Lease(**x) for x in state["leases"]])
+                    [Lease(**x) for x in state["leases"]], Loans(state.get("loans")))
         loaded = self.state_file.load(parse)
         if loaded is None:
             return
-        self._arrivals, runs, leases = loaded
+        self._arrivals, runs, leases, self.loans = loaded
         now = time.time()
-        # when a run last trained is not saved at every poll: the idle clock starts anew
+        # when a run last trained is not saved at every poll: the idle clock starts anew,
+        # past lend_s for a pool that did not train (a lender goes on lending)
         for r in runs:
-            r.active = now
+            r.active = now - self.lend_s - 1e-3 if not r.training and (
+                self.lend_s < self.idle_s) else now
         self.runs = {r.id: r for r in runs}
         self.leases = {x.slot: x for x in leases if x.slot in self.slots and x.run in self.runs}
         self._saved = self._fingerprint()

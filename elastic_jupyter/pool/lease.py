@@ -101,9 +101,16 @@ class SlotLease:
     # ---------------------------------------------------------------- requests
 
     async def register(self) -> dict:
-        """State the pool's demand (again); returns the grant. Raises ArbiterError."""
-        return await self._call(self.client.register, self.id, active=self.active,
-                                engines=self.engines, **self.demand)
+        """State the pool's demand (again); returns the grant. Raises ArbiterError. An arbiter
+        of an earlier release, which never lends, is asked without ``lend``."""
+        try:
+            return await self._call(self.client.register, self.id, active=self.active,
+                                    engines=self.engines, **self.demand)
+        except ArbiterError as e:
+            if "lend" not in self.demand or "unknown: lend" not in str(e):
+                raise
+            del self.demand["lend"]
+            return await self.register()
 
     async def update(self, **changes: Any) -> dict:
         """Change the demand (``auto``, ``weight``, ``wanted``, ``standby``, ``name``...);
