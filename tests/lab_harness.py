@@ -112,10 +112,10 @@ class JupyterLab:
         raise RuntimeError(f"jupyter lab did not answer within 90 s; see {self.log_path}")
 
     def __exit__(self, *exc) -> None:
-        # SIGTERM is jupyter's graceful stop, whatever the signal dispositions the server
-        # inherited (SIGINT is ignored in a process started in the background of a
-        # non-interactive shell, as CI may start the suite): its kernels are shut down (their
-        # atexit handlers stop runs and pools), then the server exits.
+        # SIGTERM is jupyter's own stop: the server shuts its kernels down (their atexit
+        # handlers stop runs and pools) and its extensions, then exits. SIGINT's handling
+        # depends on whether stdin is a terminal (a confirmation prompt), and in the full
+        # suite it left servers running until the 60 s kill below.
         with contextlib.suppress(ProcessLookupError):
             self.process.send_signal(signal.SIGTERM)
         try:
