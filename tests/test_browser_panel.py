@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import shutil
+import time
 
 import pytest
 
@@ -87,8 +88,19 @@ def test_panel_lists_the_run_and_its_slider_resizes_while_the_kernel_is_busy(lab
     wait_for(lambda: "digits" in page.locator(".jp-FileBrowser .jp-BreadCrumbs").first.inner_text(),
              15, "the file browser at elastic-checkpoints/digits")
 
-    # Stop asks first (JupyterLab dialog), then the run stops and the slider goes away
-    page.locator(".jp-SideBar .lm-TabBar-tab[title='Elastic training']").click()
+    # Stop asks first (JupyterLab dialog), then the run stops and the slider goes away. The
+    # link's last command (go-to-path on the file) may activate the file browser again after
+    # the breadcrumbs changed: come back until the panel stays (a click on the current tab
+    # would collapse the sidebar)
+    tab = page.locator(".jp-SideBar .lm-TabBar-tab[title='Elastic training']")
+
+    def panel_shown() -> bool:
+        if "lm-mod-current" not in (tab.get_attribute("class") or ""):
+            tab.click()
+            time.sleep(0.5)  # and still shown half a second later
+        return "lm-mod-current" in (tab.get_attribute("class") or "") and \
+            detail.locator(".ejp-stop").is_visible()
+    wait_for(panel_shown, 15, "the panel shown again")
     detail.locator(".ejp-stop").click()
     page.locator(".jp-Dialog button", has_text="Stop").click()
     wait_for(lambda: control.request(socket_path, {"op": "status"})["state"] == "stopped", 60,
