@@ -1,17 +1,13 @@
 """A scripted day on a machine of 4 CPU slots: auto mode against fixed allocations, and how soon
 a run trains on a slot that was freed.
 
-**The day.** Runs arrive on a fixed schedule (``DAY``: arrival, steps of work, min, max, how it
-scales), each in its own pool, all sharing one real arbiter (4 CPU slots, hold 5 s). Each
-trains the digits model for its steps; its ``loss_fn`` sleeps 3 ms per sample of its
-micro-batch, a pass whose time falls with the world size as a GPU's would, while the machine's
-2 cores stay free for the engines' own work. One run scales poorly: its ``after_step`` also
-sleeps 0.25 s per step on every rank (input- or communication-bound, so a second slot adds
-little). The policies, each day run in turn (``--rounds`` times, interleaved, since one day
-decides nothing on a noisy machine), then ``fixed at max`` once:
+**The day.** Runs arrive on a fixed schedule (``DAY``: arrival, steps of work, min, max), each
+in its own pool, all sharing one real arbiter (4 CPU slots, hold 5 s). Each trains the digits
+model for its steps; its ``loss_fn`` sleeps 3 ms per sample of its micro-batch, a pass whose time
+falls with the world size as a GPU's would, while the machine's 2 cores stay free for the
+engines' own work. Three policies, one day each:
 
 - ``auto``: every pool in auto mode between its min and max (weighted fair share, weight 1);
-- ``auto by value``: the same with the arbiter's ``"by_value": true`` (runs report speeds);
 - ``fixed at min``: every run at its min, waiting in the arbiter's queue when that does not fit;
 - ``fixed at max``: every run at its max, waiting until all of it is free.
 
@@ -32,7 +28,7 @@ Reported: from the run's stop to the auto run's first step on 4 ranks (lend_s, t
 growth), and the lender's next run, from its ``start()`` to its first step (the borrower's step
 boundary, an engine start and the cell's setup).
 
-Run: ``python benchmarks/auto_day.py [--only day|latency|lend] [--rounds N]``; figures in BENCHMARKS.md.
+Run: ``python benchmarks/auto_day.py [--only day|latency|lend]``; figures in BENCHMARKS.md.
 """
 from __future__ import annotations
 
@@ -47,12 +43,11 @@ import threading
 import time
 
 SLOTS = 4
-DAY = [  # name, arrival (s), steps, min, max, scales well
-    ("r1", 0, 600, 1, 4, True),
-    ("r2", 10, 300, 1, 4, True),
-    ("r5", 15, 150, 1, 4, False),
-    ("r3", 20, 300, 2, 4, True),
-    ("r4", 30, 150, 1, 2, True),
+DAY = [  # name, arrival (s), steps, min, max
+    ("r1", 0, 600, 1, 4),
+    ("r2", 10, 300, 1, 4),
+    ("r3", 20, 300, 2, 4),
+    ("r4", 30, 150, 1, 2),
 ]
 CELL = '''
 import time
@@ -67,22 +62,17 @@ def loss_fn(model, batch):
     time.sleep(0.003 * len(x))
     return torch.nn.functional.cross_entropy(model(x), y)
 '''
-POORLY = CELL + '''
-def after_step(model, optimizer, step):
-    time.sleep(0.25)  # the same on every rank, whatever the world size
-'''
 POLICIES = {
     "auto": lambda lo, hi: dict(n=lo, min_size=lo, max_size=hi, auto=True),
-    "auto by value": lambda lo, hi: dict(n=lo, min_size=lo, max_size=hi, auto=True),
     "fixed at min": lambda lo, hi: dict(n=lo, min_size=lo, max_size=lo),
     "fixed at max": lambda lo, hi: dict(n=hi, min_size=hi, max_size=hi),
 }
 
 
-def start_arbiter(folder: str, by_value: bool = False) -> subprocess.Popen:
+def start_arbiter(folder: str) -> subprocess.Popen:
     settings = os.path.join(folder, "settings.json")
     with open(settings, "w") as f:
-        json.dump({"slots": "cpu", "cpu_slots": SLOTS, "hold_s": 5, "by_value": by_value}, f)
+        json.dump({"slots": "cpu", "cpu_slots": SLOTS, "hold_s": 5}, f)
     proc = subprocess.Popen([sys.executable, "-m", "elastic_jupyter.arbiter", "--dir", folder,
                              "--config", settings], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -91,12 +81,12 @@ def start_arbiter(folder: str, by_value: bool = False) -> subprocess.Popen:
     return proc
 
 
-def arbiter(fn, by_value: bool = False):
+def arbiter(fn):
     """Run fn() against a fresh arbiter of SLOTS CPU slots; returns what it returns."""
     folder = tempfile.mkdtemp(prefix="auto-day-")
     os.chmod(folder, 0o700)
     os.environ["ELASTIC_JUPYTER_ARBITER"] = folder
-    proc = start_arbiter(folder, by_value)
+    proc = start_arbiter(folder)
     try:
         return fn(folder)
     finally:
@@ -104,15 +94,14 @@ def arbiter(fn, by_value: bool = False):
         proc.wait()
 
 
-def one_run(name, arrival, steps, lo, hi, scales, policy, t0, workspace, out) -> None:
+def one_run(name, arrival, steps, lo, hi, policy, t0, workspace, out) -> None:
     from elastic_jupyter import EnginePool, RunConfig, TrainingRun
     time.sleep(max(0.0, t0 + arrival - time.time()))
     arrived = time.time()
     pool = EnginePool(gpus="none", **POLICIES[policy](lo, hi)).start()
     try:
         run = TrainingRun(pool, RunConfig(name=name, steps=steps, global_batch=64,
-                                          checkpoint_every=0),
-                          source=CELL if scales else POORLY,
+                                          checkpoint_every=0), source=CELL,
                           workspace=workspace).start()
         assert run.wait(timeout=1800) == "finished", run.logs()
         history = run.history
@@ -136,7 +125,7 @@ def day(policy: str) -> dict:
         for t in threads:
             t.join()
         return out
-    runs = arbiter(go, by_value=policy == "auto by value")
+    runs = arbiter(go)
     first = min(r["arrived"] for r in runs.values())
     last = max(r["finished"] for r in runs.values())
     done = [r["finished"] - r["arrived"] for r in runs.values()]
@@ -236,10 +225,7 @@ def wait(condition, timeout: float = 180.0) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=["day", "latency", "lend"], help="one part only")
-    parser.add_argument("--rounds", type=int, default=2,
-                        help="days of each policy but fixed at max, interleaved (default 2)")
-    args = parser.parse_args()
-    parts = args.only or "day latency lend"
+    parts = parser.parse_args().only or "day latency lend"
     if "latency" in parts:
         latency()
     if "lend" in parts:
@@ -248,7 +234,7 @@ def main() -> None:
               f"{lent['lent']:.1f} s; the lender's next run, start() -> first step: "
               f"{lent['back']:.1f} s", flush=True)
     if "day" in parts:
-        days(args.rounds)
+        days()
 
 
 def latency() -> None:
@@ -261,16 +247,15 @@ def latency() -> None:
               f"runs {', '.join(f'{v:.2f}' for v in values)}", flush=True)
 
 
-def days(rounds: int) -> None:
-    order = [p for _ in range(rounds) for p in POLICIES if p != "fixed at max"]
+def days() -> None:
+    results = {policy: day(policy) for policy in POLICIES}
     print(f"A scripted day on {SLOTS} CPU slots: {DAY}")
-    print(f"{'policy':<15}{'utilisation':>12}{'mean done':>11}{'max done':>10}"
-          f"{'mean wait':>11}{'max wait':>10}{'day':>8}  sizes", flush=True)
-    for policy in order + ["fixed at max"]:
-        r = day(policy)
-        print(f"{policy:<15}{r['utilisation']:>11.0%}{r['mean_done']:>10.1f}s"
+    print(f"{'policy':<14}{'utilisation':>12}{'mean done':>11}{'max done':>10}"
+          f"{'mean wait':>11}{'max wait':>10}{'day':>8}  sizes")
+    for policy, r in results.items():
+        print(f"{policy:<14}{r['utilisation']:>11.0%}{r['mean_done']:>10.1f}s"
               f"{r['max_done']:>9.1f}s{r['mean_wait']:>10.1f}s{r['max_wait']:>9.1f}s"
-              f"{r['day']:>7.0f}s  {r['sizes']}", flush=True)
+              f"{r['day']:>7.0f}s  {r['sizes']}")
 
 
 if __name__ == "__main__":
