@@ -142,3 +142,13 @@ def test_a_lender_that_trains_again_is_owed_no_more_once_a_borrower_gives_back_a
     assert t.poll(2, "L", now=102.0)["slots"] == [1]
     assert t.poll(2, "L", now=102.0)["lent"] == [] and t.view(now=102.0)["slots"][2]["holder"][
         "lent_by"] is None
+
+
+def test_an_idle_pool_past_idle_s_stays_given_back():
+    t = SlotTable([0, 1], None, hold_s=0.0, lend_s=60.0, idle_s=600.0)
+    t.register(1, "alice", 11, 1.0, "A", name="a", min=1, max=1, auto=True, now=0.0)
+    assert t.poll(1, "A", active=False, now=0.0)["slots"] == [0]
+    t.release(1, "A", t.poll(1, "A", active=False, now=601.0)["give_back"], now=601.0)
+    for now in (602.0, 700.0, 1300.0):
+        assert t.poll(1, "A", active=False, now=now)["target"] == 0
+    assert t.poll(1, "A", active=True, now=1301.0)["slots"] == [0]  # it trains again

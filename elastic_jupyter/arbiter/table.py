@@ -389,7 +389,8 @@ class SlotTable:
             and now - self.runs[lender].active <= self.idle_s))
         for r in self.runs.values():
             held = sum(1 for x in self.leases.values() if x.run == r.id and not x.standby)
-            if r.id in self.allocation.queue or (held < r.min and not self.loans.of(r.id)):
+            waits = held < r.min and not self.loans.of(r.id) and now - r.active <= self.idle_s
+            if r.id in self.allocation.queue or waits:  # (idle past idle_s: it gave all back)
                 r.active = now
 
     def _tell_takes(self) -> None:
