@@ -22,6 +22,15 @@ def metric_fn(model, batch):
 '''
 
 
+HOLD = '''
+import os
+def after_step(model, optimizer, step):  # holds step 30 once, so the kill lands between checkpoints
+    if step == 30 and not os.path.exists({flag!r}):
+        open({flag!r}, "w").close()
+        time.sleep(600)
+'''
+
+
 def _config(steps, **extra):
     return RunConfig(name="tb", global_batch=64, steps=steps, checkpoint_every=20, eval_every=25,
                      collective_timeout=5, seed=4, tensorboard=True, **extra)
@@ -34,9 +43,10 @@ def _read(folder):
 
 
 def test_tensorboard_logs_each_step_once_through_a_rollback_and_a_resume(idle_pool, tmp_path):
-    run = TrainingRun(idle_pool, _config(70), source=CELL + METRIC, engines=1,
-                      workspace=str(tmp_path), schedule=[(45, 2)]).start()
-    wait_for(lambda: run.step >= 30, what="step 30")
+    held = tmp_path / "held-at-30"
+    run = TrainingRun(idle_pool, _config(70), source=CELL + METRIC + HOLD.format(flag=str(held)),
+                      engines=1, workspace=str(tmp_path), schedule=[(45, 2)]).start()
+    wait_for(held.exists, what="step 30")
     os.kill(run.members[0].pid, signal.SIGKILL)  # the only holder of the state: back to step 20
     assert run.wait(timeout=240) == "finished", run.logs()
     fault = next(e for e in run.events if e["kind"] == "fault")
