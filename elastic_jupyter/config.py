@@ -25,6 +25,7 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--commit-every``     ignored: steps are transactional (engine.vote); the option is accepted,
                        with a notice, for one more release
 ``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
+``--warm``             1 engine an auto run keeps set up on no slot (growth then starts none)
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
 ``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
@@ -305,6 +306,9 @@ class RunConfig:
     standby: int = field(default=0, metadata=flag(
         "--standby", "engines kept set up outside the group so a grow is instant (default 0)",
         parse=int))
+    warm: int = field(default=1, metadata=flag(
+        "--warm", "engines an auto run keeps set up on no slot, so growing into a granted slot "
+        "starts none (default 1; 0 saves their host memory)", parse=int))
     sync_batchnorm: bool = field(default=False, metadata=flag(
         "--sync-batchnorm", "convert BatchNorm layers to SyncBatchNorm (GPU slots only)",
         after="tensorboard"))
@@ -394,7 +398,8 @@ class RunConfig:
 # the counts validate checks, in its order: (field, least value, None allowed)
 _COUNTS = (("global_batch", 1, False), ("micro_batch", 1, True), ("epochs", 1, True),
            ("steps", 1, True), ("eval_every", 1, True), ("keep", 1, False),
-           ("standby", 0, False), ("workers", 0, False), ("commit_every", 1, True))
+           ("standby", 0, False), ("warm", 0, False), ("workers", 0, False),
+           ("commit_every", 1, True))
 
 
 COMMIT_EVERY_NOTICE = (

@@ -7,7 +7,8 @@ The timeline (each step waits for the world sizes the arbiter's fair share impli
 2. B (auto) starts: A shrinks to 2 at a step boundary, B trains on the 2 freed slots.
 3. C (manual, 1 engine) starts: it takes a slot from an auto run; A + B hold 3.
 4. B stops its run: once its pool has been idle for the admin's lend_s, it lends its slot and
-   A grows to 3 while B's kernel and pool stay up ("lent to a" in B's status, "lent by b" in the
+   A grows to 3 (its warm engine, set up on no slot, is bound there: no engine starts) while
+   B's kernel and pool stay up ("lent to a" in B's status, "lent by b" in the
    machine's view). B trains again: A hands the slot back at a step boundary. Then B stops its
    pool: A grows to 3. C's slot is never taken.
 5. A process outside takes one of A's slots: A gives it up; once free, A grows back into it.
@@ -39,6 +40,9 @@ STATE = ('import json; _s = run.pool.status()["lease"]; print("@@" + json.dumps(
 STATUS = ('import io, contextlib, json\n_buf = io.StringIO()\nwith contextlib.redirect_stdout(_buf):'
           '\n    get_ipython().run_line_magic("elastic_pool", "status")\n'
           'print("@@" + json.dumps(_buf.getvalue()))')
+# the pids of the run's ranks, and of its warm engines set up (on no slot) and ready to bind
+PIDS = ('import json; print("@@" + json.dumps({"members": [m.pid for m in run.members], '
+        '"warm": [e.pid for e in run._driver.membership.warm.ready]}))')
 PARAMS = ('import json; print("@@" + json.dumps({"step": run.step, "state": run.state, '
           '"params": {k: v.tolist() for k, v in run.state_dict().items()}}))')
 
@@ -108,9 +112,13 @@ def test_auto_runs_share_the_machine_and_learn_what_fixed_runs_learn(tmp_path, i
         wait_for("C's manual slot", lambda: sizes(c=(c, 1))() is True and (
             state(a)["w"] + state(b)["w"] == 3 or "A + B still hold 4"))
 
+        wait_for("A's warm engine", lambda: bool(a.execute(PIDS)[0]["warm"]) or "not ready")
+        (warm,) = a.execute(PIDS)[0]["warm"]
+        assert f"Warm engine (pid {warm}): set up on no slot" in a.execute(STATUS)[0]
         final = {"b": b.execute("%elastic_stop\n" + PARAMS)[0]}
         took = wait_for("A grows into the slot B's idle pool lends", sizes(a=(a, 3), c=(c, 1)))
         print(f"A grew into B's lent slot {took:.1f} s after B's run stopped (lend_s 3)")
+        assert warm in a.execute(PIDS)[0]["members"]  # bound to the slot: no engine started
         (table,) = b.execute(STATUS)
         assert "lent to a (" in table and "back when you train" in table, table
         lent = [s for s in ArbiterClient(str(folder)).view()["slots"]

@@ -108,10 +108,11 @@ def versions() -> dict:
             "elastic_jupyter": ours}
 
 
-def init_engine(slot: int, device: str, threads: int,
+def init_engine(slot: int | None, device: str, threads: int,
                 publisher: publish.Publisher | None = None) -> dict:
-    """Called once by the pool right after the engine registered: bind it to its slot, and
-    take the `publisher` through which rank 0 streams live records (engine.publish).
+    """Called once by the pool right after the engine registered: bind it to its slot (None:
+    a warm engine, bound later by :func:`bind_slot`), and take the `publisher` through which
+    rank 0 streams live records (engine.publish).
 
     Returns {"pid", "slot", "device", "host", "versions"} (see :func:`versions`).
     """
@@ -132,7 +133,56 @@ def init_engine(slot: int, device: str, threads: int,
             "versions": versions()}
 
 
-def _say_bound(slot: int, device: str) -> None:
+def bind_slot(slot: int, gpu: int | None, threads: int) -> dict:
+    """Called on a warm engine (started without a slot: run/warm_engines.py) when its run
+    grows into `slot`: bind it there, as :func:`init_engine` binds a fresh engine. A CPU slot
+    sets the thread count. A GPU slot makes `gpu` (the machine's id, ``CUDA_DEVICE_ORDER``
+    from the engine's start) the only visible device, which CUDA reads when it initialises:
+    the warm engine never initialised it (it starts with no device visible and
+    ``PYTORCH_NVML_BASED_CUDA_CHECK=1``, so ``torch.cuda.is_available()`` asks NVML instead);
+    the run's Worker, built on the host by the cell, is then built again on the device.
+
+    Returns {"pid", "slot", "device", "host", "versions"}, as :func:`init_engine`.
+    Raises SetupError when CUDA was initialised before the bind (the cell touched a GPU while
+    none was visible) or the device cannot be bound; the engine is then of no use to the run.
+    """
+    device = "cpu"
+    if gpu is not None:
+        if torch.cuda.is_initialized():
+            raise SetupError("the cell initialised CUDA on a warm engine, before it had a GPU: "
+                             "build the model on the host (the engine moves it)")
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        if torch.cuda.device_count() != 1:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as it started: no device
+            raise SetupError(f"GPU {gpu} could not be bound on this warm engine (CUDA sees "
+                             f"{torch.cuda.device_count()} devices)")
+        torch.cuda.set_device(0)
+        device = f"cuda:{gpu}"
+    torch.set_num_threads(threads)
+    os.environ.update(ELASTIC_JUPYTER_SLOT=str(slot), OMP_NUM_THREADS=str(threads))
+    _state.slot, _state.device = slot, device
+    if (worker := _state.worker) is not None and device == "cpu":
+        worker.slot = slot  # fault points match it
+    elif worker is not None:  # the cell's objects, on the host until now, go to the device
+        with _logging_to(_state.log_path):
+            _state.worker = _on_device(worker, device, slot)
+    _say_bound(slot, device)
+    return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename,
+            "versions": versions()}
+
+
+def _on_device(worker: Worker, device: str, slot: int) -> Worker:
+    """The run's Worker built again from the cell's objects, on `device` (bind_slot)."""
+    namespace = sys.modules["__elastic_cell__"].__dict__
+    fingerprint = worker.fingerprint
+    _close(worker)
+    again = Worker(namespace, worker.config, device, slot=slot)
+    _check_worker(again)  # a cell that chose a device for itself fails here, not mid-step
+    again.fingerprint = fingerprint
+    return again
+
+
+def _say_bound(slot: int | None, device: str) -> None:
     """One line to the process's stderr descriptor (the engine's log), below Python.
 
     Under ipengine, a thread of ipykernel forwards what C code writes there (torch's c10d
@@ -141,7 +191,8 @@ def _say_bound(slot: int, device: str) -> None:
     process ends the run with one descriptor more, which a leak check cannot tell from a leak
     (benchmarks/soak.py)."""
     try:
-        os.write(2, f"elastic-jupyter: engine {os.getpid()} bound to slot {slot} ({device})\n"
+        where = "no slot yet (warm)" if slot is None else f"slot {slot}"
+        os.write(2, f"elastic-jupyter: engine {os.getpid()} bound to {where} ({device})\n"
                  .encode())
     except OSError:  # no stderr: nothing to say it to
         pass

@@ -113,6 +113,7 @@ class EngineConfig:
     collective_timeout: float = 30.0
     commit_every: int | None = None
     standby: int = 0
+    warm: int = 1
     sync_batchnorm: bool = False
     pool_min_size: int = 1
     pool_max_size: int = 1

@@ -102,6 +102,13 @@ class EngineCalls:
                                                  publish_data)
         return await asyncio.wrap_future(ar)
 
+    async def bind_slot(self, engine: Engine, slot: int, gpu: int | None,
+                        threads: int) -> dict:
+        """Bind a warm engine (started without a slot) to `slot`; {"pid", "slot", "device",
+        "host", "versions"}."""
+        return await asyncio.wrap_future(self._submit(engine, entrypoints.bind_slot, slot, gpu,
+                                                      threads))
+
     async def setup_run(self, engines: Sequence[Engine], config: dict, source: str | None,
                         setup_bytes: bytes | None, push: dict,
                         log_path: Callable[[Engine], str], workdir: str) -> list:
@@ -148,7 +155,7 @@ class EngineCalls:
 def _init_from_env(init_engine: Callable[..., dict], publisher: Callable[[dict], None]) -> dict:
     import os
     import torch
-    slot = int(os.environ["ELASTIC_JUPYTER_SLOT"])
+    slot = int(os.environ["ELASTIC_JUPYTER_SLOT"]) if os.environ["ELASTIC_JUPYTER_SLOT"] else None
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     device = f"cuda:{gpu}" if gpu and torch.cuda.is_available() else "cpu"
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))

@@ -12,6 +12,7 @@ the kernel die without stopping the pool.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -24,11 +25,12 @@ import psutil
 from ..config import PoolConfig
 from ..engine.entrypoints import versions
 from ..host import own_folder, runtime_folder
+from .arrivals import Arrivals
 from .engine_calls import EngineCalls
 from .launchers import Job, Launcher, StartWithdrawn
 from .processes import (Engine, alive, children, signal_all, terminate, with_descendants,
                         processes)
-from .reaper import start_reaper, write_pidfile
+from .reaper import Reaper
 from .slots import Slots
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
@@ -39,11 +41,14 @@ STOP_GRACE = 1.0
 log = logging.getLogger(__name__)
 
 
-def _engine_env(slot: int, gpu: int | None, threads: int, leased: bool,
+def _engine_env(slot: int | None, gpu: int | None, threads: int, leased: bool,
                 launcher: Launcher) -> dict:
     env = {
-        "ELASTIC_JUPYTER_SLOT": str(slot),
+        "ELASTIC_JUPYTER_SLOT": "" if slot is None else str(slot),  # "": a warm engine
         "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
+        # torch.cuda.is_available() asks NVML, not CUDA, whose first use fixes the visible
+        # devices for good: a warm engine is bound to its GPU later (engine.entrypoints)
+        "PYTORCH_NVML_BASED_CUDA_CHECK": "1",
         "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
         "PYTHONUNBUFFERED": "1",
     }
@@ -92,12 +97,10 @@ class EngineSets:
         self.resizing = asyncio.Lock()  # held by an idle resize and the lease's follower
         self._stopping: set[asyncio.Future] = set()  # background tasks stopping engines
         self._removing: set[psutil.Process] = set()  # the engines those tasks stop
-        self._pidfile: str | None = None
         self._folder: str | None = None  # the pool's private folder (batch scripts)
-        self._reaper: Any = None  # subprocess.Popen of the reaper
-        self._set_of: dict[int, str | None] = {}  # engine id -> its set, asked once (_arrivals)
-        self._asking: dict[int, Any] = {}  # engine id -> its reply to that question, not in yet
-        self._forgotten: set[str] = set()  # sets of failed starts (_forget_sets)
+        self._reaper = Reaper()
+        self.warm: list[Engine] = []  # engines set up without a slot (run/warm_engines.py)
+        self._arrivals = Arrivals(lambda: self.client, self.calls.engine_set)
 
     @property
     def running(self) -> bool:
@@ -111,7 +114,7 @@ class EngineSets:
     @property
     def pidfile(self) -> str | None:
         """The file the reaper reads (None while not running)."""
-        return self._pidfile
+        return self._reaper.pidfile
 
     async def start(self) -> None:
         """Start the controller, the reaper and the client (no engine yet)."""
@@ -122,16 +125,14 @@ class EngineSets:
                                    controller_args=list(CONTROLLER_ARGS), log_level=40,
                                    **self.launcher.cluster_options(self._folder))
         await self.cluster.start_controller()
-        self._pidfile = os.path.join(runtime_folder(), f"pool-{self.cluster.cluster_id}.pids")
-        self._update_pidfile()
-        self._reaper = start_reaper(self._pidfile)
+        self._reaper.start(os.path.join(runtime_folder(), f"pool-{cluster_id}.pids"),
+                           [self.cluster.controller.pid])
         self.client = await self.cluster.connect_client()
 
     def _update_pidfile(self) -> None:
         """Tell the reaper which processes to end if this process dies without stopping us."""
-        if self._pidfile is not None:
-            write_pidfile(self._pidfile, [self.cluster.controller.pid] +
-                          [e.pid for e in self.engines if e.local], self.jobs())
+        self._reaper.list([self.cluster.controller.pid] +
+                          [e.pid for e in self.engines + self.warm if e.local], self.jobs())
 
     def jobs(self) -> list[str]:
         """Batch jobs of this pool's engines (running or queued): the reaper cancels them.
@@ -172,22 +173,57 @@ class EngineSets:
             return []
         slots = slots or self.slots.free(k)
         with self.slots.starting(slots):
-            return await self._start_engines(slots)
+            engines = await self._start_engines(list(slots))
+        self.engines.extend(sorted(engines, key=lambda e: e.slot or 0))
+        self._update_pidfile()
+        return engines
 
-    async def _start_set(self, slot: int, set_id: str) -> None:
-        """Start `slot`'s engine set of one, as `set_id` (its engine says it: _arrivals)."""
-        gpu = None
-        if self.config.gpus:  # in lease mode a slot is the machine's GPU index
-            gpu = slot if self.slots.lease_mode else self.config.gpus[slot]
-        options = self.launcher.start_options(slot)
+    async def add_warm(self) -> Engine:
+        """Start an engine on no slot (a *warm* engine, this host only: run/warm_engines.py)
+        and wait until it registered; it is none of the pool's engines until :meth:`bind`.
+        Raises as :meth:`add`."""
+        [engine] = await self._start_engines([None])
+        self.warm.append(engine)
+        self._update_pidfile()
+        return engine
+
+    async def bind(self, engine: Engine, slot: int) -> Engine:
+        """Bind the warm `engine` to the free `slot` (:meth:`.Slots.next_free` named it);
+        returns it as the pool's engine there. Raises the engine's error (it is then stopped)."""
+        try:
+            with self.slots.starting([slot]):
+                info = await self.calls.bind_slot(engine, slot, self._gpu(slot),
+                                                  self.config.threads_per_engine)
+        except BaseException:
+            self.remove([engine])
+            raise
+        self.warm.remove(engine)
+        bound = dataclasses.replace(engine, slot=slot, device=info["device"])
+        self.engines.append(bound)
+        return bound
+
+    def _gpu(self, slot: int | None) -> int | None:
+        if slot is None or not self.config.gpus:
+            return None
+        return slot if self.slots.lease_mode else self.config.gpus[slot]  # lease: the machine's
+
+    def _known(self) -> list[int]:
+        return [e.engine_id for e in self.engines + self.warm]
+
+    async def _start_set(self, slot: int | None, set_id: str) -> None:
+        """Start `slot`'s engine set of one (None: a warm engine), as `set_id` (its engine
+        says it: :mod:`.arrivals`)."""
+        gpu = self._gpu(slot)
+        options = self.launcher.start_options(slot) if slot is not None else {}
         # a fresh dict each time: start_engines mutates the one it is given
         env = _engine_env(slot, gpu, self.config.threads_per_engine,
                           self.slots.lease_mode and self.launcher.local, self.launcher)
         env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
         await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 
-    async def _start_engines(self, slots: list[int]) -> list[Engine]:
-        set_ids = {slot: f"s{slot}-{uuid.uuid4().hex[:8]}" for slot in slots}
+    async def _start_engines(self, slots: list[int | None]) -> list[Engine]:
+        set_ids = {slot: f"s{'warm' if slot is None else slot}-{uuid.uuid4().hex[:8]}"
+                   for slot in slots}
         try:
             # side by side: an SSH start takes seconds of round trips (in a worker thread)
             started = await asyncio.gather(*(self._start_set(s, i) for s, i in set_ids.items()),
@@ -205,14 +241,12 @@ class EngineSets:
             self.queued = {s: q for s, q in self.queued.items() if s not in slots}
         engines = []
         for engine_id, info in zip(new, infos):
-            engines.append(Engine(slot=info["slot"], device=info["device"], engine_id=engine_id,
-                                  set_id=set_ids[info["slot"]], pid=info["pid"],
-                                  started=time.time(),
-                                  host=self.launcher.host_of(info["slot"]) or info["host"],
-                                  local=self.launcher.local,
-                                  job_id=self._job_of(set_ids[info["slot"]])))
-        self.engines.extend(sorted(engines, key=lambda e: e.slot))
-        self._update_pidfile()
+            slot = info["slot"]
+            host = slot is not None and self.launcher.host_of(slot) or info["host"]
+            engines.append(Engine(slot=slot, device=info["device"], engine_id=engine_id,
+                                  set_id=set_ids[slot], pid=info["pid"], started=time.time(),
+                                  host=host, local=self.launcher.local,
+                                  job_id=self._job_of(set_ids[slot])))
         return engines
 
     def _job_of(self, set_id: str) -> str:
@@ -222,8 +256,7 @@ class EngineSets:
     async def _forget_sets(self, set_ids: set[str]) -> None:
         """Stop engine sets of a start that failed (each on its own: one that cannot be
         stopped must not keep the others), and never take their engines for new ones."""
-        self._set_of.update({i: None for i, s in self._set_of.items() if s in set_ids})
-        self._forgotten |= set_ids  # an engine of theirs that registers later is shut down
+        self._arrivals.forget(set_ids)  # an engine of theirs that registers later is shut down
         await self._stop_sets(set_ids)
 
     async def _stop_sets(self, set_ids: Any) -> None:
@@ -236,7 +269,7 @@ class EngineSets:
         for s in sets:
             cluster.engines.pop(s, None)
 
-    async def _wait_registered(self, set_ids: dict[int, str]) -> list[int]:
+    async def _wait_registered(self, set_ids: dict[int | None, str]) -> list[int]:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
         their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
         the scheduler's queue. Raises RuntimeError when one timed out or its job ended,
@@ -244,7 +277,8 @@ class EngineSets:
         k, timeout = len(set_ids), self.config.engine_timeout
         deadline, next_look = time.monotonic() + timeout, 0.0
         wanted = set(set_ids.values())
-        while len(mine := [i for i, s in self._arrivals().items() if s in wanted]) < k:
+        while len(mine := [i for i, s in self._arrivals.look(self._known()).items()
+                           if s in wanted]) < k:
             now = time.monotonic()
             if not self.launcher.local and now >= next_look:  # a batch system: ask it
                 next_look = now + 1.0
@@ -254,8 +288,8 @@ class EngineSets:
                     continue
                 if ended := [j.why_ended() for j in jobs.values() if j.ended]:
                     raise RuntimeError("; ".join(ended))
-                waiting = {slot: jobs[s] for slot, s in set_ids.items()
-                           if s in jobs and jobs[s].waiting}
+                waiting = {slot: jobs[s] for slot, s in set_ids.items()  # warm: this host's
+                           if slot is not None and s in jobs and jobs[s].waiting}
                 if back := set(waiting) & self.slots.leaving():
                     raise StartWithdrawn(f"slot(s) {sorted(back)} given back while their "
                                          "job waited in the queue: job cancelled")
@@ -269,41 +303,19 @@ class EngineSets:
             await asyncio.sleep(0.05)
         return sorted(mine)
 
-    def _arrivals(self) -> dict[int, str | None]:
-        """engine id -> engine set of the registered engines not in the pool yet, as far as
-        known: each is asked once (its set is in its environment). Starts under way at once
-        (a run's boots of batch jobs) tell their engines apart by it, and an engine of a start
-        that failed is never taken for a new one."""
-        known = {e.engine_id for e in self.engines}
-        for i in self.client.ids:
-            if i not in known and i not in self._set_of and i not in self._asking:
-                self._asking[i] = self.calls.engine_set(i)
-        for i, reply in list(self._asking.items()):
-            if reply.ready():
-                del self._asking[i]
-                try:
-                    self._set_of[i] = reply.get()
-                except Exception:  # noqa: BLE001 -- it went away: not one of ours to wait for
-                    self._set_of[i] = None
-                if self._set_of[i] in self._forgotten:  # a failed start's, registered late
-                    self._set_of[i] = None
-                    self.client.shutdown(targets=[i], hub=False, block=False)
-        return {i: self._set_of.get(i) for i in self.client.ids
-                if i not in known and i in self._set_of}
-
     # ---------------------------------------------------------------- stopping engines
 
     def remove(self, engines: list[Engine]) -> asyncio.Task:
         """Forget these engines now and stop them (each is its own engine set) in the
         background; await the returned task to wait until they are gone."""
         for e in engines:
-            self.engines.remove(e)
-            self._set_of[e.engine_id] = None  # still registered a while: no new arrival
+            (self.warm if e in self.warm else self.engines).remove(e)
+            self._arrivals.gone(e.engine_id)  # still registered a while: no new arrival
         self._update_pidfile()
         # the processes now (psutil then checks that a pid was not reused before signalling)
         procs = processes([e.pid for e in engines if e.local])
         self._removing.update(procs)
-        self.slots.stopping(e.slot for e in engines)
+        self.slots.stopping(e.slot for e in engines if e.slot is not None)
         task = asyncio.ensure_future(self._stop_engines(engines, procs))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
@@ -319,7 +331,7 @@ class EngineSets:
                         ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
         finally:
             self._removing.difference_update(procs)
-            self.slots.stopped(e.slot for e in engines)
+            self.slots.stopped(e.slot for e in engines if e.slot is not None)
 
     def alive(self, engine: Engine) -> bool:
         """Whether `engine` runs: its process on this host; another host's while the
@@ -383,10 +395,10 @@ class EngineSets:
         # with their nannies; other hosts' engines are asked to exit, and batch jobs still
         # queued are cancelled (stop_cluster below)
         await self._shut_down_remote([e for e in self.engines if not e.local])
-        engines = with_descendants([e.pid for e in self.engines if e.local])
+        engines = with_descendants([e.pid for e in self.engines + self.warm if e.local])
         signal_all(engines, psutil.Process.kill)
         others = [self.cluster.controller.pid]  # with its schedulers
-        if self._reaper is not None:
+        if self._reaper.pid is not None:
             others.append(self._reaper.pid)  # nothing is left for it to watch
         try:
             await terminate(engines + with_descendants(others), grace=STOP_GRACE)
@@ -401,17 +413,13 @@ class EngineSets:
 
     def _forget(self) -> None:
         """Forget the cluster (its pid file, folder, reaper, client, engines)."""
-        if self._pidfile is not None and os.path.exists(self._pidfile):
-            os.unlink(self._pidfile)  # a reaper still running exits
-        self._pidfile = None
+        self._reaper.close()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
-        if self._reaper is not None and self._reaper.poll() is None:
-            self._reaper.terminate()
-        self._reaper = None  # Popen reaps it: no zombie is left behind
         if self.client is not None:
             self.client.close()
         self.cluster = self.client = None
         self.engines = []
-        self._set_of, self._asking, self._forgotten = {}, {}, set()
+        self.warm = []
+        self._arrivals.clear()

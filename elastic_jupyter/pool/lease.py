@@ -251,7 +251,8 @@ class LeaseFollower:
         while self.engine_sets.running:
             try:
                 claimant = self._claimant()
-                await self.lease.poll({e.slot: e.pid for e in self.engine_sets.engines},
+                await self.lease.poll({e.slot: e.pid for e in self.engine_sets.engines
+                                       if e.slot is not None},
                                       claimant.speed() if claimant is not None else None)
                 self._show_events()
                 if self._claimant() is None:

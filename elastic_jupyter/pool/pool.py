@@ -26,7 +26,7 @@ from .engine_calls import EngineCalls
 from .engine_sets import EngineSets
 from .launchers import Job, Launcher, LocalLauncher
 from .lease import POLL_S, LeaseFollower, check_weight_usage, pool_lease
-from .processes import Engine
+from .processes import Engine, rss
 from .queue_printer import QueuePrinter
 from .slots import Exclusion, Slots
 
@@ -91,7 +91,8 @@ class EnginePool:
         self.lease = pool_lease(self.config, self.launcher, lambda: self.engine_sets.jobs(),
                                 auto, weight, arbiter, gpus, name, notebook, lend)
         self.owner = get_owner()
-        self.slots = Slots(self.config.max_size, self.lease, lambda: {e.slot for e in self.engines})
+        self.slots = Slots(self.config.max_size, self.lease,
+                           lambda: {e.slot for e in self.engines if e.slot is not None})
         self.engine_sets = EngineSets(self.launcher, self.config, self.slots)
         self._claimant: Claimant | None = None  # who trains on this pool (claim / release)
         self._left_by: str | None = None  # the last run to end, which left the pool at its size
@@ -285,6 +286,8 @@ class EnginePool:
                 "excluded_slots": {slot: vars(x).copy()
                                    for slot, x in self.excluded_slots.items()},
                 "engines": [vars(e).copy() for e in self.engines],
+                "warm": [{"pid": e.pid, "rss_mib": rss(e.pid) / 2**20}
+                         for e in self.engine_sets.warm],
                 "launcher": self.launcher.describe(),
                 "queued": {slot: str(q) for slot, q in sorted(self.queued.items())},
                 "run": self.run.name if self.run is not None and self.run.active else None,

@@ -24,7 +24,8 @@ class Engine:
     """One engine process bound to one slot.
 
     Attributes:
-        slot: slot number (with GPUs, the index into the pool's GPU list).
+        slot: slot number (with GPUs, the index into the pool's GPU list); None for a warm
+            engine, set up on no slot until its run grows (run/warm_engines.py).
         device: "cpu" or "cuda:<physical GPU id>".
         engine_id: ipyparallel engine id; set_id: its engine set.
         pid: process id on `host`; started: wall time (s since the epoch) it registered.
@@ -33,7 +34,7 @@ class Engine:
         job_id: the scheduler's job that runs it (a Slurm job id; "" elsewhere).
     """
 
-    slot: int
+    slot: int | None
     device: str
     engine_id: int
     set_id: str
@@ -53,6 +54,14 @@ def alive(engine: Engine) -> bool:
         return psutil.Process(engine.pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def rss(pid: int) -> int:
+    """Resident memory of this host's process `pid` in bytes (0 when it is gone)."""
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.Error:
+        return 0
 
 
 def kill(engine: Engine) -> None:

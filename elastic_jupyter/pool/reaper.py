@@ -93,5 +93,38 @@ def start_reaper(pidfile: str) -> subprocess.Popen:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
+class Reaper:
+    """A pool's reaper process and the pid file it reads; the only writer of both (owner
+    loop). ``pidfile`` is None until :meth:`start` and after :meth:`close`."""
+
+    def __init__(self) -> None:
+        self.pidfile: str | None = None
+        self._process: subprocess.Popen | None = None
+
+    def start(self, pidfile: str, pids: list[int]) -> None:
+        """List `pids` in `pidfile`, then start the reaper that reads it."""
+        self.pidfile = pidfile
+        self.list(pids)
+        self._process = start_reaper(pidfile)
+
+    def list(self, pids: list[int], jobs: Sequence[str] = ()) -> None:
+        """What the reaper must end should this process die now (write_pidfile)."""
+        if self.pidfile is not None:
+            write_pidfile(self.pidfile, pids, jobs)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def close(self) -> None:
+        """Delete the pid file (a reaper still running exits) and end the reaper."""
+        if self.pidfile is not None and os.path.exists(self.pidfile):
+            os.unlink(self.pidfile)
+        self.pidfile = None
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+        self._process = None  # Popen reaps it: no zombie is left behind
+
+
 if __name__ == "__main__":
     main(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3])

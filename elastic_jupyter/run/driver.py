@@ -262,6 +262,14 @@ class Driver:
         if self.sizer.settled(now) and self.state in TRAINING_STATES:
             self.membership.boot(self._wanted())
             self.membership.trim(self._wanted())
+        self.membership.warm.keep(self._warm_wanted())
+
+    def _warm_wanted(self) -> int:
+        """An auto run below its max keeps ``--warm`` engines set up on no slot."""
+        lease = self.pool.lease
+        auto = lease is not None and lease.demand["auto"]
+        grows = len(self.members) < self.pool.max_size and self.state in TRAINING_STATES
+        return self.config.warm if auto and grows else 0
 
     async def _change_membership(self, step: int) -> set:
         """Apply the size due after `step`; returns the engine ids that join."""

@@ -2,9 +2,10 @@
 
 *Members* train, in rank order (rank 0 is the oldest survivor). *Spares* are engines that were
 started and set up in the background — for a pending grow, or as ``--standby`` — so a grow
-costs only forming the new group and one broadcast. *Joining* engines replace lost ones at the
-next generation. Membership boots and trims engines, counts each slot's faults, leaves out a slot
-that keeps failing and backs off restarting it.
+costs only forming the new group and one broadcast; a boot binds a warm engine
+(:mod:`.warm_engines`, set up on no slot) before it starts one. *Joining* engines replace lost
+ones at the next generation. Membership boots and trims engines, counts each slot's faults,
+leaves out a slot that keeps failing and backs off restarting it.
 
 The functions at the top are the decisions, pure so that they are tested without a cluster; the
 :class:`Membership` class carries them out on the owner loop.
@@ -21,6 +22,7 @@ from ..pool.launchers import StartWithdrawn
 from ..pool.processes import kill
 from ..owner import background
 from .runlog import RunLog
+from .warm_engines import WarmEngines
 
 if TYPE_CHECKING:
     from ..pool.pool import EnginePool
@@ -136,6 +138,7 @@ class Membership:
         self.joining: list[Engine] = []
         self.health = SlotHealth()
         self._left_out: set[int] = set()  # slots this run left out for a cooldown
+        self.warm = WarmEngines(pool, log, prepare)  # set up on no slot: bound as it grows
         self.boot_failures = 0
         self._booting: asyncio.Task | None = None
 
@@ -211,6 +214,15 @@ class Membership:
             self.pool.engine_sets.remove(gone)
 
     async def _boot(self, k: int) -> None:
+        if self.warm.ready:  # bound to a free slot: no engine starts
+            t0 = time.time()
+            bound = await self.warm.bind(self.pool.slots.next_free(min(k, len(self.warm.ready))))
+            self.spares.extend(bound)
+            k -= len(bound)
+            if bound:
+                self.log.log(f"{len(bound)} warm engine(s) bound in {time.time() - t0:.2f} s")
+        if k <= 0:
+            return
         if self.pool.launcher.local:
             await self._boot_together(k)
         else:  # a batch job starts when its scheduler says: each engine is ready when it is
@@ -237,8 +249,8 @@ class Membership:
                     self._leave_out(slot, f"its engine failed to start "
                                     f"{self.health.start_limit} times in a row: {why}", None)
             return
-        for engine in engines:
-            self.health.record_start(engine.slot, ok=True)
+        for slot in slots:
+            self.health.record_start(slot, ok=True)
         try:
             await self._prepare(engines)
         except asyncio.CancelledError:  # the run ended meanwhile (release)
@@ -359,3 +371,4 @@ class Membership:
         self.joining = []
         if spares:
             await self.pool.engine_sets.remove(spares)
+        await self.warm.release()

@@ -83,9 +83,11 @@ class RunLog:
         step; None while pending). None before the first resize."""
         return dict(self._resize) if self._resize is not None else None
 
-    def engine_log(self, slot: int) -> str:
-        """The log file of the engine on `slot` (its prints, warnings, tracebacks)."""
-        return os.path.join(self.log_dir, f"engine-slot{slot}.log")
+    def engine_log(self, slot: int | None) -> str:
+        """The log file of the engine on `slot` (its prints, warnings, tracebacks); a warm
+        engine's (slot None) until it is bound to a slot."""
+        return os.path.join(self.log_dir, "engine-warm.log" if slot is None
+                            else f"engine-slot{slot}.log")
 
     # ------------------------------------------------------------------ writing (owner thread)
 

@@ -58,6 +58,10 @@ def _status_table(status: dict) -> str:
         + (e["job_id"],) * jobs for e in status["engines"]])
     for slot, job in status["queued"].items():
         lines.append(f"Slot {slot}: waiting in the queue, {job}")
+    for warm in status.get("warm", []):
+        lines.append(f"Warm engine (pid {warm['pid']}): set up on no slot, "
+                     f"{warm['rss_mib']:.0f} MiB of host memory; the run's next growth binds it "
+                     "to the granted slot (--warm 0: none)")
     now = time.time()
     for slot, exclusion in sorted(status["excluded_slots"].items()):
         lines.append(f"Excluded slot {slot}: {Exclusion(**exclusion).describe(now)}")

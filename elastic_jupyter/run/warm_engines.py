@@ -1,0 +1,133 @@
+"""Warm engines: an auto run's engines set up on no slot, so its growth starts none.
+
+Growing into a slot the machine's arbiter grants costs, cold, an engine start, torch's import
+and the cell (about 7-10 s on this machine, more on a loaded one). A *warm* engine did all of
+that before the grant, on no slot: the cell ran and the model was built on the host, no GPU
+visible, and the run's rendezvous is connected. When a slot is granted, the engine is bound to
+it (engine.entrypoints.bind_slot: the thread count, on a GPU slot the device the cell's objects
+then move to) and joins at the next step boundary. It holds no slot, so the arbiter and other
+users see none taken; it costs host memory (about one engine's: shown by
+``%elastic_pool status`` and in the run's log) and is not kept when the host lacks twice that.
+:class:`WarmEngines` is the only writer of a run's warm engines (owner loop).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+import psutil
+
+from ..owner import background
+from ..pool.engine_calls import remote_summary
+from ..pool.processes import rss
+from .runlog import RunLog
+
+if TYPE_CHECKING:
+    from ..pool.pool import EnginePool
+    from ..pool.processes import Engine
+
+MiB = 2**20
+
+
+def room_for(need: int, available: int) -> str | None:
+    """Why a warm engine needing `need` bytes is not kept with `available` bytes of host memory
+    free (it must leave as much again), or None when it fits."""
+    if available >= 2 * need:
+        return None
+    return (f"no warm engine: it would take about {need / MiB:.0f} MiB of host memory and "
+            f"{available / MiB:.0f} MiB are available (it keeps as much again free); growth "
+            "starts engines cold")
+
+
+class WarmEngines:
+    """A run's warm engines (this host's pools only: an engine on another host or in a batch
+    job is placed with its slot).
+
+    Args:
+        pool: the EnginePool (starts, binds and stops the engines).
+        log: the RunLog (a line when one is ready, warnings as events).
+        prepare: ``async prepare(engines)`` sets new engines up for the run (runs the cell,
+            connects the rendezvous); raises on failure.
+    """
+
+    def __init__(self, pool: EnginePool, log: RunLog,
+                 prepare: Callable[[list[Engine]], Awaitable[None]]):
+        self.pool, self.log, self._prepare = pool, log, prepare
+        self.ready: list[Engine] = []
+        self._starting: asyncio.Task | None = None
+        self._off: str | None = None  # why this run keeps none any more (said once)
+
+    def keep(self, n: int) -> None:
+        """Keep `n` warm engines set up: start one in the background when fewer are ready or
+        starting, stop those beyond `n`. Call at every look at the run (the driver does)."""
+        sets = self.pool.engine_sets
+        if dead := [e for e in self.ready if not sets.alive(e)]:
+            self.ready = [e for e in self.ready if e not in dead]
+            sets.remove(dead)
+            self.log.log(f"warm engine(s) {[e.pid for e in dead]} died; another is set up")
+        if len(self.ready) > n:
+            extra, self.ready = self.ready[n:], self.ready[:n]
+            sets.remove(extra)
+        starting = self._starting is not None and not self._starting.done()
+        if starting or len(self.ready) >= n or self._off or not self.pool.launcher.local:
+            return
+        if why := self._no_room():
+            self._turn_off(why)
+            return
+        self._starting = background(self._start(), self._failed)
+
+    def _no_room(self) -> str | None:
+        sizes = [rss(e.pid) for e in self.pool.engines if e.local]
+        return room_for(max(sizes, default=0), psutil.virtual_memory().available)
+
+    async def _start(self) -> None:
+        t0 = time.time()
+        engine = await self.pool.engine_sets.add_warm()
+        try:
+            await self._prepare([engine])
+        except BaseException:
+            await self.pool.engine_sets.remove([engine])
+            raise
+        self.ready.append(engine)
+        self.log.log(f"warm engine ready in {time.time() - t0:.1f} s (pid {engine.pid}, "
+                     f"{rss(engine.pid) / MiB:.0f} MiB of host memory, no slot)")
+
+    def _failed(self, message: str) -> None:
+        self._turn_off(f"a warm engine failed to set up ({message}); growth starts engines "
+                       "cold")
+
+    def _turn_off(self, why: str) -> None:
+        self._off = why
+        self.log.event("warning", message=why)
+
+    async def bind(self, slots: list[int]) -> list[Engine]:
+        """Bind ready warm engines to free `slots`, one each while any is ready; returns them as
+        the pool's engines there. One that died is dropped (the next :meth:`keep` sets up
+        another); one that refuses its bind is stopped, and the run keeps none from then on
+        (an event says why)."""
+        bound: list[Engine] = []
+        for slot in slots:
+            if not self.ready:
+                break
+            engine = self.ready.pop(0)
+            try:
+                bound.append(await self.pool.engine_sets.bind(engine, slot))
+            except Exception as e:
+                if getattr(e, "ename", None) == "EngineError":  # it died: another is set up
+                    self.log.log(f"warm engine {engine.pid} died before its bind")
+                    continue
+                self._turn_off(f"a warm engine could not be bound to slot {slot} "
+                               f"({remote_summary(e)}); growth starts engines cold")
+                break
+        return bound
+
+    async def release(self) -> None:
+        """Stop the warm engines (the run ended), waiting for a start under way first."""
+        if self._starting is not None:
+            self._starting.cancel()
+            await asyncio.gather(self._starting, return_exceptions=True)
+        ready, self.ready = self.ready, []
+        stray = [e for e in self.pool.engine_sets.warm if e not in ready]  # a cancelled start's
+        if ready or stray:
+            await self.pool.engine_sets.remove(ready + stray)
