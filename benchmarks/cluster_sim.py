@@ -15,6 +15,13 @@ size of its workload row (this product changes resources, never the training res
     python benchmarks/cluster_sim.py                 # all 8 workloads, every policy
     python benchmarks/cluster_sim.py --workloads 1,3 --costs ours
 
+**What-if for admins**: ``--sacct FILE`` reads a Slurm accounting export instead
+(benchmarks/sim/sacct.py says which fields and the speedup model it assumes) and reports what
+Slurm recorded beside what fixed allocations, fair share and sharing by value would have done
+on that history, with this project's costs::
+
+    python benchmarks/cluster_sim.py --sacct history.txt --slots gpu --parallel-fraction 0.9
+
 Sizes: GPUs; times: seconds of the simulated clock.
 """
 from __future__ import annotations
@@ -31,15 +38,17 @@ from sim.baselines import Tiresias  # noqa: E402
 from sim.cluster import Cluster, Outcome, load_workload, simulate  # noqa: E402
 from sim.jobs import PAPER_COSTS, Costs  # noqa: E402
 from sim.product import FairShare, FixedAllocations, ValueShare, auto_max  # noqa: E402
+from sim.sacct import busiest, load_sacct, recorded  # noqa: E402
 
 PUBLISHED = pathlib.Path(__file__).resolve().parent / "data" / "pollux" / "published.json"
 
-# This project's measured costs (BENCHMARKS.md, CPU engines, the quick-start model): a grow is
-# an engine start plus the cell on it, 5.4 s, while the run trains on; a shrink is one step
-# boundary, 0.1 s; a start (or a move to other GPUs) costs what a grow does, without training.
-# Assumed the same on GPUs (unmeasured: a CUDA context and a larger model add seconds).
-OUR_COSTS = Costs(start=5.4, grow=5.4, shrink=0.1, trains_while_growing=True,
-                  label="ours (5.4 s start/grow, 0.1 s shrink)")
+# This project's measured costs (BENCHMARKS.md, CPU engines): a grow by one GPU binds the run's
+# warm engine, 0.9 s (auto_day.py's freed slot); a grow by more also starts engines and runs
+# the cell, 5.4 s, while the run trains on; a shrink is one step boundary, 0.1 s; a start (or
+# a move to other GPUs) costs an engine start and the cell, 5.4 s, without training. Assumed
+# the same on GPUs (unmeasured: a CUDA context and a larger model add seconds).
+OUR_COSTS = Costs(start=5.4, grow=5.4, shrink=0.1, trains_while_growing=True, grow_one=0.9,
+                  label="ours (5.4 s start/grow, 0.9 s +1, 0.1 s shrink)")
 TOLERANCE = 0.10  # how far the reproduced Tiresias may be from the published one
 
 
@@ -48,7 +57,21 @@ def main() -> None:
     parser.add_argument("--workloads", default="1,2,3,4,5,6,7,8",
                         help="workload numbers, comma-separated (default all 8)")
     parser.add_argument("--costs", choices=("ours", "paper", "both"), default="both")
+    what_if = parser.add_argument_group("what-if on a Slurm history (--sacct)")
+    what_if.add_argument("--sacct", metavar="FILE", help="a sacct --parsable2 export")
+    what_if.add_argument("--slots", choices=("gpu", "cpu"), default="gpu",
+                         help="what a slot is: a GPU (AllocTRES gres/gpu) or a CPU (AllocCPUS)")
+    what_if.add_argument("--cluster-slots", type=int,
+                         help="the cluster's slots (default: the most the history held at once)")
+    what_if.add_argument("--parallel-fraction", type=float, default=0.9,
+                         help="Amdahl's parallel fraction of every job (default 0.9)")
+    what_if.add_argument("--max-factor", type=float, default=2.0,
+                         help="an auto job's most slots, times what it held (default 2)")
+    what_if.add_argument("--interval", type=float, default=60.0,
+                         help="seconds between the policy's decisions (default 60)")
     args = parser.parse_args()
+    if args.sacct:
+        return sacct_what_if(args)
     numbers = [int(w) for w in args.workloads.split(",")]
     published = json.loads(PUBLISHED.read_text())["policies"]
     cluster = Cluster()
@@ -76,6 +99,26 @@ def main() -> None:
         for policy in (FixedAllocations, FairShare, ValueShare):
             rows.append((policy.name, c, {w: run(w, policy(), c, cluster) for w in numbers}))
     report(rows, numbers, published)
+
+
+def sacct_what_if(args) -> None:
+    """What Slurm recorded, and what each policy would have done, on one export."""
+    def jobs():  # a fresh copy for each policy: a simulation advances its jobs
+        return load_sacct(args.sacct, args.slots, args.parallel_fraction, args.max_factor)
+    history = jobs()
+    slots = args.cluster_slots or busiest(history)
+    cluster = Cluster(nodes=1, gpus_per_node=slots, interval=args.interval)
+    print(f"{len(history)} jobs from {args.sacct} on {slots} {args.slots} slots; speedup by "
+          f"Amdahl's law with parallel fraction {args.parallel_fraction}; auto jobs take 1 to "
+          f"{args.max_factor:g}x the slots they held; {OUR_COSTS.label}")
+    print(f"{'policy':<22} {'avg JCT':>9} {'p99 JCT':>9} {'makespan':>9} {'util':>6}")
+    seen = recorded(history, slots)
+    print(f"{'as recorded (Slurm)':<22} {seen.mean_jct:>9.0f} {seen.p99_jct:>9.0f} "
+          f"{seen.makespan:>9.0f} {seen.utilisation:>6.0%}")
+    for policy in (FixedAllocations, FairShare, ValueShare):
+        o = simulate(jobs(), policy(), OUR_COSTS, cluster)
+        print(f"{policy.name + ' (simulated)':<22} {o.mean_jct:>9.0f} {o.p99_jct:>9.0f} "
+              f"{o.makespan:>9.0f} {o.utilisation:>6.0%}")
 
 
 def run(workload: int, policy, costs: Costs, cluster: Cluster) -> Outcome:

@@ -13,7 +13,7 @@ modelled.)
 from __future__ import annotations
 
 from .cluster import Cluster, pack
-from .jobs import SimJob
+from .jobs import Job
 
 DEMOTE_GPU_S = 16 * 3600.0
 
@@ -27,7 +27,7 @@ class Tiresias:
         self.ran_s: dict[str, float] = {}  # seconds run, by decision intervals
         self._looked: dict[str, float] = {}
 
-    def decide(self, now: float, jobs: list[SimJob], cluster: Cluster,
+    def decide(self, now: float, jobs: list[Job], cluster: Cluster,
                held: dict[str, list[int]]) -> dict[str, list[int]]:
         by_name = {j.name: j for j in jobs}
         self._forget_finished(by_name)
@@ -54,7 +54,7 @@ class Tiresias:
                 decided[name] = pack(by_name[name].gpus, [], free)
         return decided
 
-    def _forget_finished(self, active: dict[str, SimJob]) -> None:
+    def _forget_finished(self, active: dict[str, Job]) -> None:
         for queue in self.queues:
             queue[:] = [n for n in queue if n in active]
         self.running &= set(active)

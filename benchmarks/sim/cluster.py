@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from .applications import application
-from .jobs import Costs, SimJob
+from .jobs import Costs, Job, SimJob
 
 WORKLOADS = pathlib.Path(__file__).resolve().parent.parent / "data" / "pollux" / "workloads"
 
@@ -27,7 +27,7 @@ class Policy(Protocol):
 
     name: str
 
-    def decide(self, now: float, jobs: list[SimJob], cluster: Cluster,
+    def decide(self, now: float, jobs: list[Job], cluster: Cluster,
                held: dict[str, list[int]]) -> dict[str, list[int]]: ...
 
 
@@ -72,8 +72,8 @@ def pack(count: int, nodes: list[int], free: dict[int, int]) -> list[int]:
 def load_workload(number: int) -> list[SimJob]:
     """The jobs of ``workload-<number>.csv``, in submission order."""
     with open(WORKLOADS / f"workload-{number}.csv", newline="") as f:
-        return [SimJob(r["name"], application(r["application"]), float(r["time"]),
-                       int(r["num_replicas"]), int(r["batch_size"]))
+        return [SimJob(r["name"], float(r["time"]), int(r["num_replicas"]),
+                       app=application(r["application"]), batch=int(r["batch_size"]))
                 for r in csv.DictReader(f)]
 
 
@@ -96,7 +96,7 @@ class Outcome:
         return float(np.percentile(list(self.jcts.values()), 99))
 
 
-def simulate(jobs: list[SimJob], policy: Policy, costs: Costs, cluster: Cluster = Cluster(),
+def simulate(jobs: list[Job], policy: Policy, costs: Costs, cluster: Cluster = Cluster(),
              limit_s: float = 14 * 24 * 3600) -> Outcome:
     """Run `jobs` to completion under `policy`. Raises RuntimeError past `limit_s` simulated
     seconds (a policy that starves a job)."""

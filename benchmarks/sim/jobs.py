@@ -23,6 +23,8 @@ class Costs:
     grow: more GPUs; with ``trains_while_growing`` it trains on its old placement meanwhile
         (this product: newcomers set up beside the running generation), else it stops.
     shrink: fewer GPUs, no progress meanwhile; a move to other GPUs costs a start.
+    grow_one: a grow by one GPU, when it costs less (this product binds its one warm engine;
+        a grow by more starts the rest); None: as any grow.
     """
 
     start: float
@@ -30,10 +32,13 @@ class Costs:
     shrink: float
     trains_while_growing: bool
     label: str = ""
+    grow_one: float | None = None
 
     def of(self, old: tuple[int, ...], new: tuple[int, ...], moved: bool) -> float:
         if not old or moved:
             return self.start
+        if sum(new) == sum(old) + 1 and self.grow_one is not None:
+            return self.grow_one
         return self.grow if sum(new) > sum(old) else self.shrink
 
 
@@ -43,26 +48,24 @@ PAPER_COSTS = Costs(start=30.0, grow=30.0, shrink=30.0, trains_while_growing=Fal
 
 
 @dataclass
-class SimJob:
-    """One job of a workload.
+class Job:
+    """A job of a simulated workload, whatever says how fast it trains (subclasses: its
+    goodput on a placement and the progress it needs).
 
     Attributes:
-        name, app, submitted (s), gpus: the GPUs it asked for, batch: its global batch.
+        name, submitted (s), gpus: the GPUs it asked for.
         placement: GPUs per node now (() while it holds none); nodes: the node of each GPU.
-        progress, epoch, completed (s or None), restarts: placement changes after the first.
+        progress, completed (s or None), restarts: placement changes after the first.
         measured: GPUs -> steps per second the job last trained at with that many (what a run
         of this product reports as its speed).
     """
 
     name: str
-    app: Application
     submitted: float
     gpus: int
-    batch: int
     placement: tuple[int, ...] = ()
     nodes: list[int] = field(default_factory=list)
     progress: float = 0.0
-    epoch: int = 0
     completed: float | None = None
     restarts: int = 0
     measured: dict[int, float] = field(default_factory=dict)
@@ -73,6 +76,10 @@ class SimJob:
     @property
     def done(self) -> bool:
         return self.completed is not None
+
+    def most(self, gpus: int) -> int:
+        """The most GPUs it takes in auto mode on a cluster of `gpus`."""
+        raise NotImplementedError
 
     def place(self, nodes: list[int], costs: Costs) -> None:
         """Hold the GPUs of `nodes` (one entry per GPU, its node) from now on."""
@@ -103,22 +110,56 @@ class SimJob:
         self._clock = end
 
     def _train(self, placement: tuple[int, ...], seconds: float) -> None:
-        """Make progress on `placement` for `seconds`, crossing epochs (the job ends after its
-        last). The clock moves only as far as training went."""
+        """Make progress on `placement` for `seconds`, crossing milestones (epochs; the job
+        ends after its last). The clock moves only as far as training went."""
         start = self._clock
         while seconds > 0 and not self.done:
             goodput = self._goodput(placement)
-            goal = self.app.progress_at(self.epoch + 1)
+            goal = self._goal()
             if self.progress + goodput * seconds < goal:
                 self.progress += goodput * seconds
                 break
             spent = (goal - self.progress) / goodput
-            self.progress, self.epoch = goal, self.epoch + 1
+            self.progress = goal
             seconds -= spent
             self._clock += spent
-            if self.epoch >= self.app.epochs:
+            if self._reached():
                 self.completed = self._clock
         self._clock = start if not self.done else self._clock
+
+    def _goodput(self, placement: tuple[int, ...]) -> float:
+        """Progress per second on `placement`."""
+        raise NotImplementedError
+
+    def _goal(self) -> float:
+        """The progress at the next milestone."""
+        raise NotImplementedError
+
+    def _reached(self) -> bool:
+        """The next milestone was reached: True when it was the last."""
+        raise NotImplementedError
+
+
+@dataclass
+class SimJob(Job):
+    """One job of the Pollux study's workloads: `app` (its measured application) and `batch`,
+    its global batch; it ends after the application's epochs."""
+
+    app: Application = field(default=None)  # type: ignore[assignment]
+    batch: int = 0
+    epoch: int = 0
+
+    def most(self, gpus: int) -> int:
+        """Its batch over the application's smallest local batch (each GPU keeps a local batch
+        it was measured at, as the Pollux study's Optimus), at most the cluster."""
+        return max(1, min(gpus, self.batch // self.app.min_local_batch))
+
+    def _goal(self) -> float:
+        return self.app.progress_at(self.epoch + 1)
+
+    def _reached(self) -> bool:
+        self.epoch += 1
+        return self.epoch >= self.app.epochs
 
     def _goodput(self, placement: tuple[int, ...]) -> float:
         """Progress per second on `placement` at the job's batch size."""

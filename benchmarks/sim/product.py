@@ -14,14 +14,13 @@ from elastic_jupyter.arbiter.fairshare import Demand, allocate
 from elastic_jupyter.arbiter.speed import Speed
 
 from .cluster import Cluster, pack
-from .jobs import SimJob
+from .jobs import Job
 
 
-def auto_max(job: SimJob, cluster: Cluster) -> int:
-    """An auto job's most GPUs: its batch over the application's smallest local batch (each GPU
-    keeps a local batch it was measured at, as the Pollux study's Optimus), at most the
-    cluster."""
-    return max(1, min(cluster.gpus, job.batch // job.app.min_local_batch))
+def auto_max(job: Job, cluster: Cluster) -> int:
+    """An auto job's most GPUs (its ``most``: for the study's jobs, the batch over the
+    application's smallest local batch), at most the cluster."""
+    return job.most(cluster.gpus)
 
 
 class _ArbiterPolicy:
@@ -30,10 +29,10 @@ class _ArbiterPolicy:
     def __init__(self) -> None:
         self.arrival: dict[str, int] = {}
 
-    def demand(self, job: SimJob, held: int, cluster: Cluster) -> Demand:
+    def demand(self, job: Job, held: int, cluster: Cluster) -> Demand:
         raise NotImplementedError
 
-    def decide(self, now: float, jobs: list[SimJob], cluster: Cluster,
+    def decide(self, now: float, jobs: list[Job], cluster: Cluster,
                held: dict[str, list[int]]) -> dict[str, list[int]]:
         for job in jobs:
             self.arrival.setdefault(job.name, len(self.arrival))
@@ -63,7 +62,7 @@ class FixedAllocations(_ArbiterPolicy):
 
     name = "fixed"
 
-    def demand(self, job: SimJob, held: int, cluster: Cluster) -> Demand:
+    def demand(self, job: Job, held: int, cluster: Cluster) -> Demand:
         return Demand(job.name, job.name, self.arrival[job.name], min=job.gpus, max=job.gpus,
                       auto=False, wanted=job.gpus, held=held)
 
@@ -74,7 +73,7 @@ class FairShare(_ArbiterPolicy):
 
     name = "fair share"
 
-    def demand(self, job: SimJob, held: int, cluster: Cluster) -> Demand:
+    def demand(self, job: Job, held: int, cluster: Cluster) -> Demand:
         return Demand(job.name, job.name, self.arrival[job.name], min=1,
                       max=auto_max(job, cluster), auto=True, held=held)
 
@@ -85,7 +84,7 @@ class ValueShare(_ArbiterPolicy):
 
     name = "by value"
 
-    def demand(self, job: SimJob, held: int, cluster: Cluster) -> Demand:
+    def demand(self, job: Job, held: int, cluster: Cluster) -> Demand:
         speed = Speed(tuple(sorted(job.measured.items()))) if job.measured else None
         return Demand(job.name, job.name, self.arrival[job.name], min=1,
                       max=auto_max(job, cluster), auto=True, held=held, speed=speed)

@@ -157,6 +157,15 @@ class SlotLease:
             log.warning("elastic_jupyter: could not hand the pool's slots back (the arbiter "
                         "frees them within 2 s of the kernel's exit): %s", e)
 
+    async def free_slots(self) -> int:
+        """Slots of the machine nobody holds or uses now (0 when the arbiter does not say)."""
+        try:
+            view = await asyncio.to_thread(self.client.view)
+        except ArbiterError:
+            return 0
+        return sum(1 for s in view.get("slots", [])
+                   if s.get("holder") is None and not s.get("outside"))
+
     async def _call(self, fn: Callable[..., dict], *args: Any, **kwargs: Any) -> dict:
         if self.closed:  # a late update (a run that ended after its pool stopped)
             return self.grant

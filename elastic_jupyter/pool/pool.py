@@ -316,18 +316,35 @@ class EnginePool:
                 raise
             return
         try:  # wait in the machine's queue, then start on the slots leased now
-            await self.lease.register()
-            while self.lease.kept < self.min_size:
-                await asyncio.sleep(POLL_S)
-                await self.lease.poll(engines={})
-            auto = self.lease.demand["auto"]  # auto: every slot leased; else n of them
-            await self.resize_idle(self.lease.kept if auto else min(self.lease.kept, self.config.n))
+            await self._start_leased()
         except BaseException as e:  # refused, interrupted, engines that did not start
             await self._stop()
             if isinstance(e, ArbiterError):
                 raise UsageError(str(e)) from None
             raise
         self._follower.start()
+
+    async def _start_leased(self) -> None:
+        """Lease mode: ask the arbiter, wait in the machine's queue, start on the slots leased.
+        When the machine has fewer free slots than the min (they come from other runs), on this
+        host the min's engines are set up on no slot first (warm engines: run/warm_engines.py)
+        and bound to the slots once leased: a slot taken from a run idles for no engine start."""
+        lease = self.lease
+        assert lease is not None
+        warm = []
+        if self.launcher.local and await lease.free_slots() < self.min_size:
+            warm = await asyncio.gather(*(self.engine_sets.add_warm()
+                                          for _ in range(self.min_size)))
+        await lease.register()
+        while lease.kept < self.min_size:
+            await asyncio.sleep(POLL_S)
+            await lease.poll(engines={})
+        for engine, slot in zip(warm, self.slots.next_free(len(warm))):
+            await self.engine_sets.bind(engine, slot)
+        if unbound := [e for e in warm if e in self.engine_sets.warm]:
+            await self.engine_sets.remove(unbound)  # the slots went back meanwhile
+        auto = lease.demand["auto"]  # auto: every slot leased; else n of them
+        await self.resize_idle(lease.kept if auto else min(lease.kept, self.config.n))
 
     async def admitted(self) -> None:
         """Wait until the lease keeps ``min`` training slots (lease mode, a run starting on the
