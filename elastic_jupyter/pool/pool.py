@@ -326,15 +326,13 @@ class EnginePool:
 
     async def _start_leased(self) -> None:
         """Lease mode: ask the arbiter, wait in the machine's queue, start on the slots leased.
-        When the machine has fewer free slots than the min (they come from other runs), on this
-        host the min's engines are set up on no slot first (warm engines: run/warm_engines.py)
-        and bound to the slots once leased: a slot taken from a run idles for no engine start."""
+        With fewer free slots than the min (they come from other runs), on this host the
+        min's engines start on no slot first (run/warm_engines.py) and are bound once leased."""
         lease = self.lease
         assert lease is not None
-        warm = []
-        if self.launcher.local and await lease.free_slots() < self.min_size:
-            warm = await asyncio.gather(*(self.engine_sets.add_warm()
-                                          for _ in range(self.min_size)))
+        first = self.launcher.local and await lease.free_slots() < self.min_size
+        warm = await asyncio.gather(*(self.engine_sets.add_warm()
+                                      for _ in range(self.min_size if first else 0)))
         await lease.register()
         while lease.kept < self.min_size:
             await asyncio.sleep(POLL_S)
