@@ -146,29 +146,40 @@ def bind_slot(slot: int, gpu: int | None, threads: int) -> dict:
     Raises SetupError when CUDA was initialised before the bind (the cell touched a GPU while
     none was visible) or the device cannot be bound; the engine is then of no use to the run.
     """
-    device = "cpu"
-    if gpu is not None:
-        if torch.cuda.is_initialized():
-            raise SetupError("the cell initialised CUDA on a warm engine, before it had a GPU: "
-                             "build the model on the host (the engine moves it)")
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-        if torch.cuda.device_count() != 1:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as it started: no device
-            raise SetupError(f"GPU {gpu} could not be bound on this warm engine (CUDA sees "
-                             f"{torch.cuda.device_count()} devices)")
-        torch.cuda.set_device(0)
-        device = f"cuda:{gpu}"
+    device = "cpu" if gpu is None else _bind_gpu(gpu)
+    worker = _state.worker
+    if worker is not None and device != "cpu":  # the cell's objects go from the host there
+        with _logging_to(_state.log_path):
+            worker = _state.worker = _on_device(worker, device, slot)
     torch.set_num_threads(threads)
     os.environ.update(ELASTIC_JUPYTER_SLOT=str(slot), OMP_NUM_THREADS=str(threads))
     _state.slot, _state.device = slot, device
-    if (worker := _state.worker) is not None and device == "cpu":
+    if worker is not None:
         worker.slot = slot  # fault points match it
-    elif worker is not None:  # the cell's objects, on the host until now, go to the device
-        with _logging_to(_state.log_path):
-            _state.worker = _on_device(worker, device, slot)
     _say_bound(slot, device)
     return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename,
             "versions": versions()}
+
+
+def _bind_gpu(gpu: int) -> str:
+    """Make `gpu` this engine's only device before CUDA initialises; its device string.
+    Raises SetupError when CUDA was initialised already or does not see exactly that GPU."""
+    if torch.cuda.is_initialized():
+        raise SetupError("the cell initialised CUDA on a warm engine, before it had a GPU: "
+                         "build the model on the host (the engine moves it)")
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    count = getattr(torch.cuda.device_count, "cache_clear", None)
+    if count is not None:  # torch < 2.4 keeps the count it saw first (pytorch#95073)
+        count()
+    try:
+        if torch.cuda.device_count() != 1:
+            raise RuntimeError(f"CUDA sees {torch.cuda.device_count()} devices")
+        torch.cuda.init()  # fails here, not mid-step, where a library initialised it unseen
+        torch.cuda.set_device(0)
+    except RuntimeError as e:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as it started: no device
+        raise SetupError(f"GPU {gpu} could not be bound on this warm engine ({e})") from None
+    return f"cuda:{gpu}"
 
 
 def _on_device(worker: Worker, device: str, slot: int) -> Worker:

@@ -2,7 +2,8 @@
 
 Each slot's engine is its own engine set of one, because ipyparallel cannot stop a single engine
 of a larger set (``Cluster.stop_engine`` raises) and forgets per-set environments on restart.
-CUDA_VISIBLE_DEVICES is fixed at engine start, so a slot's GPU binding cannot change. Where the
+CUDA_VISIBLE_DEVICES is fixed once CUDA initialises: a slot's engine gets its GPU at start; a
+warm engine starts with none and is bound to one before CUDA's first use. Where the
 engines run (this host, other hosts over ssh, Slurm jobs) is the pool's
 :class:`~.launchers.Launcher`. A new engine says which set started it (its environment), so
 starts under way at once tell their engines apart, and one of a start that failed is never
@@ -73,6 +74,23 @@ def check_versions(infos: list[dict]) -> None:
                                "is simplest)")
 
 
+async def start_warm(engine_sets: EngineSets, n: int) -> list[Engine]:
+    """`n` warm engines (on no slot: :meth:`EngineSets.add_warm`), started side by side.
+    Raises the first failure; those that started stay listed and stop with the pool."""
+    started = await asyncio.gather(*(engine_sets.add_warm() for _ in range(n)),
+                                   return_exceptions=True)
+    if failed := [e for e in started if isinstance(e, BaseException)]:
+        raise failed[0]
+    return [e for e in started if isinstance(e, Engine)]
+
+
+def _gpu_of(config: PoolConfig, lease_mode: bool, slot: int | None) -> int | None:
+    """The GPU of `slot` (in lease mode the machine's index; None: no GPU, or no slot)."""
+    if slot is None or not config.gpus:
+        return None
+    return slot if lease_mode else config.gpus[slot]
+
+
 class EngineSets:
     """The pool's engine processes: the controller, one engine set per engine (owner loop).
 
@@ -131,6 +149,8 @@ class EngineSets:
 
     def _update_pidfile(self) -> None:
         """Tell the reaper which processes to end if this process dies without stopping us."""
+        if self.cluster is None:  # stopped: nothing is left to list
+            return
         self._reaper.list([self.cluster.controller.pid] +
                           [e.pid for e in self.engines + self.warm if e.local], self.jobs())
 
@@ -192,7 +212,8 @@ class EngineSets:
         returns it as the pool's engine there. Raises the engine's error (it is then stopped)."""
         try:
             with self.slots.starting([slot]):
-                info = await self.calls.bind_slot(engine, slot, self._gpu(slot),
+                gpu = _gpu_of(self.config, self.slots.lease_mode, slot)
+                info = await self.calls.bind_slot(engine, slot, gpu,
                                                   self.config.threads_per_engine)
         except BaseException:
             self.remove([engine])
@@ -202,18 +223,10 @@ class EngineSets:
         self.engines.append(bound)
         return bound
 
-    def _gpu(self, slot: int | None) -> int | None:
-        if slot is None or not self.config.gpus:
-            return None
-        return slot if self.slots.lease_mode else self.config.gpus[slot]  # lease: the machine's
-
-    def _known(self) -> list[int]:
-        return [e.engine_id for e in self.engines + self.warm]
-
     async def _start_set(self, slot: int | None, set_id: str) -> None:
         """Start `slot`'s engine set of one (None: a warm engine), as `set_id` (its engine
         says it: :mod:`.arrivals`)."""
-        gpu = self._gpu(slot)
+        gpu = _gpu_of(self.config, self.slots.lease_mode, slot)
         options = self.launcher.start_options(slot) if slot is not None else {}
         # a fresh dict each time: start_engines mutates the one it is given
         env = _engine_env(slot, gpu, self.config.threads_per_engine,
@@ -277,8 +290,9 @@ class EngineSets:
         k, timeout = len(set_ids), self.config.engine_timeout
         deadline, next_look = time.monotonic() + timeout, 0.0
         wanted = set(set_ids.values())
-        while len(mine := [i for i, s in self._arrivals.look(self._known()).items()
-                           if s in wanted]) < k:
+        known = self._arrivals.look  # the engines not in the pool yet, by their set
+        while len(mine := [i for i, s in known(e.engine_id for e in self.engines + self.warm)
+                           .items() if s in wanted]) < k:
             now = time.monotonic()
             if not self.launcher.local and now >= next_look:  # a batch system: ask it
                 next_look = now + 1.0

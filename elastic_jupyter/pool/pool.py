@@ -23,7 +23,7 @@ from ..config import PoolConfig, UsageError
 from ..owner import background, get_owner
 from .claimant import Claimant
 from .engine_calls import EngineCalls
-from .engine_sets import EngineSets
+from .engine_sets import EngineSets, start_warm
 from .launchers import Job, Launcher, LocalLauncher
 from .lease import POLL_S, LeaseFollower, check_weight_usage, pool_lease
 from .processes import Engine, rss
@@ -331,8 +331,7 @@ class EnginePool:
         lease = self.lease
         assert lease is not None
         first = self.launcher.local and await lease.free_slots() < self.min_size
-        warm = await asyncio.gather(*(self.engine_sets.add_warm()
-                                      for _ in range(self.min_size if first else 0)))
+        warm = await start_warm(self.engine_sets, self.min_size if first else 0)
         await lease.register()
         while lease.kept < self.min_size:
             await asyncio.sleep(POLL_S)

@@ -265,9 +265,10 @@ class Driver:
         self.membership.warm.keep(self._warm_wanted())
 
     def _warm_wanted(self) -> int:
-        """An auto run below its max keeps ``--warm`` engines set up on no slot."""
+        """An auto run below its max keeps ``--warm`` engines set up on no slot (none with
+        ``--sync-batchnorm``, which a Worker built on the host refuses)."""
         lease = self.pool.lease
-        auto = lease is not None and lease.demand["auto"]
+        auto = lease is not None and lease.demand["auto"] and not self.config.sync_batchnorm
         grows = len(self.members) < self.pool.max_size and self.state in TRAINING_STATES
         return self.config.warm if auto and grows else 0
 

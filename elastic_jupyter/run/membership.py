@@ -216,7 +216,8 @@ class Membership:
     async def _boot(self, k: int) -> None:
         if self.warm.ready:  # bound to a free slot: no engine starts
             t0 = time.time()
-            bound = await self.warm.bind(self.pool.slots.next_free(min(k, len(self.warm.ready))))
+            free = self.pool.slots.next_free(min(k, len(self.warm.ready)))
+            bound = await self.warm.bind([s for s in free if not self.health.delay(s, t0)])
             self.spares.extend(bound)
             k -= len(bound)
             if bound:
@@ -369,6 +370,8 @@ class Membership:
             await asyncio.gather(self._booting, return_exceptions=True)
         spares, self.spares = self.spares + self.joining, []
         self.joining = []
-        if spares:
-            await self.pool.engine_sets.remove(spares)
-        await self.warm.release()
+        try:
+            if spares:
+                await self.pool.engine_sets.remove(spares)
+        finally:
+            await self.warm.release()

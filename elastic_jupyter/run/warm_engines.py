@@ -21,6 +21,7 @@ import psutil
 from ..owner import background
 from ..pool.engine_calls import remote_summary
 from ..pool.processes import rss
+from .faults import is_engine_death
 from .runlog import RunLog
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ class WarmEngines:
             try:
                 bound.append(await self.pool.engine_sets.bind(engine, slot))
             except Exception as e:
-                if getattr(e, "ename", None) == "EngineError":  # it died: another is set up
+                if is_engine_death(e) or not self.pool.engine_sets.alive(engine):  # another comes
                     self.log.log(f"warm engine {engine.pid} died before its bind")
                     continue
                 self._turn_off(f"a warm engine could not be bound to slot {slot} "
