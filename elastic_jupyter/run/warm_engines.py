@@ -128,7 +128,6 @@ class WarmEngines:
         if self._starting is not None:
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
-        ready, self.ready = self.ready, []
-        stray = [e for e in self.pool.engine_sets.warm if e not in ready]  # a cancelled start's
-        if ready or stray:
-            await self.pool.engine_sets.remove(ready + stray)
+        ready, self.ready = self.ready, []  # a cancelled start removed its own engine
+        if ready:
+            await self.pool.engine_sets.remove(ready)
