@@ -290,3 +290,37 @@ def test_a_start_that_waits_for_slots_says_its_place_in_the_machine_queue(tmp_pa
         holder.stop()
         waiter.stop()
         stop(arbiter)
+
+
+# growth engines (on slots other than the first) take 20 s to set up
+SLOW_GROWTH = '''
+import os, time
+if os.environ.get("ELASTIC_JUPYTER_SLOT") not in ("0", ""):
+    time.sleep(20)
+''' + BODY
+
+
+def test_a_slot_the_arbiter_takes_back_while_an_engine_starts_there_goes_at_once(tmp_path,
+                                                                                 monkeypatch):
+    folder = tmp_path / "arbiter"
+    folder.mkdir(mode=0o700)
+    arbiter = start_arbiter(str(folder))
+    monkeypatch.setenv("ELASTIC_JUPYTER_ARBITER", str(folder))
+    grower = EnginePool(min_size=1, max_size=4, gpus="none", auto=True).start()
+    pools = [grower]
+    try:
+        run = TrainingRun(grower, RunConfig(name="grower", steps=100000, global_batch=64,
+                                            checkpoint_every=0), source=SLOW_GROWTH,
+                          push={"DELAY": 0.02}, workspace=str(tmp_path)).start()
+        wait_for("engines setting up on the granted slots",
+                 lambda: len(grower.engines) >= 2 or grower.engines)
+        asked = time.monotonic()
+        pools.append(EnginePool(n=2, min_size=2, max_size=2, gpus="none").start())
+        took = time.monotonic() - asked
+        assert took < 15, f"the slots came after their engines' setup: {took:.1f} s"
+        assert "given back while" in run.logs(), run.logs()
+        assert run.world_size == 1 and run.state == "training"
+    finally:
+        for pool in pools:
+            pool.stop()
+        stop(arbiter)

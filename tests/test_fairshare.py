@@ -118,6 +118,14 @@ def test_leases_move_at_give_back_and_name_who_freed_them():
     assert t.poll(1, "A")["slots"] == [0, 1, 2, 3]
 
 
+def test_a_slot_none_of_the_runs_engines_uses_is_given_back_before_one_that_trains():
+    t = table()
+    t.register(1, "alice", 11, 1.0, "A", name="a", max=4, auto=True)
+    t.poll(1, "A", engines={0: 100, 1: 101, 3: 103})  # slot 2's engine still starts
+    t.register(2, "bob", 22, 2.0, "B", name="b", max=4, auto=True)
+    assert t.poll(1, "A")["give_back"] == [2, 3]  # not the newest two, [3, 2]: 2 goes first
+
+
 def test_nobody_changes_another_users_run():
     t = table()
     t.register(1, "alice", 11, 1.0, "A", max=2, auto=True)

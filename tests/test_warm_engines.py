@@ -3,21 +3,24 @@ granted (run/warm_engines.py, engine.entrypoints.bind_slot).
 
 On a real arbiter and real pools: the warm engine shows in the pool's status with its memory,
 one that dies is replaced, a freed slot is trained on by the warm engine (no engine starts),
-and a run at its max or at its end keeps none. The engine side's bind is called in this
-process: a CPU bind moves the run's Worker to the slot; a GPU bind that CUDA cannot honour is
-refused and leaves the engine as it was.
+and a run at its max or at its end keeps none; none starts while every core is busy. The
+engine side's bind is called in this process: a CPU bind moves the run's Worker to the slot;
+a GPU bind that CUDA cannot honour is refused and leaves the engine as it was.
 """
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 import torch
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 from elastic_jupyter.engine import entrypoints
 from elastic_jupyter.engine.worker import SetupError
-from elastic_jupyter.run.warm_engines import MiB, room_for
+from elastic_jupyter.run.warm_engines import IdleCores, MiB, room_for
 from test_arbiter import start_arbiter, stop
 from test_workdir import CELL as SMALL_CELL
 
@@ -118,3 +121,21 @@ def test_a_warm_engine_is_kept_only_where_the_host_has_twice_its_memory():
     assert room_for(100 * MiB, 200 * MiB) is None
     why = room_for(100 * MiB, 150 * MiB)
     assert why is not None and "about 100 MiB" in why and "150 MiB are available" in why
+
+
+def test_a_warm_engine_waits_while_every_core_is_busy():
+    idle = IdleCores(window=1.0)
+    assert not idle.enough()  # no window measured yet: counted busy
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(psutil.cpu_count())]
+    try:
+        time.sleep(0.3)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            busy = idle()
+            time.sleep(0.1)
+        assert busy < 0.5 and not idle.enough(), busy
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()

@@ -324,18 +324,18 @@ class SlotTable:
             self._short(r) for r in self.runs.values() if r.id != lease.run))
 
     def _give_back(self, entry: Run, mine: list[Lease], target: int, now: float) -> list[int]:
-        """The training slots `entry` should release: slots now busy outside first, then its
-        newest slots beyond its target (its youngest engines; those that moved least recently
-        among them when the no-flap rule keeps some)."""
+        """The training slots `entry` should release: slots busy outside first, then beyond its
+        target those where none of its engines runs yet, then its newest (youngest engines;
+        those that moved least recently among them when the no-flap rule keeps some)."""
         training = [x for x in mine if not x.standby]
         busy = [x.slot for x in training if x.slot in self.outside]
         rest = [x for x in training if x.slot not in self.outside]
-        extra = max(0, len(rest) - target)
         unpinned = sorted((x for x in rest if now - x.since >= self.hold_s),
                           key=lambda x: (-x.since, -x.slot))
         pinned = sorted((x for x in rest if now - x.since < self.hold_s),
                         key=lambda x: (x.since, -x.slot))
-        return busy + [x.slot for x in (unpinned + pinned)[:extra]]
+        order = sorted(unpinned + pinned, key=lambda x: str(x.slot) in entry.engines)  # stable
+        return busy + [x.slot for x in order[:max(0, len(rest) - target)]]
 
     def _grantable(self, entry: Run, now: float) -> int:
         """The most slots `entry` could hold now if it asked for its max (for a slider)."""

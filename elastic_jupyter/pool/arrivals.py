@@ -32,7 +32,10 @@ class Arrivals:
         client, known = self._client(), set(known)
         for i in client.ids:
             if i not in known and i not in self._set_of and i not in self._asking:
-                self._asking[i] = self._ask(i)
+                try:
+                    self._asking[i] = self._ask(i)
+                except (KeyError, IndexError):  # unregistered since: nothing to ask
+                    continue
         for i, reply in list(self._asking.items()):
             if reply.ready():
                 del self._asking[i]
@@ -42,9 +45,16 @@ class Arrivals:
                     self._set_of[i] = None
                 if self._set_of[i] in self._forgotten:  # a failed start's, registered late
                     self._set_of[i] = None
-                    client.shutdown(targets=[i], hub=False, block=False)
+                    self._shut_down(client, i)
         return {i: self._set_of.get(i) for i in client.ids
                 if i not in known and i in self._set_of}
+
+    @staticmethod
+    def _shut_down(client: Any, engine_id: int) -> None:
+        try:
+            client.shutdown(targets=[engine_id], hub=False, block=False)
+        except (KeyError, IndexError):  # unregistered since (its start's stop ended it)
+            pass
 
     def forget(self, set_ids: set[str]) -> None:
         """These starts failed: an engine of theirs, now or later, is no arrival."""

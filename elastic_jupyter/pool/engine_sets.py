@@ -286,7 +286,7 @@ class EngineSets:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
         their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
         the scheduler's queue. Raises RuntimeError when one timed out or its job ended,
-        StartWithdrawn when the arbiter wants a slot back while its job still waits."""
+        StartWithdrawn when the arbiter wants a slot back while its job waits (here: starts)."""
         k, timeout = len(set_ids), self.config.engine_timeout
         deadline, next_look = time.monotonic() + timeout, 0.0
         wanted = set(set_ids.values())
@@ -294,6 +294,8 @@ class EngineSets:
         while len(mine := [i for i, s in known(e.engine_id for e in self.engines + self.warm)
                            .items() if s in wanted]) < k:
             now = time.monotonic()
+            if self.launcher.local and (gone := self.slots.leaving().intersection(set_ids)):
+                raise StartWithdrawn(f"slot(s) {sorted(gone)} given back while starting")
             if not self.launcher.local and now >= next_look:  # a batch system: ask it
                 next_look = now + 1.0
                 jobs = await self.launcher.jobs(
@@ -319,9 +321,9 @@ class EngineSets:
 
     # ---------------------------------------------------------------- stopping engines
 
-    def remove(self, engines: list[Engine]) -> asyncio.Task:
-        """Forget these engines now and stop them (each is its own engine set) in the
-        background; await the returned task to wait until they are gone."""
+    def remove(self, engines: list[Engine], grace: float = 5.0) -> asyncio.Task:
+        """Forget these engines now and stop them (each its own engine set) in the background,
+        SIGKILLed after `grace` s; await the returned task to wait until they are gone."""
         for e in engines:
             (self.warm if e in self.warm else self.engines).remove(e)
             self._arrivals.gone(e.engine_id)  # still registered a while: no new arrival
@@ -330,16 +332,17 @@ class EngineSets:
         procs = processes([e.pid for e in engines if e.local])
         self._removing.update(procs)
         self.slots.stopping(e.slot for e in engines if e.slot is not None)
-        task = asyncio.ensure_future(self._stop_engines(engines, procs))
+        task = asyncio.ensure_future(self._stop_engines(engines, procs, grace))
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
         return task
 
-    async def _stop_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+    async def _stop_engines(self, engines: list[Engine], procs: list[psutil.Process],
+                            grace: float) -> None:
         # a background task nobody may await: it reports its failure here, in one line,
         # rather than leaving asyncio to print "Task exception was never retrieved"
         try:
-            await self._end_engines(engines, procs)
+            await self._end_engines(engines, procs, grace)
         except Exception as err:
             log.warning("elastic_jupyter: stopping the engine(s) of slot %s failed: %s: %s",
                         ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
@@ -372,13 +375,14 @@ class EngineSets:
             if e.engine_id not in self.client.ids:
                 self.cluster.engines.pop(e.set_id, None)
 
-    async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process]) -> None:
+    async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process],
+                           grace: float) -> None:
         if self.cluster is not None:
             await self._shut_down_remote([e for e in engines if not e.local])
         nannies = [c for p in procs for c in children(p)]
         # ipyparallel's stop waits for the process with a blocking join, which would freeze
         # the owner loop for seconds: end the processes here first, then let it clean up.
-        await terminate(procs)
+        await terminate(procs, grace)
         if self.cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
             await self._stop_sets([e.set_id for e in engines])
             for e in engines:

@@ -102,7 +102,7 @@ class Driver:
         self.membership.start_with(pool.engines[:size])
         # a batch job may wait in its queue without bound: grow by the engines that are up
         self.sizer.begin(size, pool.min_size, pool.slots.usable,
-                         grow_in_parts=not pool.launcher.local)
+                         grow_in_parts=self.membership.in_parts())
         self.take_requests()  # a schedule given up front
         try:
             await self.cell.run_cell(self.members)
@@ -255,6 +255,7 @@ class Driver:
                          f"from {request.source}")
         self.membership.readmit()  # slots whose cooldown ended: the target grows back
         self.sizer.set_usable(self.pool.slots.usable)
+        self.sizer.grow_in_parts = self.membership.in_parts()  # auto mode may have changed
         if self.membership.gave_up:
             self.sizer.stop_growing_at(len(self.members))
         if leaving := self.membership.leaving():  # slots the machine's arbiter wants back
@@ -262,7 +263,10 @@ class Driver:
         if self.sizer.settled(now) and self.state in TRAINING_STATES:
             self.membership.boot(self._wanted())
             self.membership.trim(self._wanted())
-        self.membership.warm.keep(self._warm_wanted())
+        # a new warm engine would slow a boot under way, and one for a size the boot reaches
+        # anyway is not needed: it starts when neither holds
+        start = not self.membership.booting() and self._wanted() < self.pool.max_size
+        self.membership.warm.keep(self._warm_wanted(), start)
 
     def _warm_wanted(self) -> int:
         """An auto run below its max keeps ``--warm`` engines set up on no slot (none with

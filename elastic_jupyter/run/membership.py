@@ -13,6 +13,7 @@ The functions at the top are the decisions, pure so that they are tested without
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -151,20 +152,30 @@ class Membership:
         """No engine can come: no boot is under way, no slot is free, and every slot left out
         stays out (a cooldown that ends gives one back; in lease mode the arbiter may grant
         one later)."""
-        booting = self._booting is not None and not self._booting.done()
         pool = self.pool
-        return not booting and pool.lease is None and pool.slots.startable() <= 0 and all(
+        return not self.booting() and pool.lease is None and pool.slots.startable() <= 0 and all(
             x.until is None for x in pool.excluded_slots.values())
 
     def start_with(self, engines: list) -> None:
         self.members = list(engines)
+
+    def in_parts(self) -> bool:
+        """Whether a grow takes engines as each is ready rather than all at once: batch jobs
+        start when their scheduler says, and an auto run takes what the arbiter grants as it
+        comes (on this host a slot trains seconds sooner than if it waited for the others)."""
+        lease = self.pool.lease
+        return not self.pool.launcher.local or (lease is not None and lease.demand["auto"])
+
+    def booting(self) -> bool:
+        """An engine start for members or spares is under way."""
+        return self._booting is not None and not self._booting.done()
 
     # ---------------------------------------------------------------- spares
 
     def boot(self, wanted: int) -> None:
         """Start engines in the background until `wanted` are set up (members and spares).
         One boot at a time; call again when it ended (the driver does at every look)."""
-        if self._booting is not None and not self._booting.done():
+        if self.booting():
             return
         self._booting = None
         staying = self._staying()  # members on slots to give back get swapped
@@ -224,10 +235,17 @@ class Membership:
                 self.log.log(f"{len(bound)} warm engine(s) bound in {time.time() - t0:.2f} s")
         if k <= 0:
             return
-        if self.pool.launcher.local:
+        if not self.in_parts():
             await self._boot_together(k)
-        else:  # a batch job starts when its scheduler says: each engine is ready when it is
+        elif not self.pool.launcher.local:  # each batch job starts when its scheduler says
             await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
+        else:  # a start is mostly one core's work: more at once would make each later
+            gate = asyncio.Semaphore(os.cpu_count() or 1)
+            await asyncio.gather(*(self._boot_one(gate) for _ in range(k)))
+
+    async def _boot_one(self, gate: asyncio.Semaphore) -> None:
+        async with gate:
+            await self._boot_together(1)
 
     async def _boot_together(self, k: int) -> None:
         first = next(iter(self.pool.slots.next_free(1)), None)
@@ -253,7 +271,8 @@ class Membership:
         for slot in slots:
             self.health.record_start(slot, ok=True)
         try:
-            await self._prepare(engines)
+            if not await self._prepare_unless_given_back(engines):
+                return
         except asyncio.CancelledError:  # the run ended meanwhile (release)
             await self.pool.engine_sets.remove(engines)
             raise
@@ -264,6 +283,25 @@ class Membership:
         self.spares.extend(engines)
         self.boot_failures = 0
         self.log.log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
+
+    async def _prepare_unless_given_back(self, engines: list) -> bool:
+        """Set new engines up (the cell, the rendezvous) and return True; raises as `prepare`.
+        When the arbiter wants one of their slots back meanwhile (it changed its mind while
+        they started), stop them at once and return False: the slot goes within a look, not
+        after the cell and a step boundary."""
+        prepare = asyncio.ensure_future(self._prepare(engines))
+        try:
+            while not (back := {e.slot for e in engines} & self.leaving()):
+                if prepare.done():
+                    prepare.result()
+                    return True
+                await asyncio.wait([prepare], timeout=0.05)
+        finally:
+            prepare.cancel()  # when the caller was cancelled, or the slot went back
+        await asyncio.gather(prepare, return_exceptions=True)
+        self.pool.engine_sets.remove(engines, grace=0)  # no state of the run is there
+        self.log.log(f"slot(s) {sorted(back)} given back while their engine started")
+        return False
 
     def _boot_failed(self, message: str) -> None:
         self.boot_failures += 1

@@ -13,6 +13,7 @@ users see none taken; it costs host memory (about one engine's: shown by
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from typing import TYPE_CHECKING, Awaitable, Callable
 
@@ -41,6 +42,31 @@ def room_for(need: int, available: int) -> str | None:
             "starts engines cold")
 
 
+class IdleCores:
+    """How many of the host's cores were idle over about the last `window` seconds (psutil's
+    system-wide CPU times, sampled at each call). A warm engine is speculative work: its start
+    (mostly one core's imports) waits for an idle core so that it never slows the starts and
+    steps of engines that train or are about to."""
+
+    def __init__(self, window: float = 2.0):
+        self.window = window
+        self._samples: collections.deque = collections.deque()  # (monotonic s, idle core-s)
+
+    def __call__(self) -> float:
+        now, times = time.monotonic(), psutil.cpu_times()
+        self._samples.append((now, times.idle + getattr(times, "iowait", 0.0)))
+        while now - self._samples[0][0] > self.window:
+            self._samples.popleft()
+        then, idle_then = self._samples[0]
+        if now - then < self.window / 2:  # too short a window to tell: count it busy
+            return 0.0
+        return (self._samples[-1][1] - idle_then) / (now - then)
+
+    def enough(self) -> bool:
+        """At least one core idle (half the host's on a host of one)."""
+        return self() >= min(1.0, psutil.cpu_count() / 2)
+
+
 class WarmEngines:
     """A run's warm engines (this host's pools only: an engine on another host or in a batch
     job is placed with its slot).
@@ -58,10 +84,12 @@ class WarmEngines:
         self.ready: list[Engine] = []
         self._starting: asyncio.Task | None = None
         self._off: str | None = None  # why this run keeps none any more (said once)
+        self.idle_cores = IdleCores()
 
-    def keep(self, n: int) -> None:
+    def keep(self, n: int, start: bool = True) -> None:
         """Keep `n` warm engines set up: start one in the background when fewer are ready or
-        starting, stop those beyond `n`. Call at every look at the run (the driver does)."""
+        starting (and `start`), stop those beyond `n`. Call at every look at the run (the
+        driver does)."""
         sets = self.pool.engine_sets
         if dead := [e for e in self.ready if not sets.alive(e)]:
             self.ready = [e for e in self.ready if e not in dead]
@@ -71,7 +99,8 @@ class WarmEngines:
             extra, self.ready = self.ready[n:], self.ready[:n]
             sets.remove(extra)
         starting = self._starting is not None and not self._starting.done()
-        if starting or len(self.ready) >= n or self._off or not self.pool.launcher.local:
+        if (starting or not start or len(self.ready) >= n or self._off
+                or not self.pool.launcher.local or not self.idle_cores.enough()):
             return
         if why := self._no_room():
             self._turn_off(why)
