@@ -286,7 +286,7 @@ class EngineSets:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
         their engine ids. A batch job's engine gets ``engine_timeout`` from when its job left
         the scheduler's queue. Raises RuntimeError when one timed out or its job ended,
-        StartWithdrawn when the arbiter wants a slot back while its job waits (here: starts)."""
+        StartWithdrawn when the arbiter wants a slot back while its job still waits."""
         k, timeout = len(set_ids), self.config.engine_timeout
         deadline, next_look = time.monotonic() + timeout, 0.0
         wanted = set(set_ids.values())
@@ -294,8 +294,6 @@ class EngineSets:
         while len(mine := [i for i, s in known(e.engine_id for e in self.engines + self.warm)
                            .items() if s in wanted]) < k:
             now = time.monotonic()
-            if self.launcher.local and (gone := self.slots.leaving().intersection(set_ids)):
-                raise StartWithdrawn(f"slot(s) {sorted(gone)} given back while starting")
             if not self.launcher.local and now >= next_look:  # a batch system: ask it
                 next_look = now + 1.0
                 jobs = await self.launcher.jobs(

@@ -100,7 +100,8 @@ class Driver:
         if size != pool.size:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
-        # a batch job may wait in its queue without bound: grow by the engines that are up
+        # batch jobs may wait in their queue without bound, and an auto run takes what the
+        # arbiter grants as it comes: those grow by the engines that are up
         self.sizer.begin(size, pool.min_size, pool.slots.usable,
                          grow_in_parts=self.membership.in_parts())
         self.take_requests()  # a schedule given up front

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from . import faults
 from ..pool.engine_calls import remote_summary
@@ -31,6 +31,12 @@ if TYPE_CHECKING:
 
 
 MAX_BOOT_FAILURES = 3  # consecutive failed boots before a grow gives up
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+        os.cpu_count() or 1)
 
 
 # ---------------------------------------------------------------------- decisions (pure)
@@ -142,6 +148,7 @@ class Membership:
         self.warm = WarmEngines(pool, log, prepare)  # set up on no slot: bound as it grows
         self.boot_failures = 0
         self._booting: asyncio.Task | None = None
+        self._released = False  # the run ended: starts still waiting their turn start none
 
     @property
     def gave_up(self) -> bool:
@@ -236,78 +243,97 @@ class Membership:
         if k <= 0:
             return
         if not self.in_parts():
-            await self._boot_together(k)
+            outcomes = [await self._boot_together(k)]
         elif not self.pool.launcher.local:  # each batch job starts when its scheduler says
-            await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
+            outcomes = await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
         else:  # a start is mostly one core's work: more at once would make each later
-            gate = asyncio.Semaphore(os.cpu_count() or 1)
-            await asyncio.gather(*(self._boot_one(gate) for _ in range(k)))
+            gate = asyncio.Semaphore(_cores())
+            outcomes = await asyncio.gather(*(self._boot_one(gate) for _ in range(k)))
+        self._count(outcomes)
 
-    async def _boot_one(self, gate: asyncio.Semaphore) -> None:
+    async def _boot_one(self, gate: asyncio.Semaphore) -> bool | None:
         async with gate:
-            await self._boot_together(1)
+            # the run may have ended while this start waited its turn; side by side starts
+            # fail for the host's reasons (load, memory), not their slot's
+            return None if self._released else await self._boot_together(1, blame=False)
 
-    async def _boot_together(self, k: int) -> None:
+    def _count(self, outcomes: list[bool | None]) -> None:
+        """A boot whose starts all failed counts as one failed boot; one that readied an
+        engine ends the run of failures."""
+        if True in outcomes:
+            self.boot_failures = 0
+        elif False in outcomes:
+            self.boot_failures += 1
+            if self.gave_up:
+                self.log.event("warning", message=f"gave up growing after {MAX_BOOT_FAILURES}"
+                               " failed boots in a row")
+
+    async def _boot_together(self, k: int, blame: bool = True) -> bool | None:
+        """Start up to `k` engines together on free slots and set them up as spares: True
+        when they are ready, False when they failed (an event says why), None when none
+        started (no slot, or the arbiter took theirs back meanwhile). A lone start that
+        fails counts against its slot when `blame`."""
         first = next(iter(self.pool.slots.next_free(1)), None)
         await asyncio.sleep(self.health.delay(first, time.time()))  # back off a bad slot
         slots = self.pool.slots.next_free(k)
         if not slots:
-            return
+            return None
         t0 = time.time()
         try:
-            engines = await self.pool.engine_sets.add(len(slots), slots)
+            with self.pool.slots.starting(slots):  # taken now: the start's task runs later
+                started, engines = await self._unless_given_back(
+                    slots, self.pool.engine_sets.add(len(slots), slots))
         except StartWithdrawn as e:  # the slot went back before its job ran: no failure
             self.log.log(str(e))
-            return
+            return None
         except Exception as e:  # reported as an event; the run trains on
-            self._boot_failed(f"could not start {len(slots)} engine(s): {e}")
+            self.log.event("warning", message=f"could not start {len(slots)} engine(s): {e}")
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             # engines started together fail together: only a lone start blames its slot
-            for slot in slots if len(slots) == 1 else ():
+            for slot in slots if len(slots) == 1 and blame else ():
                 if self.health.record_start(slot, ok=False):
                     self._leave_out(slot, f"its engine failed to start "
                                     f"{self.health.start_limit} times in a row: {why}", None)
-            return
+            return False
+        if not started:
+            return None
         for slot in slots:
             self.health.record_start(slot, ok=True)
         try:
-            if not await self._prepare_unless_given_back(engines):
-                return
+            ready, _ = await self._unless_given_back(slots, self._prepare(engines))
         except asyncio.CancelledError:  # the run ended meanwhile (release)
             await self.pool.engine_sets.remove(engines)
             raise
         except Exception as e:
             await self.pool.engine_sets.remove(engines)
-            self._boot_failed(f"new engines failed to set up: {remote_summary(e)}")
-            return
+            self.log.event("warning", message=f"new engines failed to set up: "
+                           f"{remote_summary(e)}")
+            return False
+        if not ready:
+            self.pool.engine_sets.remove(engines, grace=0)  # no state of the run is there
+            return None
         self.spares.extend(engines)
-        self.boot_failures = 0
         self.log.log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
+        return True
 
-    async def _prepare_unless_given_back(self, engines: list) -> bool:
-        """Set new engines up (the cell, the rendezvous) and return True; raises as `prepare`.
-        When the arbiter wants one of their slots back meanwhile (it changed its mind while
-        they started), stop them at once and return False: the slot goes within a look, not
-        after the cell and a step boundary."""
-        prepare = asyncio.ensure_future(self._prepare(engines))
+    async def _unless_given_back(self, slots: list[int], work: Awaitable) -> tuple[bool, Any]:
+        """Await `work` (starting engines on `slots`, or setting them up) and return (True,
+        its result); raises as `work`. When the arbiter wants one of `slots` back meanwhile
+        (it changed its mind while they started), cancel it (a cancelled start stops its
+        engines) and return (False, None): on this host the slot goes within a look, not
+        after an engine start, the cell and a step boundary. A batch job's start is left to
+        its own rule (:class:`~elastic_jupyter.pool.launchers.StartWithdrawn`)."""
+        task, local = asyncio.ensure_future(work), self.pool.launcher.local
         try:
-            while not (back := {e.slot for e in engines} & self.leaving()):
-                if prepare.done():
-                    prepare.result()
-                    return True
-                await asyncio.wait([prepare], timeout=0.05)
+            while not task.done() and not (local and (back := set(slots) & self.leaving())):
+                await asyncio.wait([task], timeout=0.05)
+            if task.done():
+                return True, task.result()
         finally:
-            prepare.cancel()  # when the caller was cancelled, or the slot went back
-        await asyncio.gather(prepare, return_exceptions=True)
-        self.pool.engine_sets.remove(engines, grace=0)  # no state of the run is there
+            task.cancel()  # when the caller was cancelled, or the slot went back
+        await asyncio.gather(task, return_exceptions=True)
         self.log.log(f"slot(s) {sorted(back)} given back while their engine started")
-        return False
-
-    def _boot_failed(self, message: str) -> None:
-        self.boot_failures += 1
-        if self.gave_up:
-            message += f"; gave up growing after {MAX_BOOT_FAILURES} tries"
-        self.log.event("warning", message=message)
+        return False, None
 
     # ---------------------------------------------------------------- resizes
 
@@ -402,6 +428,7 @@ class Membership:
     async def release(self) -> None:
         """Stop the spares (waiting for a boot under way first, or cancelling one whose engine
         jobs may wait in a scheduler's queue for hours); members stay in the pool."""
+        self._released = True
         if self._booting is not None:
             if not self.pool.launcher.local:
                 self._booting.cancel()

@@ -132,8 +132,8 @@ class Sizer:
     def begin(self, size: int, min_size: int, usable: int, grow_in_parts: bool = False) -> None:
         """The run starts at `size` within [min_size, usable] (once its pool is known).
         `grow_in_parts`: a grow takes the engines that are ready as they come (engines whose
-        start may wait without bound, such as batch jobs in a scheduler's queue) rather than
-        all at once."""
+        start may wait without bound, such as batch jobs in a scheduler's queue, or an auto
+        run's) rather than all at once; the driver keeps it current (auto mode may change)."""
         self.requested, self.min_size, self.usable = size, min_size, usable
         self.grow_in_parts = grow_in_parts
 

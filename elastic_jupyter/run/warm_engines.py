@@ -46,7 +46,8 @@ class IdleCores:
     """How many of the host's cores were idle over about the last `window` seconds (psutil's
     system-wide CPU times, sampled at each call). A warm engine is speculative work: its start
     (mostly one core's imports) waits for an idle core so that it never slows the starts and
-    steps of engines that train or are about to."""
+    steps of engines that train or are about to. (System-wide: a container's CPU quota is not
+    seen, so a throttled container may look idle.)"""
 
     def __init__(self, window: float = 2.0):
         self.window = window
@@ -64,7 +65,7 @@ class IdleCores:
 
     def enough(self) -> bool:
         """At least one core idle (half the host's on a host of one)."""
-        return self() >= min(1.0, psutil.cpu_count() / 2)
+        return self() >= min(1.0, (psutil.cpu_count() or 1) / 2)
 
 
 class WarmEngines:
