@@ -100,11 +100,8 @@ class Driver:
         if size != pool.size:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
-        # batch jobs may wait in their queue without bound, and an auto run takes what the
-        # arbiter grants as it comes: those grow by the engines that are up
-        self.sizer.begin(size, pool.min_size, pool.slots.usable,
-                         grow_in_parts=self.membership.in_parts())
-        self.take_requests()  # a schedule given up front
+        self.sizer.begin(size, pool.min_size, pool.slots.usable)
+        self.take_requests()  # a schedule given up front; how the run grows
         try:
             await self.cell.run_cell(self.members)
             self._check_schedule()
@@ -256,7 +253,10 @@ class Driver:
                          f"from {request.source}")
         self.membership.readmit()  # slots whose cooldown ended: the target grows back
         self.sizer.set_usable(self.pool.slots.usable)
-        self.sizer.grow_in_parts = self.membership.in_parts()  # auto mode may have changed
+        # batch jobs may wait in their queue without bound, and an auto run takes what the
+        # arbiter grants as it comes: those grow by the engines that are up (auto mode may
+        # be turned on or off at any time)
+        self.sizer.grow_in_parts = self.membership.in_parts()
         if self.membership.gave_up:
             self.sizer.stop_growing_at(len(self.members))
         if leaving := self.membership.leaving():  # slots the machine's arbiter wants back
