@@ -2,7 +2,8 @@
 a run trains on a slot that was freed.
 
 **The day.** Runs arrive on a fixed schedule (``DAY``: arrival, steps of work, min, max, how it
-scales), each in its own pool, all sharing one real arbiter (4 CPU slots, hold 5 s). Each
+scales), each in its own pool and process (a user's kernel), all sharing one real arbiter (4
+CPU slots, hold 5 s). Each
 trains the digits model for its steps; its ``loss_fn`` sleeps 3 ms per sample of its
 micro-batch, a pass whose time falls with the world size as a GPU's would, while the machine's
 2 cores stay free for the engines' own work. One run scales poorly: its ``after_step`` also
@@ -40,12 +41,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 SLOTS = 4
@@ -131,16 +132,36 @@ def one_run(name, arrival, steps, lo, hi, scales, policy, t0, workspace, out) ->
                  "changes": [(r["time"], r["world_size"]) for r in changes]}
 
 
+def kernel(spec, policy, workspace, ready, start, out) -> None:
+    """One notebook kernel of the day: a process of its own, as each user's kernel is (with its
+    own engines' zygote, pool/zygote.py), that imports the package before the day starts."""
+    import torch  # noqa: F401
+    from elastic_jupyter import EnginePool, TrainingRun  # noqa: F401
+    ready.put(spec[0])
+    result: dict = {}
+    one_run(*spec, policy, start.get(), workspace, result)
+    out.put(result)
+
+
 def day(policy: str) -> dict:
     def go(folder):
-        out, t0 = {}, time.time() + 1.0
-        threads = [threading.Thread(target=one_run, args=(*spec, policy, t0, folder, out))
+        ctx = multiprocessing.get_context("spawn")
+        ready, start, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+        kernels = [ctx.Process(target=kernel, args=(spec, policy, folder, ready, start, out))
                    for spec in DAY]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
+        for k in kernels:
+            k.start()
+        for _ in kernels:
+            ready.get(timeout=120)
+        t0 = time.time() + 1.0
+        for _ in kernels:
+            start.put(t0)
+        runs = {}
+        for _ in kernels:
+            runs.update(out.get(timeout=1800))
+        for k in kernels:
+            k.join()
+        return runs
     runs = arbiter(go, by_value=policy == "auto by value")
     first = min(r["arrived"] for r in runs.values())
     last = max(r["finished"] for r in runs.values())

@@ -246,7 +246,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
 
     `config`: the run's options as plain data (``RunConfig.as_dict()``; engine.protocol's
     EngineConfig reads it).
-    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "workdir"}:
+    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "workdir",
+    "imported"}: "imported" names the modules the setup loaded, in order (pool.zygote);
     "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
     across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
     folder does not exist, the engine's own (the run's folder must exist there: it is shared).
@@ -255,6 +256,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     engine then holds no Worker.
     """
     _forget_run()
+    loaded = set(sys.modules)
     logs = log_path and os.path.dirname(log_path)  # <the run's folder>/logs
     if logs and not os.path.isdir(logs):  # another host, without a shared folder
         raise SetupError(f"the run's folder {os.path.dirname(logs)} does not exist on host "
@@ -286,7 +288,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     return {"samples": len(w.dataset), "total_steps": w.total_steps,
             "parameters": sum(p.numel() for p in w.model.parameters()),
             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
-            "dataset": dataset, "workdir": workdir}
+            "dataset": dataset, "workdir": workdir,
+            "imported": [m for m in list(sys.modules) if m not in loaded]}
 
 
 def _check_worker(worker: Worker) -> None:

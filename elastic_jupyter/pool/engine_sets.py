@@ -139,6 +139,7 @@ class EngineSets:
         import ipyparallel as ipp
         cluster_id = f"elastic-{uuid.uuid4().hex[:8]}"
         self._folder = own_folder(os.path.join(runtime_folder(), f"pool-{cluster_id}"))
+        self.launcher.open(self.config.threads_per_engine)
         self.cluster = ipp.Cluster(n=0, cluster_id=cluster_id,
                                    controller_args=list(CONTROLLER_ARGS), log_level=40,
                                    **self.launcher.cluster_options(self._folder))
@@ -232,6 +233,7 @@ class EngineSets:
         env = _engine_env(slot, gpu, self.config.threads_per_engine,
                           self.slots.lease_mode and self.launcher.local, self.launcher)
         env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
+        await self.launcher.ready()
         await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 
     async def _start_engines(self, slots: list[int | None]) -> list[Engine]:
@@ -256,15 +258,12 @@ class EngineSets:
         for engine_id, info in zip(new, infos):
             slot = info["slot"]
             host = slot is not None and self.launcher.host_of(slot) or info["host"]
+            job = getattr(self.cluster.engines.get(set_ids[slot]), "job_id", None)  # a batch's
             engines.append(Engine(slot=slot, device=info["device"], engine_id=engine_id,
                                   set_id=set_ids[slot], pid=info["pid"], started=time.time(),
                                   host=host, local=self.launcher.local,
-                                  job_id=self._job_of(set_ids[slot])))
+                                  job_id=str(job or "")))
         return engines
-
-    def _job_of(self, set_id: str) -> str:
-        """The batch job of an engine set ("" without a scheduler)."""
-        return str(getattr(self.cluster.engines.get(set_id), "job_id", None) or "")
 
     async def _forget_sets(self, set_ids: set[str]) -> None:
         """Stop engine sets of a start that failed (each on its own: one that cannot be
@@ -379,8 +378,10 @@ class EngineSets:
             await self._shut_down_remote([e for e in engines if not e.local])
         nannies = [c for p in procs for c in children(p)]
         # ipyparallel's stop waits for the process with a blocking join, which would freeze
-        # the owner loop for seconds: end the processes here first, then let it clean up.
+        # the owner loop for seconds: end the processes here first, then let it clean up. A
+        # slot is free once its engine is gone: what follows (bookkeeping, nanny) holds none.
         await terminate(procs, grace)
+        self.slots.stopped(e.slot for e in engines if e.local and e.slot is not None)
         if self.cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
             await self._stop_sets([e.set_id for e in engines])
             for e in engines:
@@ -402,14 +403,12 @@ class EngineSets:
         # tell the controller at once), then the tasks finish quickly and report their own errors
         signal_all(list(self._removing), psutil.Process.kill)
         await asyncio.gather(*self._stopping, return_exceptions=True)
-        # We end every process ourselves, all at once and without blocking the loop:
-        # ipyparallel's stop joins each launcher's wait thread in turn, blocking this loop for
-        # the SIGTERM grace of each engine, and knows nothing of the engines' nannies, which
-        # outlive their engine by seconds once the controller is gone. Engines get SIGKILL at
-        # once: they hold nothing by now (the run has stopped and drained its checkpoint
-        # writes) and their graceful exit takes a second of kernel and socket teardown.
-        # with their nannies; other hosts' engines are asked to exit, and batch jobs still
-        # queued are cancelled (stop_cluster below)
+        # We end every process ourselves, at once and without blocking the loop: ipyparallel's
+        # stop joins each launcher's wait thread in turn, blocking this loop for each engine's
+        # SIGTERM grace, and knows nothing of the nannies, which outlive their engine by seconds
+        # once the controller is gone. Engines get SIGKILL: they hold nothing by now (the run
+        # has stopped and drained its checkpoint writes). Other hosts' engines are asked to
+        # exit; batch jobs still queued are cancelled (below).
         await self._shut_down_remote([e for e in self.engines if not e.local])
         engines = with_descendants([e.pid for e in self.engines + self.warm if e.local])
         signal_all(engines, psutil.Process.kill)
@@ -430,6 +429,7 @@ class EngineSets:
     def _forget(self) -> None:
         """Forget the cluster (its pid file, folder, reaper, client, engines)."""
         self._reaper.close()
+        self.launcher.close()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None

@@ -31,6 +31,8 @@ class CellSetup:
         push: notebook variables defined on the engines first.
         workdir: the notebook's working folder when the cell ran; engines run the cell there
             (on a host without that folder, in their own: a warning says so, once a host).
+        preload: told the modules the first engines' setup imported (the launcher's
+            :meth:`~..pool.launchers.Launcher.preload`: later engines start with them).
 
     Attributes:
         total_steps: the run's length in steps, fixed by the first engines' setup.
@@ -39,8 +41,9 @@ class CellSetup:
     """
 
     def __init__(self, calls: EngineCalls, log: RunLog, config: dict, source: str | None,
-                 setup_bytes: bytes | None, push: dict, workdir: str):
-        self.calls, self.log, self.config = calls, log, config
+                 setup_bytes: bytes | None, push: dict, workdir: str,
+                 preload: Callable[[list[str]], None] = lambda modules: None):
+        self.calls, self.log, self.config, self.preload = calls, log, config, preload
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
         self.workdir = workdir
         self._elsewhere: set[str] = set()  # hosts that run the cell outside `workdir`
@@ -71,6 +74,7 @@ class CellSetup:
         self._check_datasets(engines, [r["dataset"] for r in results])
         if self.dataset is None:
             self.dataset, self.total_steps = results[0]["dataset"], results[0]["total_steps"]
+            self.preload(results[0]["imported"])
 
     def _check_datasets(self, engines: list[Engine], found: list[dict]) -> None:
         """Raise RunSetupError naming the engines whose dataset differs from the run's (or,

@@ -436,7 +436,7 @@ class Membership:
         spares, self.spares = self.spares + self.joining, []
         self.joining = []
         try:
-            if spares:
-                await self.pool.engine_sets.remove(spares)
+            if spares:  # nothing of the run is on them: no grace (the run's end waits)
+                await self.pool.engine_sets.remove(spares, grace=0)
         finally:
             await self.warm.release()

@@ -105,7 +105,7 @@ class TrainingRun:
                            pool_min_size=pool.min_size, pool_max_size=pool.max_size)
         self._cell = CellSetup(pool.calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
-                               dict(push or {}), self.workdir)
+                               dict(push or {}), self.workdir, pool.launcher.preload)
         self._driver = Driver(pool, pool.calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
                               self._cell, config, self.checkpoint_dir, on_end=self._on_end)

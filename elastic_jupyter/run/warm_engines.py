@@ -159,5 +159,5 @@ class WarmEngines:
             self._starting.cancel()
             await asyncio.gather(self._starting, return_exceptions=True)
         ready, self.ready = self.ready, []  # a cancelled start removed its own engine
-        if ready:
-            await self.pool.engine_sets.remove(ready)
+        if ready:  # set up on no slot, nothing of the run: no grace (the run's end waits)
+            await self.pool.engine_sets.remove(ready, grace=0)

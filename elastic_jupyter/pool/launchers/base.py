@@ -100,6 +100,19 @@ class Launcher(abc.ABC):
         for batch scripts)."""
         return {}
 
+    def open(self, threads: int) -> None:
+        """The pool starts (before its controller); its engines run `threads` threads each."""
+
+    def preload(self, modules: list[str]) -> None:
+        """A run's cell imported `modules` (in that order) on an engine: engines this launcher
+        starts later may have them loaded already."""
+
+    async def ready(self) -> None:
+        """Before each engine start: wait until it can start without blocking the loop."""
+
+    def close(self) -> None:
+        """The pool has stopped (after its engines)."""
+
     def engine_env(self) -> dict[str, str]:
         """Environment every engine gets besides its slot's."""
         return {"GLOO_SOCKET_IFNAME": "lo"}  # single host: gloo stays on loopback

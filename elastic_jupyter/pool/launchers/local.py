@@ -1,15 +1,78 @@
-"""This host's launcher: engines are processes of this host, as this user."""
+"""This host's launcher: engines are processes of this host, as this user, forked from the
+pool's zygote (:mod:`..zygote`) where one runs."""
 from __future__ import annotations
 
-from typing import Callable
+import asyncio
+import os
+import sys
+from typing import Any, Callable
 
+import psutil
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
+
+from .. import zygote
 from .base import Launcher
 
 
 class LocalLauncher(Launcher):
-    """Engines are processes of this host (ipyparallel's ``LocalEngineSetLauncher``)."""
+    """Engines are processes of this host (ipyparallel's ``LocalEngineSetLauncher``), each
+    forked from a zygote that has imported torch and ipyparallel once (set
+    ``ELASTIC_JUPYTER_FORK_ENGINES=0`` for a new process per engine)."""
 
     kind, local = "local", True
+    _threads: int | None = None
+
+    def cluster_options(self, folder: str) -> dict[str, Any]:
+        return {"engine_launcher_class": ForkedEngineSetLauncher}
+
+    def open(self, threads: int) -> None:
+        # still open after a start that failed before the pool ran: its zygote serves again
+        if self._threads is None and zygote.acquire(threads):  # imports as the controller starts
+            self._threads = threads
+
+    def preload(self, modules: list[str]) -> None:
+        z = None if self._threads is None else zygote.running(self._threads)
+        if z is not None:
+            z.preload(modules)
+
+    async def ready(self) -> None:
+        z = None if self._threads is None else zygote.running(self._threads)
+        if z is not None:
+            await asyncio.to_thread(z.wait_ready)
+
+    def close(self) -> None:
+        if self._threads is not None:
+            zygote.release(self._threads)
+            self._threads = None
 
     def arbiter(self, own_jobs: Callable[[], list[str]]) -> None:
         return None
+
+
+class ForkedEngineLauncher(LocalEngineLauncher):
+    """ipyparallel's launcher of one local engine, which forks the engine from this kernel's
+    zygote for its thread count instead of starting ``python -m ipyparallel.engine``: the same
+    process, arguments, environment, folder and output file, without the imports. Without a
+    ready zygote, or with a custom engine command, it starts the process as ipyparallel does."""
+
+    def start(self) -> None:
+        env = {**os.environ, **self.get_env()}
+        z = zygote.running(int(env.get("OMP_NUM_THREADS", "0") or 0))
+        command = [sys.executable, "-m", zygote.ENGINE_MODULE]
+        if z is None or self.engine_cmd[:3] != command or self.state != "before":
+            return super().start()
+        pid = z.fork(self.args[3:], env, self.work_dir, self.output_file)
+        if pid is None:  # none to fork from now
+            return super().start()
+        self.pid = pid
+        self.process = psutil.Process(pid)
+        self.notify_start(pid)
+        self._start_waiting()  # ipyparallel's own watch for its exit
+        return None
+
+
+class ForkedEngineSetLauncher(LocalEngineSetLauncher):
+    """ipyparallel's local engine-set launcher, starting each engine with
+    :class:`ForkedEngineLauncher`."""
+
+    launcher_class = ForkedEngineLauncher
