@@ -4,13 +4,12 @@ On a real pool: a forked engine is the process a new one would be (its own sessi
 environment and thread count, its own numpy random state), and the pool ends it and the zygote
 when it stops; after a run, engines start with the run's installed imports loaded but not the
 notebook's own modules; a zygote that is gone costs nothing but speed (the next engine is a new
-process); ``ELASTIC_JUPYTER_FORK_ENGINES=0`` starts every engine as a new process. In a process
-of its own: the zygote refuses to fork once an import started a thread.
+process); an engine started in its pool's folder after a ``chdir``, or after the kernel's
+environment changed, is what a new one would be; ``ELASTIC_JUPYTER_FORK_ENGINES=0`` starts every
+engine as a new process, even beside another pool's zygote. A zygote whose preload started a
+thread refuses to fork from then on.
 """
 import os
-import subprocess
-import sys
-import textwrap
 import time
 
 import psutil
@@ -32,29 +31,31 @@ def loss_fn(model, batch):
 
 # evaluated on an engine (a builtin and a string: nothing of this module needs importing there)
 STATE = """dict(pid=__import__("os").getpid(), sid=__import__("os").getsid(0),
+ppid=__import__("os").getppid(), cwd=__import__("os").getcwd(),
 slot=__import__("os").environ["ELASTIC_JUPYTER_SLOT"],
+late=__import__("os").environ.get("ZYGOTE_TEST_LATE"),
 threads=__import__("torch").get_num_threads(),
 draw=float(__import__("numpy").random.rand()),
 modules=[m for m in ("xml.dom.minidom", "notebook_helper") if m in __import__("sys").modules])"""
 
 
-def _forked(pid):
-    return "elastic_jupyter.pool.zygote" in " ".join(psutil.Process(pid).cmdline())
+def _zygote_of(pool):
+    return zygote.running(pool.launcher._zygote)
 
 
 def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, monkeypatch):
     (tmp_path / "notebook_helper.py").write_text("VALUE = 1\n")
+    (tmp_path / "elsewhere").mkdir()
     monkeypatch.chdir(tmp_path)
-    pool = EnginePool(n=2, min_size=1, max_size=3, gpus="none")
+    pool = EnginePool(n=2, min_size=1, max_size=4, gpus="none")
     pool.config.threads_per_engine = 2  # not the default here (1): the zygote must be its own
     pool.start()
     try:
-        z = zygote.running(2)
-        assert z is not None
+        z = _zygote_of(pool)
         states = pool.client[:].apply_sync(eval, STATE)
         assert sorted(s["slot"] for s in states) == ["0", "1"]
         for s in states:
-            assert s["sid"] == s["pid"] and s["threads"] == 2 and _forked(s["pid"])
+            assert s["ppid"] == z._proc.pid and s["sid"] == s["pid"] and s["threads"] == 2
         assert states[0]["draw"] != states[1]["draw"]
         run = TrainingRun(pool, RunConfig(name="imports", steps=4, global_batch=8,
                                           checkpoint_every=0), source=CELL,
@@ -63,14 +64,20 @@ def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, mon
         deadline = time.monotonic() + 30
         while not z.wait_ready(0.1) and time.monotonic() < deadline:  # the preload
             time.sleep(0.1)
-        pool.resize(3)  # forked after the run: the run's installed imports are loaded
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        pool.resize(3)  # forked after the run: its installed imports loaded
         third = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
-        assert _forked(third["pid"]) and third["modules"] == ["xml.dom.minidom"]
+        assert third["ppid"] == z._proc.pid and third["modules"] == ["xml.dom.minidom"]
+        monkeypatch.setenv("ZYGOTE_TEST_LATE", "1")  # set after the zygote started
+        pool.resize(4)
+        fourth = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
+        assert fourth["ppid"] == os.getpid() and fourth["late"] == "1"  # a new process
+        assert third["cwd"] == fourth["cwd"]  # the folder ipyparallel starts engines in
         engine_pids = [e.pid for e in pool.engines]
         zygote_pid = z._proc.pid
     finally:
         pool.stop()
-    assert zygote.running(2) is None
+    assert _zygote_of(pool) is None
     assert not [p for p in engine_pids + [zygote_pid] if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
@@ -79,39 +86,43 @@ def test_without_a_zygote_the_next_engine_is_a_new_process(monkeypatch, caplog):
     pool = EnginePool(n=1, min_size=1, max_size=2, gpus="none")
     pool.config.threads_per_engine = 3  # a zygote of its own: other pools may share the default
     pool.start()
+    other = None
     try:
-        z = zygote.running(3)
+        z = _zygote_of(pool)
+        assert psutil.Process(pool.engines[0].pid).ppid() == z._proc.pid
         os.kill(z._proc.pid, 9)
         z._proc.wait()
         pool.resize(2)
-        pids = [e.pid for e in pool.engines]
-        assert _forked(pids[0]) and not _forked(pids[1])
+        assert psutil.Process(pool.engines[1].pid).ppid() == os.getpid()
         assert "engines start as new processes from now on" in caplog.text
         assert pool.client[:].apply_sync(eval, "1") == [1, 1]
+        monkeypatch.setenv(zygote.OFF, "0")  # another pool with the same thread count
+        other = EnginePool(n=1, gpus="none")
+        other.config.threads_per_engine = 3
+        other.start()
+        assert _zygote_of(other) is None
+        assert psutil.Process(other.engines[0].pid).ppid() == os.getpid()
     finally:
         pool.stop()
-    assert zygote.running(3) is None  # its pool stopped
-    monkeypatch.setenv(zygote.OFF, "0")
-    pool = EnginePool(n=1, gpus="none")
-    pool.config.threads_per_engine = 3
-    pool.start()
+        if other is not None:
+            other.stop()
+
+
+def test_a_zygote_whose_imports_start_a_thread_forks_no_more(tmp_path, caplog):
+    installed = tmp_path / "site-packages"  # counts as installed code (engine.workdir)
+    installed.mkdir()
+    (installed / "starts_a_thread.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    z = zygote.Zygote(dict(os.environ, PYTHONPATH=str(installed)), threads=1)
     try:
-        assert zygote.running(3) is None
-        assert not _forked(pool.engines[0].pid)
+        assert z.wait_ready(60)
+        z.preload(["json", "starts_a_thread"])
+        deadline = time.monotonic() + 60
+        while "refuses to fork" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "importing the run's modules started 1 thread(s)" in caplog.text
+        assert z.fork(["--help"], dict(os.environ), str(tmp_path), str(tmp_path / "o")) is None
+        assert z._proc.poll() is None  # it goes on reaping the engines it forked
     finally:
-        pool.stop()
-
-
-def test_a_zygote_whose_imports_started_a_thread_forks_no_more():
-    script = textwrap.dedent("""
-        import threading, time
-        from elastic_jupyter.pool import zygote
-        baseline = zygote._threads()
-        print(zygote._preload(["json"], baseline))
-        threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
-        print(zygote._preload([], baseline))
-    """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60, check=True).stdout.split("\n")
-    assert out[0] == "None"
-    assert out[1] == "importing the run's modules started 1 thread(s)"
+        z.close()

@@ -247,7 +247,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     `config`: the run's options as plain data (``RunConfig.as_dict()``; engine.protocol's
     EngineConfig reads it).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "workdir",
-    "imported"}: "imported" names the modules the setup loaded, in order (pool.zygote);
+    "imported"}: "imported" names the installed modules the setup loaded, in order (for
+    pool.zygote; not the notebook's own, see engine.workdir);
     "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
     across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
     folder does not exist, the engine's own (the run's folder must exist there: it is shared).
@@ -289,7 +290,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
             "parameters": sum(p.numel() for p in w.model.parameters()),
             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
             "dataset": dataset, "workdir": workdir,
-            "imported": [m for m in list(sys.modules) if m not in loaded]}
+            "imported": [m for m, module in list(sys.modules.items()) if m not in loaded
+                         and workdir_mod.installed_file(getattr(module, "__file__", None))]}
 
 
 def _check_worker(worker: Worker) -> None:

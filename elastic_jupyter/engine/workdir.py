@@ -9,6 +9,7 @@ This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import os
@@ -18,12 +19,24 @@ import sys
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # elastic_jupyter/
 
 
-def _installed_roots() -> list[str]:
+@functools.lru_cache(maxsize=1)
+def _installed_roots() -> tuple[str, ...]:
     """Folders whose modules are installed code, never the notebook's own: the interpreter's
     prefixes, site-packages, and this package (the engines run its entry points)."""
     roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, _PACKAGE, site.getusersitepackages(),
              *site.getsitepackages()}
-    return [os.path.join(os.path.realpath(r), "") for r in roots if r]
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
+
+
+def installed_file(path: str | None) -> bool:
+    """Whether the module file `path` is installed code (under :func:`_installed_roots`, or a
+    site-packages folder); None, a module without a file (built into the interpreter), is."""
+    if path is None:
+        return True
+    path = os.path.realpath(path)
+    parts = path.split(os.sep)
+    return (path.startswith(_installed_roots())
+            or "site-packages" in parts or "dist-packages" in parts)
 
 
 def notebook_modules(folder: str) -> list[str]:
@@ -32,7 +45,6 @@ def notebook_modules(folder: str) -> list[str]:
     `folder`, such as a virtual environment) and compiled extensions, which cannot be
     imported twice."""
     folder = os.path.join(os.path.realpath(folder), "")  # "/" stays "/"
-    installed = _installed_roots()
     extensions = tuple(importlib.machinery.EXTENSION_SUFFIXES)
     names = []
     for name, module in list(sys.modules.items()):
@@ -41,10 +53,7 @@ def notebook_modules(folder: str) -> list[str]:
         if (not isinstance(path, str) or not os.path.isabs(path) or path.endswith(extensions)
                 or name in ("__main__", "__mp_main__")):
             continue
-        path = os.path.realpath(path)
-        parts = path.split(os.sep)
-        if (path.startswith(folder) and not any(path.startswith(r) for r in installed)
-                and "site-packages" not in parts and "dist-packages" not in parts):
+        if os.path.realpath(path).startswith(folder) and not installed_file(path):
             names.append(name)
     return names
 

@@ -67,8 +67,8 @@ class Slots:
     def __init__(self, max_size: int, lease: Grant | None, in_use: Callable[[], set[int]]):
         self.max_size, self.lease, self._in_use = max_size, lease, in_use
         self._exclusions: dict[int, Exclusion] = {}  # slot -> why and until when it is out
-        self._busy: set[int] = set()  # slots of engines starting or stopping
         self._starting: set[int] = set()  # slots of engines starting (never handed out twice)
+        self._stopping: set[int] = set()  # slots of engines stopping
 
     @property
     def lease_mode(self) -> bool:
@@ -90,7 +90,7 @@ class Slots:
     @property
     def busy(self) -> set[int]:
         """Slots whose engine starts or stops now."""
-        return set(self._busy)
+        return self._starting | self._stopping
 
     def exclude(self, slot: int, reason: str, until: float | None = None) -> None:
         """Leave `slot` out of engine starts until the wall time `until` (None: for good)."""
@@ -140,24 +140,23 @@ class Slots:
 
     def _free_leased(self) -> list[int]:
         assert self.lease is not None
-        used = self._in_use() | self._busy | set(self.excluded)
+        used = self._in_use() | self.busy | set(self.excluded)
         leaving = self.leaving()
         return [s for s in self.lease.leased if s not in used and s not in leaving]
 
     @contextlib.contextmanager
     def starting(self, slots: list[int]) -> Iterator[None]:
         """Engines start on `slots` within this block: busy and not free meanwhile."""
-        self._busy.update(slots)
         self._starting.update(slots)
         try:
             yield
         finally:
-            self._busy.difference_update(slots)
             self._starting.difference_update(slots)
 
     def stopping(self, slots: Iterable[int]) -> None:
-        """Engines stop on `slots` from now until :meth:`stopped`."""
-        self._busy.update(slots)
+        """Engines stop on `slots` from now until :meth:`stopped` (which may come more than
+        once: a slot whose engine has stopped may start another meanwhile)."""
+        self._stopping.update(slots)
 
     def stopped(self, slots: Iterable[int]) -> None:
-        self._busy.difference_update(slots)
+        self._stopping.difference_update(slots)

@@ -10,25 +10,32 @@ Android's zygote, and Python's forkserver with preloaded modules
 (``multiprocessing.set_forkserver_preload``); that forkserver itself does not fit: its children
 are ``multiprocessing`` processes, which the caller joins at exit.
 
-Fork safety. The zygote only imports: torch initialises CUDA lazily, so the zygote holds no
-device and a child's environment (``CUDA_VISIBLE_DEVICES``) binds it before first use; no event
-loop, zmq context or thread of ours exists yet. A preload that starts a thread or initialises
-CUDA ends the zygote (engines then start as new processes, and a warning says why). Each child
-gets the environment, folder and ``sys.path[0]`` a new process would have; what the preloaded
-libraries read once at load (OpenMP's and BLAS's thread counts) comes from the zygote's own
-environment, so a zygote serves one thread count (:func:`acquire`). numpy's global random state
-is redrawn in the child: a new process draws it from the OS, a fork would share it.
+Fork safety. The zygote only imports: torch initialises CUDA lazily (and asks NVML, not CUDA,
+whether a GPU is there: ``PYTORCH_NVML_BASED_CUDA_CHECK``), so the zygote holds no device and a
+child's environment (``CUDA_VISIBLE_DEVICES``) binds it before first use; no event loop, zmq
+context or thread of ours exists. Imports that load the CUDA driver, or a preload that starts a
+thread, make the zygote refuse every fork from then on (engines then start as new processes,
+and a warning says why). Each child gets the folder, ``sys.path[0]`` and environment a new
+process would have. What libraries read once, as they load (OpenMP's and BLAS's thread counts,
+``TORCH_LOGS``, a library's settings from the environment), comes from the zygote's start, so a
+zygote serves one thread count and one environment of the kernel (:func:`acquire`): once the
+kernel's environment changes, its pools' engines start as new processes. numpy's global random
+state is redrawn in the child: a new process draws it from the OS, a fork would share it.
 
-Protocol: one JSON line each way on the zygote's stdin and stdout, after its line
-``{"ready": true}``: ``{"argv": [...], "env": {...}, "cwd": ..., "output": path}`` ->
-``{"pid": n}``; ``{"preload": [module, ...]}`` -> ``{"tainted": why or null}``. End of its
+Protocol: one JSON line each way on the zygote's stdin and its stdout (moved off file
+descriptor 1, so what an import prints goes elsewhere): ``{"argv": [...], "env": {...}, "cwd":
+..., "output": path}`` ->
+``{"pid": n or null}`` (null: it refuses); ``{"preload": [module, ...]}`` -> ``{"tainted": why
+or null}``. Its first line is ``{"ready": true}``, or ``{"ready": false, "why": ...}``. End of its
 stdin (the kernel stopped it, or died) ends the zygote; its engines live on in their own
-sessions (the pool stops them, or its reaper).
+sessions (the pool stops them, or its reaper). A zygote that refuses forks still runs: it
+reaps its engines as they end.
 
     python -m elastic_jupyter.pool.zygote
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -37,9 +44,8 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import threading
-from typing import Any
+from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
@@ -47,86 +53,100 @@ PRELOAD = ("torch", "ipyparallel.engine.app", "ipykernel.ipkernel",
            "elastic_jupyter.engine.entrypoints")
 ENGINE_MODULE = "ipyparallel.engine"
 OFF = "ELASTIC_JUPYTER_FORK_ENGINES"  # "0": every engine is a new process (python -m ...)
+KEY = "ELASTIC_JUPYTER_ZYGOTE"  # in an engine's environment: the zygote of its pool
+READY_WAIT_S = 5.0  # an engine start waits this long at most for the zygote's imports
 
 
 # ---- the zygote process ----------------------------------------------------------------------
 
 def _serve() -> None:
+    replies = os.fdopen(os.dup(1), "w")  # what imports print goes to fd 1, now stderr's
+    os.dup2(2, 1)
+    del sys.path[0]  # the folder python -m put first: a child puts its own there
     for name in PRELOAD:
         importlib.import_module(name)
-    threads = _threads()
+    refusing = _cuda_loaded()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the system reaps ended engines: no zombies
-    requests, replies = sys.stdin.buffer, sys.stdout
-    print(json.dumps({"ready": True}), file=replies, flush=True)
-    for line in requests:
+    _reply(replies, {"ready": not refusing, "why": refusing})
+    for line in sys.stdin.buffer:
         request = json.loads(line)
         if "preload" in request:
-            tainted = _preload(request["preload"], threads)
-            print(json.dumps({"tainted": tainted}), file=replies, flush=True)
-            if tainted:
-                return
+            why = None if refusing else _preload(request["preload"])
+            refusing = refusing or why
+            _reply(replies, {"tainted": why})
             continue
-        pid = os.fork()
+        pid = None if refusing else os.fork()
         if pid == 0:
+            replies.close()
             _become(**request)
             from ipyparallel.engine.app import main
-            main(argv=request["argv"])
+            # its default folder is where the zygote imported it; later arguments win
+            main(argv=[f"--work-dir={request['cwd']}", *request["argv"]])
             sys.exit(0)  # the interpreter's exit from here on, atexit included, as a new process
-        print(json.dumps({"pid": pid}), file=replies, flush=True)
+        _reply(replies, {"pid": pid})
 
 
-def _preload(names: list[str], threads: int) -> str | None:
+def _reply(replies: IO[str], message: dict) -> None:
+    print(json.dumps(message), file=replies, flush=True)
+
+
+def _preload(names: list[str]) -> str | None:
     """Import the installed modules among `names` (a run's imports, in their order); the
     notebook's own modules stay unloaded, so an edit to them reaches the next engine. Returns
-    why the zygote can no longer fork safely (a thread started, CUDA initialised), else None."""
-    libraries = tuple(sysconfig.get_path(k)
-                      for k in ("stdlib", "platstdlib", "purelib", "platlib"))
+    why the zygote can no longer fork safely (a thread started, the CUDA driver loaded), else
+    None."""
+    from elastic_jupyter.engine.workdir import installed_file
+    threads = set(os.listdir("/proc/self/task"))
     installed: dict[str, bool] = {}
     for name in names:
         top = name.partition(".")[0]
-        if name in sys.modules or top == "__main__":
+        if name in sys.modules or top in ("__main__", "__mp_main__"):
             continue
         if top not in installed:
-            installed[top] = _installed(top, libraries)
+            installed[top] = _installed(top, installed_file)
         if installed[top]:
             try:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - an engine imports it again, and says why
                 pass
-    if _threads() > threads:
-        return f"importing the run's modules started {_threads() - threads} thread(s)"
-    if (torch := sys.modules.get("torch")) is not None and torch.cuda.is_initialized():
-        return "importing the run's modules initialised CUDA"
-    return None
+    if started := set(os.listdir("/proc/self/task")) - threads:
+        return f"importing the run's modules started {len(started)} thread(s)"
+    return _cuda_loaded()
 
 
-def _installed(top: str, libraries: tuple[str, ...]) -> bool:
-    """Whether the top-level module `top` comes with Python or an installed package (not
-    from the notebook's folder, or an editable install's source tree)."""
+def _installed(top: str, installed_file: Any) -> bool:
+    """Whether the top-level module `top`, as this process would import it, is installed
+    code (engine.workdir.installed_file), not a module of some notebook's folder."""
     spec = importlib.util.find_spec(top)
     if spec is None:
         return False
-    where = spec.origin or next(iter(spec.submodule_search_locations or []), "")
-    return where in ("built-in", "frozen") or where.startswith(libraries)
+    if spec.origin in (None, "built-in", "frozen"):  # built in, or a namespace package
+        return installed_file(next(iter(spec.submodule_search_locations or []), None))
+    return bool(installed_file(spec.origin))
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _cuda_loaded() -> str | None:
+    """Why this process cannot fork children that use CUDA: the CUDA driver is loaded."""
+    with open("/proc/self/maps") as f:
+        if "libcuda.so" in f.read():
+            return "the CUDA driver is loaded (an import initialised CUDA)"
+    return None
 
 
 def _become(argv: list[str], env: dict[str, str], cwd: str, output: str) -> None:
     """In the forked child: become the process ``python -m ipyparallel.engine *argv`` would be
-    (its session, standard streams, folder, environment, random state)."""
+    (its session, standard streams, folder, import path, environment, random state)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()  # as ipyparallel's Popen(start_new_session=True): the kernel's signals skip it
-    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # as open(): the umask decides
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, to in ((null, 0), (out, 1), (out, 2)):
         os.dup2(fd, to)
     os.close(out)
     os.close(null)
     os.chdir(cwd)
-    sys.path[0] = cwd  # python -m puts its folder first
+    if not getattr(sys.flags, "safe_path", False):
+        sys.path.insert(0, os.getcwd())  # python -m puts its folder first
     os.environ.clear()
     os.environ.update(env)
     if "numpy" in sys.modules:
@@ -144,19 +164,30 @@ class Zygote:
     """The kernel's handle on one zygote process (thread-safe; one request at a time).
 
     Args:
-        env: the zygote's environment (the engines' thread counts: OMP_NUM_THREADS and
-            MKL_NUM_THREADS are read once, as libraries load).
+        environ: the kernel's environment, which the zygote starts with (:meth:`fits`).
+        threads: its engines' thread count (OMP_NUM_THREADS and MKL_NUM_THREADS are read once,
+            as libraries load).
     """
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, environ: dict[str, str], threads: int):
+        self.environ = environ
+        env = dict(environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+                   PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self._lock = threading.Lock()  # held by a request and its reply
         self._proc = subprocess.Popen(
             [sys.executable, "-u", "-m", __name__], stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
         self._broken: str | None = None
         self._ready = threading.Event()
-        threading.Thread(target=self._request, args=(None,), daemon=True,
-                         name="zygote-start").start()
+        threading.Thread(target=self._start, daemon=True, name="zygote-start").start()
+
+    def _start(self) -> None:
+        try:
+            first = self._request(None)
+            if first is not None and not first["ready"]:
+                self._stop_forking(f"the zygote refuses to fork: {first['why']}")
+        except ZygoteError:
+            pass  # said once, by _stop_forking
 
     def _request(self, request: dict | None, wait: bool = True) -> dict | None:
         """Send `request` (None: only read, the zygote's first line) and return the reply;
@@ -188,7 +219,12 @@ class Zygote:
                 log.warning("elastic_jupyter: this kernel's engines start as new processes "
                             "from now on (%s)", why)
 
-    def wait_ready(self, timeout: float = 60.0) -> bool:
+    def fits(self, environ: Any) -> bool:
+        """Whether an engine started in the kernel's environment `environ` may be forked: it
+        is the one the zygote started with."""
+        return dict(environ) == self.environ
+
+    def wait_ready(self, timeout: float = READY_WAIT_S) -> bool:
         """Block until the zygote has imported what it preloads and no other request is under
         way (at most `timeout` s); False when it failed or is still busy then."""
         if not self._ready.wait(timeout) or self._broken is not None:
@@ -199,10 +235,10 @@ class Zygote:
         return False
 
     def fork(self, argv: list[str], env: dict[str, str], cwd: str, output: str) -> int | None:
-        """Fork an engine that runs ``python -m ipyparallel.engine *argv`` in `env` and `cwd`,
-        its output appended to `output`; returns its pid. Returns None at once, for the caller
-        to start a new process, while the zygote imports or when it is gone: this never
-        waits."""
+        """Fork an engine that runs ``python -m ipyparallel.engine *argv`` in `env` and the
+        absolute folder `cwd`, its output appended to `output`; returns its pid. Returns None
+        at once, for the caller to start a new process, while the zygote imports, when it
+        refuses or when it is gone: this never waits."""
         if self._broken is not None or not self._ready.is_set():
             return None
         try:
@@ -210,18 +246,18 @@ class Zygote:
                                   wait=False)
         except ZygoteError:
             return None
-        return None if reply is None else int(reply["pid"])
+        return None if reply is None or reply["pid"] is None else int(reply["pid"])
 
     def preload(self, modules: list[str]) -> None:
-        """Import the installed ones among `modules` (what a run's cell imported on an
+        """Import the installed ones among `modules` (what a run's setup imported on an
         engine, in order) in the background, so engines forked later have them loaded.
-        Should that make forking unsafe (a thread started, CUDA initialised), the zygote
-        ends and engines start as new processes, with a warning saying why."""
+        Should that make forking unsafe (a thread started, the CUDA driver loaded), the
+        zygote refuses every fork from then on, with a warning saying why."""
         def load() -> None:
             try:
-                reply = self._request({"preload": modules}) if self.wait_ready() else None
+                reply = self._request({"preload": modules}) if self.wait_ready(60.0) else None
                 if reply is not None and reply["tainted"]:
-                    self._stop_forking(f"the zygote stopped: {reply['tainted']}")
+                    self._stop_forking(f"the zygote refuses to fork: {reply['tainted']}")
             except ZygoteError:
                 pass  # said once, by _stop_forking
         if self._broken is None:
@@ -241,38 +277,40 @@ class Zygote:
                 pass
 
 
-_zygotes: dict[int, Zygote] = {}  # by the engines' thread count
-_users: dict[int, int] = {}
+_zygotes: dict[str, Zygote] = {}  # by key: thread count and kernel environment
+_users: dict[str, int] = {}
 _zygotes_lock = threading.Lock()
 
 
-def acquire(threads: int) -> bool:
-    """Start this kernel's zygote for engines of `threads` threads unless it runs; returns
-    False, starting none, when forking is off (``ELASTIC_JUPYTER_FORK_ENGINES=0``). Pair a
-    True with :func:`release`."""
+def acquire(threads: int) -> str | None:
+    """Start this kernel's zygote for engines of `threads` threads in its environment now,
+    unless one runs; returns its key (for :func:`running` and :func:`release`), or None,
+    starting none, when forking is off (``ELASTIC_JUPYTER_FORK_ENGINES=0``)."""
     if os.environ.get(OFF, "1") == "0":
-        return False
+        return None
+    environ = dict(os.environ)
+    digest = hashlib.sha256(json.dumps(sorted(environ.items())).encode()).hexdigest()[:12]
+    key = f"{threads}-{digest}"
     with _zygotes_lock:
-        if threads not in _zygotes:
-            env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-            _zygotes[threads] = Zygote(env)
-        _users[threads] = _users.get(threads, 0) + 1
-    return True
+        if key not in _zygotes:
+            _zygotes[key] = Zygote(environ, threads)
+        _users[key] = _users.get(key, 0) + 1
+    return key
 
 
-def running(threads: int) -> Zygote | None:
-    """The zygote :func:`acquire` started for `threads` (None: none runs)."""
+def running(key: str | None) -> Zygote | None:
+    """The zygote :func:`acquire` started as `key` (None: none runs)."""
     with _zygotes_lock:
-        return _zygotes.get(threads)
+        return _zygotes.get(key or "")
 
 
-def release(threads: int) -> None:
-    """One user of the zygote for `threads` is done; the last one ends it."""
+def release(key: str) -> None:
+    """One user of the zygote `key` is done; the last one ends it."""
     with _zygotes_lock:
-        _users[threads] -= 1
-        if _users[threads] == 0:
-            del _users[threads]
-            _zygotes.pop(threads).close()
+        _users[key] -= 1
+        if _users[key] == 0:
+            del _users[key]
+            _zygotes.pop(key).close()
 
 
 if __name__ == "__main__":

@@ -17,51 +17,54 @@ from .base import Launcher
 class LocalLauncher(Launcher):
     """Engines are processes of this host (ipyparallel's ``LocalEngineSetLauncher``), each
     forked from a zygote that has imported torch and ipyparallel once (set
-    ``ELASTIC_JUPYTER_FORK_ENGINES=0`` for a new process per engine)."""
+    ``ELASTIC_JUPYTER_FORK_ENGINES=0`` before the pool starts for a new process per engine)."""
 
     kind, local = "local", True
-    _threads: int | None = None
+    _zygote: str | None = None  # the key of the pool's zygote while the pool runs
 
     def cluster_options(self, folder: str) -> dict[str, Any]:
         return {"engine_launcher_class": ForkedEngineSetLauncher}
 
+    def engine_env(self) -> dict[str, str]:
+        return {**super().engine_env(), **({zygote.KEY: self._zygote} if self._zygote else {})}
+
     def open(self, threads: int) -> None:
         # still open after a start that failed before the pool ran: its zygote serves again
-        if self._threads is None and zygote.acquire(threads):  # imports as the controller starts
-            self._threads = threads
+        if self._zygote is None:
+            self._zygote = zygote.acquire(threads)  # it imports while the controller starts
 
     def preload(self, modules: list[str]) -> None:
-        z = None if self._threads is None else zygote.running(self._threads)
-        if z is not None:
+        if (z := zygote.running(self._zygote)) is not None:
             z.preload(modules)
 
     async def ready(self) -> None:
-        z = None if self._threads is None else zygote.running(self._threads)
-        if z is not None:
+        if (z := zygote.running(self._zygote)) is not None:
             await asyncio.to_thread(z.wait_ready)
 
     def close(self) -> None:
-        if self._threads is not None:
-            zygote.release(self._threads)
-            self._threads = None
+        if self._zygote is not None:
+            zygote.release(self._zygote)
+            self._zygote = None
 
     def arbiter(self, own_jobs: Callable[[], list[str]]) -> None:
         return None
 
 
 class ForkedEngineLauncher(LocalEngineLauncher):
-    """ipyparallel's launcher of one local engine, which forks the engine from this kernel's
-    zygote for its thread count instead of starting ``python -m ipyparallel.engine``: the same
-    process, arguments, environment, folder and output file, without the imports. Without a
-    ready zygote, or with a custom engine command, it starts the process as ipyparallel does."""
+    """ipyparallel's launcher of one local engine, which forks the engine from its pool's
+    zygote (named in its environment) instead of starting ``python -m ipyparallel.engine``:
+    the same process, arguments, environment, folder and output file, without the imports.
+    Without a zygote ready to fork, with a custom engine command, or once the kernel's
+    environment changed since the zygote started, it starts the process as ipyparallel does."""
 
     def start(self) -> None:
         env = {**os.environ, **self.get_env()}
-        z = zygote.running(int(env.get("OMP_NUM_THREADS", "0") or 0))
+        z = zygote.running(env.get(zygote.KEY))
         command = [sys.executable, "-m", zygote.ENGINE_MODULE]
-        if z is None or self.engine_cmd[:3] != command or self.state != "before":
+        if (z is None or self.engine_cmd[:3] != command or self.state != "before"
+                or not z.fits(os.environ)):
             return super().start()
-        pid = z.fork(self.args[3:], env, self.work_dir, self.output_file)
+        pid = z.fork(self.args[3:], env, os.path.abspath(self.work_dir), self.output_file)
         if pid is None:  # none to fork from now
             return super().start()
         self.pid = pid
