@@ -40,9 +40,8 @@ def one_round(fork: bool, workspace: str, name: str) -> dict[str, float]:
                                           checkpoint_every=0),
                           source=CELL, workspace=workspace).start()
         assert run.wait(timeout=120) == "finished", run.logs()
-        z = zygote.running(pool.config.threads_per_engine)
-        if z is not None:
-            z.wait_ready()  # the run's imports are loaded
+        if pool.launcher.zygote is not None:
+            pool.launcher.zygote.wait_ready(60)  # the run's imports are loaded
         t1 = time.perf_counter()
         pool.resize(3)
         new = pool.engines[1:]

@@ -16,17 +16,9 @@ import psutil
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
 from elastic_jupyter.pool import zygote
+from test_workdir import CELL as SMALL_CELL
 
-CELL = '''
-import xml.dom.minidom
-import notebook_helper
-import torch
-dataset = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
-model = torch.nn.Linear(4, 2)
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-def loss_fn(model, batch):
-    return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
-'''
+CELL = "import xml.dom.minidom\nimport notebook_helper\n" + SMALL_CELL  # stdlib, notebook
 
 
 # evaluated on an engine (a builtin and a string: nothing of this module needs importing there)
@@ -39,10 +31,6 @@ draw=float(__import__("numpy").random.rand()),
 modules=[m for m in ("xml.dom.minidom", "notebook_helper") if m in __import__("sys").modules])"""
 
 
-def _zygote_of(pool):
-    return zygote.running(pool.launcher._zygote)
-
-
 def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, monkeypatch):
     (tmp_path / "notebook_helper.py").write_text("VALUE = 1\n")
     (tmp_path / "elsewhere").mkdir()
@@ -51,7 +39,7 @@ def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, mon
     pool.config.threads_per_engine = 2  # not the default here (1): the zygote must be its own
     pool.start()
     try:
-        z = _zygote_of(pool)
+        z = pool.launcher.zygote
         states = pool.client[:].apply_sync(eval, STATE)
         assert sorted(s["slot"] for s in states) == ["0", "1"]
         for s in states:
@@ -71,13 +59,19 @@ def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, mon
         monkeypatch.setenv("ZYGOTE_TEST_LATE", "1")  # set after the zygote started
         pool.resize(4)
         fourth = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
-        assert fourth["ppid"] == os.getpid() and fourth["late"] == "1"  # a new process
-        assert third["cwd"] == fourth["cwd"]  # the folder ipyparallel starts engines in
+        renewed = pool.launcher.zygote  # one started in the kernel's environment of now
+        assert renewed is not z and z._proc.poll() is not None  # the old one released
+        assert fourth["ppid"] == renewed._proc.pid and fourth["late"] == "1"
+        monkeypatch.setenv(zygote.OFF, "0")  # new processes from now on, to compare with
+        pool.resize(3)
+        pool.resize(4)
+        fifth = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
+        assert third["cwd"] == fifth["cwd"]  # the folder ipyparallel starts engines in
         engine_pids = [e.pid for e in pool.engines]
         zygote_pid = z._proc.pid
     finally:
         pool.stop()
-    assert _zygote_of(pool) is None
+    assert pool.launcher.zygote is None
     assert not [p for p in engine_pids + [zygote_pid] if psutil.pid_exists(p)
                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
@@ -88,7 +82,14 @@ def test_without_a_zygote_the_next_engine_is_a_new_process(monkeypatch, caplog):
     pool.start()
     other = None
     try:
-        z = _zygote_of(pool)
+        z = pool.launcher.zygote
+        monkeypatch.setenv(zygote.OFF, "0")  # another pool, the same thread count, no zygote
+        other = EnginePool(n=1, gpus="none")
+        other.config.threads_per_engine = 3
+        other.start()
+        assert other.launcher.zygote is None and z.wait_ready()  # while the first one's serves
+        assert psutil.Process(other.engines[0].pid).ppid() == os.getpid()
+        monkeypatch.delenv(zygote.OFF)  # the first pool's environment again
         assert psutil.Process(pool.engines[0].pid).ppid() == z._proc.pid
         os.kill(z._proc.pid, 9)
         z._proc.wait()
@@ -96,12 +97,6 @@ def test_without_a_zygote_the_next_engine_is_a_new_process(monkeypatch, caplog):
         assert psutil.Process(pool.engines[1].pid).ppid() == os.getpid()
         assert "engines start as new processes from now on" in caplog.text
         assert pool.client[:].apply_sync(eval, "1") == [1, 1]
-        monkeypatch.setenv(zygote.OFF, "0")  # another pool with the same thread count
-        other = EnginePool(n=1, gpus="none")
-        other.config.threads_per_engine = 3
-        other.start()
-        assert _zygote_of(other) is None
-        assert psutil.Process(other.engines[0].pid).ppid() == os.getpid()
     finally:
         pool.stop()
         if other is not None:
@@ -114,15 +109,20 @@ def test_a_zygote_whose_imports_start_a_thread_forks_no_more(tmp_path, caplog):
     (installed / "starts_a_thread.py").write_text(
         "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
-    z = zygote.Zygote(dict(os.environ, PYTHONPATH=str(installed)), threads=1)
+    path = os.pathsep.join(p for p in (str(installed), os.environ.get("PYTHONPATH")) if p)
+    z = zygote.Zygote(dict(os.environ, PYTHONPATH=path), threads=2)  # BLAS pools would start
     try:
         assert z.wait_ready(60)
+        fork = {"argv": ["--help"], "env": dict(os.environ), "cwd": str(tmp_path),
+                "output": str(tmp_path / "out")}
+        assert z._request(fork)["pid"] > 0  # its atfork handlers ran: the baseline moved
         z.preload(["json", "starts_a_thread"])
         deadline = time.monotonic() + 60
         while "refuses to fork" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.1)
         assert "importing the run's modules started 1 thread(s)" in caplog.text
-        assert z.fork(["--help"], dict(os.environ), str(tmp_path), str(tmp_path / "o")) is None
-        assert z._proc.poll() is None  # it goes on reaping the engines it forked
+        assert z.fork(**fork) is None
+        assert z._request(fork)["pid"] is None  # the zygote itself refuses, too
+        assert z._proc.poll() is None  # and goes on reaping the engines it forked
     finally:
         z.close()

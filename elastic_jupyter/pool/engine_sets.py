@@ -228,12 +228,12 @@ class EngineSets:
         """Start `slot`'s engine set of one (None: a warm engine), as `set_id` (its engine
         says it: :mod:`.arrivals`)."""
         gpu = _gpu_of(self.config, self.slots.lease_mode, slot)
+        await self.launcher.ready()  # first: it may change the launcher's engine_env
         options = self.launcher.start_options(slot) if slot is not None else {}
         # a fresh dict each time: start_engines mutates the one it is given
         env = _engine_env(slot, gpu, self.config.threads_per_engine,
                           self.slots.lease_mode and self.launcher.local, self.launcher)
         env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
-        await self.launcher.ready()
         await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 
     async def _start_engines(self, slots: list[int | None]) -> list[Engine]:
@@ -338,14 +338,15 @@ class EngineSets:
                             grace: float) -> None:
         # a background task nobody may await: it reports its failure here, in one line,
         # rather than leaving asyncio to print "Task exception was never retrieved"
+        freed: set[int] = set()  # slots freed once their engine was gone
         try:
-            await self._end_engines(engines, procs, grace)
+            await self._end_engines(engines, procs, grace, freed)
         except Exception as err:
             log.warning("elastic_jupyter: stopping the engine(s) of slot %s failed: %s: %s",
                         ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
         finally:
             self._removing.difference_update(procs)
-            self.slots.stopped(e.slot for e in engines if e.slot is not None)
+            self.slots.stopped(s for e in engines if (s := e.slot) is not None and s not in freed)
 
     def alive(self, engine: Engine) -> bool:
         """Whether `engine` runs: its process on this host; another host's while the
@@ -373,7 +374,7 @@ class EngineSets:
                 self.cluster.engines.pop(e.set_id, None)
 
     async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process],
-                           grace: float) -> None:
+                           grace: float, freed: set[int]) -> None:
         if self.cluster is not None:
             await self._shut_down_remote([e for e in engines if not e.local])
         nannies = [c for p in procs for c in children(p)]
@@ -381,7 +382,8 @@ class EngineSets:
         # the owner loop for seconds: end the processes here first, then let it clean up. A
         # slot is free once its engine is gone: what follows (bookkeeping, nanny) holds none.
         await terminate(procs, grace)
-        self.slots.stopped(e.slot for e in engines if e.local and e.slot is not None)
+        freed.update(e.slot for e in engines if e.local and e.slot is not None)
+        self.slots.stopped(freed)
         if self.cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
             await self._stop_sets([e.set_id for e in engines])
             for e in engines:

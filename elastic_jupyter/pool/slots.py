@@ -9,6 +9,7 @@ those it wants back. :class:`Slots` is the only writer of these sets (owner loop
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ class Slots:
         self.max_size, self.lease, self._in_use = max_size, lease, in_use
         self._exclusions: dict[int, Exclusion] = {}  # slot -> why and until when it is out
         self._starting: set[int] = set()  # slots of engines starting (never handed out twice)
-        self._stopping: set[int] = set()  # slots of engines stopping
+        self._stopping: collections.Counter[int] = collections.Counter()  # engines stopping
 
     @property
     def lease_mode(self) -> bool:
@@ -90,7 +91,7 @@ class Slots:
     @property
     def busy(self) -> set[int]:
         """Slots whose engine starts or stops now."""
-        return self._starting | self._stopping
+        return self._starting | set(self._stopping)
 
     def exclude(self, slot: int, reason: str, until: float | None = None) -> None:
         """Leave `slot` out of engine starts until the wall time `until` (None: for good)."""
@@ -154,9 +155,10 @@ class Slots:
             self._starting.difference_update(slots)
 
     def stopping(self, slots: Iterable[int]) -> None:
-        """Engines stop on `slots` from now until :meth:`stopped` (which may come more than
-        once: a slot whose engine has stopped may start another meanwhile)."""
+        """Engines stop on `slots` from now until :meth:`stopped` (once each: a slot whose
+        engine stopped may start and stop another meanwhile, each counted)."""
         self._stopping.update(slots)
 
     def stopped(self, slots: Iterable[int]) -> None:
-        self._stopping.difference_update(slots)
+        self._stopping.subtract(slots)
+        self._stopping = +self._stopping  # drop the slots no engine stops on any more

@@ -13,21 +13,23 @@ are ``multiprocessing`` processes, which the caller joins at exit.
 Fork safety. The zygote only imports: torch initialises CUDA lazily (and asks NVML, not CUDA,
 whether a GPU is there: ``PYTORCH_NVML_BASED_CUDA_CHECK``), so the zygote holds no device and a
 child's environment (``CUDA_VISIBLE_DEVICES``) binds it before first use; no event loop, zmq
-context or thread of ours exists. Imports that load the CUDA driver, or a preload that starts a
-thread, make the zygote refuse every fork from then on (engines then start as new processes,
-and a warning says why). Each child gets the folder, ``sys.path[0]`` and environment a new
-process would have. What libraries read once, as they load (OpenMP's and BLAS's thread counts,
-``TORCH_LOGS``, a library's settings from the environment), comes from the zygote's start, so a
-zygote serves one thread count and one environment of the kernel (:func:`acquire`): once the
-kernel's environment changes, its pools' engines start as new processes. numpy's global random
-state is redrawn in the child: a new process draws it from the OS, a fork would share it.
+context or thread exists (OpenBLAS, which starts its workers as it loads, is told to use one
+thread; a child gets its count back through threadpoolctl where installed). Imports that load
+the CUDA driver, or a preload that starts a thread, make the zygote refuse every fork from
+then on (engines then start as new processes, and a warning says why). Each child gets the
+folder, ``sys.path[0]`` and environment a new process would have. What libraries read once,
+as they load (OpenMP's thread count, ``TORCH_LOGS``, a library's settings from the
+environment), comes from the zygote's start, so a zygote serves one thread count and one
+environment of the kernel (:func:`acquire`): once the kernel's environment changes, its pools'
+engines fork from a new zygote started in it. numpy's global random state is redrawn in the
+child: a new process draws it from the OS, a fork would share it.
 
 Protocol: one JSON line each way on the zygote's stdin and its stdout (moved off file
 descriptor 1, so what an import prints goes elsewhere): ``{"argv": [...], "env": {...}, "cwd":
-..., "output": path}`` ->
-``{"pid": n or null}`` (null: it refuses); ``{"preload": [module, ...]}`` -> ``{"tainted": why
-or null}``. Its first line is ``{"ready": true}``, or ``{"ready": false, "why": ...}``. End of its
-stdin (the kernel stopped it, or died) ends the zygote; its engines live on in their own
+..., "output": path}`` -> ``{"pid": n or null}`` (null: it refuses); ``{"preload": [module,
+...]}`` -> ``{"tainted": why or null}``. Its first line is ``{"ready": true}``, or
+``{"ready": false, "why": ...}``. End of its stdin (the kernel stopped it, or died) ends the
+zygote; its engines live on in their own
 sessions (the pool stops them, or its reaper). A zygote that refuses forks still runs: it
 reaps its engines as they end.
 
@@ -45,6 +47,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import IO, Any
 
 log = logging.getLogger(__name__)
@@ -55,6 +58,9 @@ ENGINE_MODULE = "ipyparallel.engine"
 OFF = "ELASTIC_JUPYTER_FORK_ENGINES"  # "0": every engine is a new process (python -m ...)
 KEY = "ELASTIC_JUPYTER_ZYGOTE"  # in an engine's environment: the zygote of its pool
 READY_WAIT_S = 5.0  # an engine start waits this long at most for the zygote's imports
+# variables that change in a kernel without changing what an import reads: pytest's current
+# test, and the OpenMP settings scikit-learn (and joblib) set when imported
+VOLATILE = ("PYTEST_CURRENT_TEST", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 
 
 # ---- the zygote process ----------------------------------------------------------------------
@@ -62,7 +68,9 @@ READY_WAIT_S = 5.0  # an engine start waits this long at most for the zygote's i
 def _serve() -> None:
     replies = os.fdopen(os.dup(1), "w")  # what imports print goes to fd 1, now stderr's
     os.dup2(2, 1)
-    del sys.path[0]  # the folder python -m put first: a child puts its own there
+    if not getattr(sys.flags, "safe_path", False):
+        del sys.path[0]  # the folder python -m put first: a child puts its own there
+    started_with = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     refusing = _cuda_loaded()
@@ -78,7 +86,9 @@ def _serve() -> None:
         pid = None if refusing else os.fork()
         if pid == 0:
             replies.close()
-            _become(**request)
+            # what imports set (os.environ.setdefault) a new process would have set too
+            set_by_imports = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
+            _become(**{**request, "env": {**set_by_imports, **request["env"]}})
             from ipyparallel.engine.app import main
             # its default folder is where the zygote imported it; later arguments win
             main(argv=[f"--work-dir={request['cwd']}", *request["argv"]])
@@ -102,15 +112,16 @@ def _preload(names: list[str]) -> str | None:
         top = name.partition(".")[0]
         if name in sys.modules or top in ("__main__", "__mp_main__"):
             continue
-        if top not in installed:
-            installed[top] = _installed(top, installed_file)
-        if installed[top]:
-            try:
+        try:
+            if top not in installed:
+                installed[top] = _installed(top, installed_file)
+            if installed[top]:
                 importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - an engine imports it again, and says why
-                pass
+        except (Exception, SystemExit):  # noqa: BLE001 - an engine imports it, and says why
+            installed[top] = False
     if started := set(os.listdir("/proc/self/task")) - threads:
-        return f"importing the run's modules started {len(started)} thread(s)"
+        return (f"importing the run's modules started {len(started)} thread(s): "
+                f"{', '.join(sorted(_thread_name(t) for t in started))}")
     return _cuda_loaded()
 
 
@@ -123,6 +134,14 @@ def _installed(top: str, installed_file: Any) -> bool:
     if spec.origin in (None, "built-in", "frozen"):  # built in, or a namespace package
         return installed_file(next(iter(spec.submodule_search_locations or []), None))
     return bool(installed_file(spec.origin))
+
+
+def _thread_name(tid: str) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # it ended meanwhile
+        return tid
 
 
 def _cuda_loaded() -> str | None:
@@ -138,7 +157,7 @@ def _become(argv: list[str], env: dict[str, str], cwd: str, output: str) -> None
     (its session, standard streams, folder, import path, environment, random state)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     os.setsid()  # as ipyparallel's Popen(start_new_session=True): the kernel's signals skip it
-    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # as open(): the umask decides
+    out = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # the umask decides
     null = os.open(os.devnull, os.O_RDONLY)
     for fd, to in ((null, 0), (out, 1), (out, 2)):
         os.dup2(fd, to)
@@ -151,7 +170,19 @@ def _become(argv: list[str], env: dict[str, str], cwd: str, output: str) -> None
     os.environ.update(env)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
+        _blas_threads(int(env.get("OPENBLAS_NUM_THREADS") or env.get("OMP_NUM_THREADS") or 1))
     sys.argv = [ENGINE_MODULE, *argv]
+
+
+def _blas_threads(n: int) -> None:
+    """Give the loaded BLAS libraries the `n` threads they would have read as they loaded,
+    through threadpoolctl where it is installed (without it they keep one)."""
+    if n > 1:
+        try:
+            from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
+        except ImportError:
+            return
+        threadpool_limits(n, user_api="blas")
 
 
 # ---- the kernel's side -----------------------------------------------------------------------
@@ -171,8 +202,10 @@ class Zygote:
 
     def __init__(self, environ: dict[str, str], threads: int):
         self.environ = environ
+        # OpenBLAS (numpy's, scipy's) starts its worker threads as it loads: one, so the
+        # zygote stays without threads; each engine gets its count back (_become)
         env = dict(environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-                   PYTORCH_NVML_BASED_CUDA_CHECK="1")
+                   OPENBLAS_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
         self._lock = threading.Lock()  # held by a request and its reply
         self._proc = subprocess.Popen(
             [sys.executable, "-u", "-m", __name__], stdin=subprocess.PIPE,
@@ -221,15 +254,16 @@ class Zygote:
 
     def fits(self, environ: Any) -> bool:
         """Whether an engine started in the kernel's environment `environ` may be forked: it
-        is the one the zygote started with."""
-        return dict(environ) == self.environ
+        is the one the zygote started with (but for :data:`VOLATILE` variables)."""
+        return stable(environ) == stable(self.environ)
 
     def wait_ready(self, timeout: float = READY_WAIT_S) -> bool:
         """Block until the zygote has imported what it preloads and no other request is under
         way (at most `timeout` s); False when it failed or is still busy then."""
+        deadline = time.monotonic() + timeout
         if not self._ready.wait(timeout) or self._broken is not None:
             return False
-        if self._lock.acquire(timeout=timeout):
+        if self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             self._lock.release()
             return self._broken is None
         return False
@@ -243,7 +277,7 @@ class Zygote:
             return None
         try:
             reply = self._request({"argv": argv, "env": env, "cwd": cwd, "output": output},
-                                  wait=False)
+                                  wait=False)  # a preload under way: a new process
         except ZygoteError:
             return None
         return None if reply is None or reply["pid"] is None else int(reply["pid"])
@@ -289,13 +323,18 @@ def acquire(threads: int) -> str | None:
     if os.environ.get(OFF, "1") == "0":
         return None
     environ = dict(os.environ)
-    digest = hashlib.sha256(json.dumps(sorted(environ.items())).encode()).hexdigest()[:12]
-    key = f"{threads}-{digest}"
+    digest = hashlib.sha256(json.dumps(sorted(stable(environ).items())).encode()).hexdigest()
+    key = f"{threads}-{digest[:12]}"
     with _zygotes_lock:
         if key not in _zygotes:
             _zygotes[key] = Zygote(environ, threads)
         _users[key] = _users.get(key, 0) + 1
     return key
+
+
+def stable(environ: Any) -> dict[str, str]:
+    """The environment `environ` but for its :data:`VOLATILE` variables."""
+    return {k: v for k, v in environ.items() if k not in VOLATILE}
 
 
 def running(key: str | None) -> Zygote | None:

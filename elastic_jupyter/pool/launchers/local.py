@@ -3,6 +3,7 @@ pool's zygote (:mod:`..zygote`) where one runs."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sys
 from typing import Any, Callable
@@ -13,6 +14,8 @@ from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLaun
 from .. import zygote
 from .base import Launcher
 
+log = logging.getLogger(__name__)
+
 
 class LocalLauncher(Launcher):
     """Engines are processes of this host (ipyparallel's ``LocalEngineSetLauncher``), each
@@ -21,6 +24,12 @@ class LocalLauncher(Launcher):
 
     kind, local = "local", True
     _zygote: str | None = None  # the key of the pool's zygote while the pool runs
+    _threads = 1
+
+    @property
+    def zygote(self) -> zygote.Zygote | None:
+        """The zygote the pool's engines fork from (None: they start as new processes)."""
+        return zygote.running(self._zygote)
 
     def cluster_options(self, folder: str) -> dict[str, Any]:
         return {"engine_launcher_class": ForkedEngineSetLauncher}
@@ -31,14 +40,24 @@ class LocalLauncher(Launcher):
     def open(self, threads: int) -> None:
         # still open after a start that failed before the pool ran: its zygote serves again
         if self._zygote is None:
+            self._threads = threads
             self._zygote = zygote.acquire(threads)  # it imports while the controller starts
 
     def preload(self, modules: list[str]) -> None:
-        if (z := zygote.running(self._zygote)) is not None:
+        if (z := self.zygote) is not None:
             z.preload(modules)
 
     async def ready(self) -> None:
-        if (z := zygote.running(self._zygote)) is not None:
+        if (z := self.zygote) is not None and not z.fits(os.environ):
+            # the kernel's environment changed (%env, a library's import): a zygote started
+            # in it imports what an engine would, read as a new process would read it
+            changed = sorted(k for k in set(os.environ) | set(z.environ)
+                             if os.environ.get(k) != z.environ.get(k))
+            log.info("elastic_jupyter: the kernel's environment changed (%s): engines fork "
+                     "from a new zygote", ", ".join(changed))
+            old, self._zygote = self._zygote, zygote.acquire(self._threads)
+            zygote.release(old or "")
+        if (z := self.zygote) is not None:
             await asyncio.to_thread(z.wait_ready)
 
     def close(self) -> None:
