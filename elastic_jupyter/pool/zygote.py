@@ -50,6 +50,8 @@ import threading
 import time
 from typing import IO, Any
 
+from ..engine.workdir import installed_file
+
 log = logging.getLogger(__name__)
 
 PRELOAD = ("torch", "ipyparallel.engine.app", "ipykernel.ipkernel",
@@ -105,7 +107,6 @@ def _preload(names: list[str]) -> str | None:
     notebook's own modules stay unloaded, so an edit to them reaches the next engine. Returns
     why the zygote can no longer fork safely (a thread started, the CUDA driver loaded), else
     None."""
-    from elastic_jupyter.engine.workdir import installed_file
     threads = set(os.listdir("/proc/self/task"))
     installed: dict[str, bool] = {}
     for name in names:
@@ -114,7 +115,7 @@ def _preload(names: list[str]) -> str | None:
             continue
         try:
             if top not in installed:
-                installed[top] = _installed(top, installed_file)
+                installed[top] = _installed(top)
             if installed[top]:
                 importlib.import_module(name)
         except (Exception, SystemExit):  # noqa: BLE001 - an engine imports it, and says why
@@ -125,7 +126,7 @@ def _preload(names: list[str]) -> str | None:
     return _cuda_loaded()
 
 
-def _installed(top: str, installed_file: Any) -> bool:
+def _installed(top: str) -> bool:
     """Whether the top-level module `top`, as this process would import it, is installed
     code (engine.workdir.installed_file), not a module of some notebook's folder."""
     spec = importlib.util.find_spec(top)
