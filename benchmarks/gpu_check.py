@@ -26,6 +26,9 @@ rewritten after every check so a run cut short keeps what it measured.
                        ours/plain is the figure (aim <= 1.03), with peak GPU memory of both
   pinned_memory        engine.transfer.to_device's non_blocking copy of a pinned batch arrives
                        equal; whether the engine's batches are pinned at all
+  frozen_hash          engine.frozen: digests of device tensors (dtypes, a view, one past a
+                       hashing chunk) equal their host copies'; a frozen layer is left out of
+                       the capture, and a change to it is caught (verify)
   nvml                 the arbiter's NVML slot provider: with 2 GiB held by this process, the
                        GPU shows this pid busy outside when nobody is placed there and not
                        when this pid is; its memory use reads >= 2 GiB (needs nvidia-ml-py)
@@ -807,6 +810,38 @@ def check_pinned_memory(ctx: Ctx) -> Outcome:
                    {"equal": equal, "on_device": on_device, "pipeline_batches_pinned": pinned})
 
 
+def check_frozen_hash(ctx: Ctx) -> Outcome:
+    """engine.frozen on the device: digests of device tensors (several dtypes, a view, one
+    larger than a hashing chunk) equal the host copies'; a model's frozen part is left out of
+    its capture and a change to it is caught."""
+    from elastic_jupyter.engine import frozen
+    tensors = [torch.randn(1000, 37, device=ctx.device).t(),
+               torch.randn(4096, dtype=torch.float64, device=ctx.device)[::3],
+               torch.randn(64, 64, device=ctx.device).to(torch.bfloat16),
+               torch.arange(7, device=ctx.device) > 3,
+               torch.randn((frozen.CHUNK_BYTES // 4) + 1000, device=ctx.device)]
+    start = time.perf_counter()
+    same = [frozen.digest(t) == frozen.digest(t.cpu()) for t in tensors]
+    seconds = time.perf_counter() - start
+    objects = mlp_objects(1, torch.float64)
+    objects["model"][0].requires_grad_(False)
+    worker = Worker(objects, config(steps=2), str(ctx.device))
+    left_out = not any(k.startswith("0.") for k in worker.capture(copy_tensors=False)["model"])
+    with torch.no_grad():
+        worker.model[0].weight.add_(1.0)
+    try:
+        worker.frozen.verify()
+        caught = False
+    except frozen.FrozenWeightsError:
+        caught = True
+    on = str(worker.model[0].weight.device)
+    ok = all(same) and left_out and caught and on.startswith(ctx.device.type)
+    return Outcome(ok, "equal" if all(same) else "DIFFERS",
+                   f"{len(tensors)} tensors on {on} hashed in {seconds:.2f} s; frozen layer "
+                   f"left out of the capture: {left_out}; a change caught: {caught}",
+                   {"same": same, "left_out": left_out, "caught": caught, "seconds": seconds})
+
+
 # ------------------------------------------------------------------------------ driver
 
 def check_nvml(ctx: Ctx) -> Outcome:
@@ -843,11 +878,12 @@ CHECKS = {  # summary order
     "calibration": check_calibration,
     "step_overhead": check_step_overhead,
     "pinned_memory": check_pinned_memory,
+    "frozen_hash": check_frozen_hash,
     "nvml": check_nvml,
 }
 # the important figure early, the slow spawned check last: a cut-short run keeps the most
 RUN_ORDER = ["nccl_single_rank", "bf16", "fp16", "sync_batchnorm", "step_overhead",
-             "calibration", "state_transfer", "checkpoint", "pinned_memory", "nvml",
+             "calibration", "state_transfer", "checkpoint", "pinned_memory", "frozen_hash", "nvml",
              "gloo_two_ranks_cuda"]
 
 

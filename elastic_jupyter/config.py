@@ -29,6 +29,8 @@ collective timeout     30 s (a rank stuck in a collective longer is treated as h
 ``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
                        training loss
 ``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
+``--move-frozen``      off: frozen weights stay on each engine and out of grows and
+                       checkpoints (engine.frozen)
 ``--tensorboard``      off (on: ``tensorboard/`` in the run's checkpoint folder; ``DIR``: ``DIR/<name>/``)
 =====================  ===========================================================
 
@@ -325,6 +327,11 @@ class RunConfig:
         "--tensorboard", "also log to TensorBoard, in DIR/NAME/ (default: tensorboard/ in the "
         "run's checkpoint folder); needs the tensorboard package. Put the handle's name first: "
         "a word after --tensorboard is its DIR", metavar="DIR", bare=True))
+    move_frozen: bool = field(default=False, metadata=flag(
+        "--move-frozen", "send frozen weights (parameters with requires_grad=False, buffers of "
+        "frozen modules) to new engines and write them in checkpoints, as trained ones "
+        "(default: each engine keeps the ones its cell built, checked by a hash)",
+        after="sync_batchnorm"))
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 

@@ -16,6 +16,7 @@ from typing import Callable
 
 from .checkpoint import write_checkpoint
 from .checkpoint_process import Unsendable, WriterLost, WriterProcess
+from .frozen import FrozenWeightsError
 from .shared_memory import Arena
 
 PROCESS_MIN_BYTES = 64 << 20  # staged state from which a write goes to the writer process
@@ -50,6 +51,7 @@ class CheckpointWriter:
         self._queue: queue.Queue = queue.Queue()
         self._done: list[dict] = []
         self._lock = threading.Lock()
+        self._fatal: FrozenWeightsError | None = None  # a write refused for the run's sake
         self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
@@ -85,6 +87,8 @@ class CheckpointWriter:
                          "bytes": record["bytes"], "seconds": time.time() - queued}
             except Exception as e:
                 event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
+                if isinstance(e, FrozenWeightsError):
+                    self._fatal = e
             state = None  # not held while idle (a run's last state holds its live tensors)
             with self._lock:
                 self._done.append(event)
@@ -106,6 +110,12 @@ class CheckpointWriter:
                 _notice(f"{e}; checkpoint {state['progress']['step']} is written on the "
                         "engine's thread" + ("" if self._process else ", and the next ones too"))
         return write_checkpoint(self.folder, state, self.keep)
+
+    def raise_fatal(self) -> None:
+        """Raise the error that refused a write and must end the run (frozen weights that
+        changed: engine.frozen), if one did."""
+        if self._fatal is not None:
+            raise self._fatal
 
     def take_events(self) -> list[dict]:
         """Outcomes finished since the last call (does not wait)."""

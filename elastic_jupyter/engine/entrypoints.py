@@ -246,8 +246,9 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
 
     `config`: the run's options as plain data (``RunConfig.as_dict()``; engine.protocol's
     EngineConfig reads it).
-    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "workdir",
-    "imported"}: "imported" names the installed modules the setup loaded, in order (for
+    Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "frozen",
+    "workdir", "imported"}: "frozen" is the frozen weights' manifest (engine.frozen: their
+    digests, bytes and hashing time), which the owner compares across engines; "imported" names the installed modules the setup loaded, in order (for
     pool.zygote; not the notebook's own, see engine.workdir);
     "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
     across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
@@ -289,7 +290,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     return {"samples": len(w.dataset), "total_steps": w.total_steps,
             "parameters": sum(p.numel() for p in w.model.parameters()),
             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
-            "dataset": dataset, "workdir": workdir,
+            "dataset": dataset, "frozen": w.frozen.manifest(), "workdir": workdir,
             "imported": [m for m, module in list(sys.modules.items()) if m not in loaded
                          and workdir_mod.installed_file(getattr(module, "__file__", None))]}
 
@@ -407,8 +408,10 @@ def training_state() -> dict:
     final weights: the Worker's full state as plain data on the CPU, with its last committed
     step still to finish as ``pending`` (None unless an error hit its evaluation). A CPU engine
     sends its live tensors, which no step changes any more: the reply's serialization is the
-    only copy."""
+    only copy. Raises engine.frozen's FrozenWeightsError when a frozen tensor changed (the
+    state leaves them out: it would not resume as this run went on)."""
     w = _state.run_worker()
+    w.frozen.verify()
     state = w.capture(copy_tensors=w.device.type != "cpu")
     state["pending"] = w.pending
     return state

@@ -140,8 +140,14 @@ class Generation:
         # a receiver's model tensors take the bytes in place
         into = w.capture(copy_tensors=False) if receive else None
         fault_point("broadcast", w)
+        sent: dict = {}
+        start = time.perf_counter()
         # its collectives raise PeerFailure; a local error (a layout it cannot take) is an error
-        state = broadcast_state(live, self.rank, w.device, into=into)
+        state = broadcast_state(live, self.rank, w.device, into=into, sent=sent)
+        if sent:  # rank 0: what a grow moved (frozen weights stay: engine.frozen)
+            self.events.append({"kind": "state_sent", "step": w.progress.step, **sent,
+                                "seconds": round(time.perf_counter() - start, 3),
+                                "frozen_bytes": w.frozen.nbytes if w.frozen.names else 0})
         if receive:
             w.restore(state)  # with the step whose evaluation a fault interrupted
 
@@ -178,6 +184,7 @@ class Generation:
             if rank == 0:
                 if w.writer:
                     events += w.writer.take_events()
+                    w.writer.raise_fatal()
                 now = time.time()
                 if now - last_publish >= PUBLISH_INTERVAL:
                     # the owner sees only the newest update: overlapping windows survive one
@@ -193,6 +200,7 @@ class Generation:
             reason = "finished"
         if rank == 0 and w.writer:
             events += w.writer.drain()
+            w.writer.raise_fatal()
         acknowledged = self._acknowledged()
         return {"reason": reason, "progress": p.as_dict(),
                 "records": w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],

@@ -120,6 +120,7 @@ class EngineConfig:
     plateau_metric: str | None = None
     precision: str | None = None
     tensorboard: bool | str = False
+    move_frozen: bool = False
     fault_dir: str | None = None
     total_steps: int = 0
 

@@ -17,7 +17,7 @@ import copy
 import random
 import sys
 import threading
-from collections.abc import Set as AbstractSet
+from collections.abc import Mapping, Set as AbstractSet
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -277,7 +277,7 @@ class Staging:
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
             *, copy_tensors: bool = True, grad_scaler=None, staging: Staging | None = None,
-            extra: dict | None = None) -> dict:
+            extra: dict | None = None, frozen: Mapping[str, str] | None = None) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
@@ -286,13 +286,18 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     live ones (to inspect the state without copying the model). With `staging`, tensors are
     copied into its reused buffers (see :class:`Staging`). `extra`: the cell's ``extra_state``
     ({name: object with ``state_dict()``}, an EMA of the weights), captured under ``"extra"``.
+    `frozen`: {key: digest} of the model's frozen tensors (engine.frozen), left out of
+    ``"model"`` and recorded under ``"frozen"``.
     """
     if staging is not None:  # the optimizer step alone changes these (see Staging)
         staging.begin({_identity(t) for t in _step_changes(optimizer)})
     tensor = (staging.copy if staging is not None else _cpu_copy) if copy_tensors \
         else (lambda t: t)
     numpy_types: list = []
-    objects = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    weights = model.state_dict()  # a new dict each call (its _metadata kept)
+    for key in frozen or ():
+        del weights[key]
+    objects = {"model": weights, "optimizer": optimizer.state_dict(),
                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()}}
     state: dict[str, Any] = {"format": FORMAT_VERSION}
@@ -308,6 +313,8 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
         "grad_scaler": (_plain(grad_scaler.state_dict(), None, None, tensor)
                         if grad_scaler is not None else None),
     })
+    if frozen:
+        state["frozen"] = dict(frozen)
     if staging is not None:
         staging.end()
     return state
@@ -329,15 +336,16 @@ def _identity(t: torch.Tensor) -> tuple:
 
 
 def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None,
-            extra: dict | None = None) -> tuple[Progress, list]:
+            extra: dict | None = None, load_model=None) -> tuple[Progress, list]:
     """Load `state` (from :func:`capture`) into the objects; returns (progress, history). An
     `extra` object the state has no entry for (a checkpoint written before the cell declared
-    it) keeps what the cell gave it."""
+    it) keeps what the cell gave it. `load_model(weights)` loads the model's part (default:
+    ``model.load_state_dict``; engine.frozen's takes a state without the frozen tensors)."""
     state = with_numpy_values(state)
+    (load_model or model.load_state_dict)(state["model"])  # first: it may refuse the state
     for name, obj in (extra or {}).items():
         if name in state.get("extra", {}):
             obj.load_state_dict(state["extra"][name])
-    model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])

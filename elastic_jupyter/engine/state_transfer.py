@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import math
+import pickle
 from typing import Any
 
 import torch
@@ -232,7 +233,7 @@ def _on(device_type: str, device: torch.device) -> torch.device:
 
 
 def broadcast_state(state: dict | None, rank: int, device: torch.device,
-                    into: dict | None = None) -> dict:
+                    into: dict | None = None, sent: dict | None = None) -> dict:
     """Send rank 0's `state` (a dict of plain data and tensors, engine.state's capture) to every
     rank of the current process group; all ranks call it. Returns the state on every rank (rank
     0's own object there). `device` is this rank's training device: tensors captured on a GPU
@@ -245,6 +246,9 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device,
     its storage is laid out as the sender's: no new memory to fault in) and is the one returned
     there. Such a tensor holds a mix of old and new values if the transfer fails, so the caller
     treats its state as lost until the transfer completes.
+
+    `sent`, on rank 0: filled with ``{"bytes": the structure's pickle and the tensors' spans,
+    "tensor_bytes": the spans alone}`` (what each receiver is sent).
 
     Raises :class:`~engine.collective.PeerFailure` when a collective fails (a peer died or
     stayed away); any other exception is this rank's own error.
@@ -259,6 +263,9 @@ def broadcast_state(state: dict | None, rank: int, device: torch.device,
                     for key, value in state.items()}
         sources, span_meta, tensor_meta = _spans(tensors)
         box = [(skeleton, span_meta, tensor_meta)]
+        if sent is not None:
+            spans_bytes = sum(_nbytes(meta) for meta in span_meta)
+            sent.update(bytes=len(pickle.dumps(box[0])) + spans_bytes, tensor_bytes=spans_bytes)
     nccl = dist.get_backend() == "nccl"
     via = device if nccl else torch.device("cpu")
     with collective("state broadcast"):

@@ -37,6 +37,7 @@ from .collective import collective
 from .cut_choice import CutChoice
 from .evaluation import Evaluation
 from .faultpoints import fault_point
+from .frozen import FrozenWeights
 from .history import History
 from .loader import InputPipeline
 from .losses import floats, weighted
@@ -95,6 +96,7 @@ class Worker:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
         self.model.to(self.device)
+        self.frozen = FrozenWeights(self.model, stay=not config.move_frozen)
         for obj in self.extra_state.values():  # an EMA updates from the model where it is,
             # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
             if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
@@ -138,9 +140,13 @@ class Worker:
         self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
         if config.checkpoint_dir:
             self.writer = CheckpointWriter(config.checkpoint_dir, config.keep,
-                                           before_write=lambda: fault_point("checkpoint", self))
+                                           before_write=self._before_checkpoint_write)
 
     # state -------------------------------------------------------------------------------------
+
+    def _before_checkpoint_write(self) -> None:  # on the writer's thread
+        fault_point("checkpoint", self)
+        self.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
 
     def capture(self, copy_tensors: bool = True, staging: state_mod.Staging | None = None
                 ) -> dict:
@@ -150,7 +156,8 @@ class Worker:
         return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
                                  self.history.records, self.config_record(),
                                  copy_tensors=copy_tensors, grad_scaler=self.precision.scaler,
-                                 staging=staging, extra=self.extra_state)
+                                 staging=staging, extra=self.extra_state,
+                                 frozen=self.frozen.digests)
 
     def config_record(self) -> dict:
         """The run's options as its checkpoints store them (plain data): the config's fields,
@@ -168,7 +175,7 @@ class Worker:
         self.pending, self.in_flight = state.get("pending"), False
         self.progress, records = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler,
-            self.extra_state)
+            self.extra_state, load_model=lambda weights: self.frozen.load(weights, state))
         self.history = History(records)
         if self.writer is not None:  # what it wrote before may be of another timeline
             self.writer.saved_step = None

@@ -38,6 +38,8 @@ class CellSetup:
         total_steps: the run's length in steps, fixed by the first engines' setup.
         dataset: their dataset's fingerprint ({"samples", "hash"}); an engine that builds
             another dataset later is refused (the run's steps never change mid-run).
+        frozen: the digests of their frozen weights ({key: digest}, engine.frozen); an engine
+            that builds other ones is refused (they are never sent: each keeps its own).
     """
 
     def __init__(self, calls: EngineCalls, log: RunLog, config: dict, source: str | None,
@@ -49,6 +51,7 @@ class CellSetup:
         self._elsewhere: set[str] = set()  # hosts that run the cell outside `workdir`
         self.total_steps = 0
         self.dataset: dict | None = None
+        self.frozen: dict[str, str] | None = None
 
     async def run_cell(self, engines: list[Engine]) -> None:
         """Run the cell on `engines`; the first engines fix the run's dataset and length.
@@ -72,9 +75,38 @@ class CellSetup:
                     f"{result['workdir']} there (relative paths and the notebook's own modules"
                     " resolve there)"))
         self._check_datasets(engines, [r["dataset"] for r in results])
+        self._check_frozen(engines, [r["frozen"]["tensors"] for r in results])
         if self.dataset is None:
             self.dataset, self.total_steps = results[0]["dataset"], results[0]["total_steps"]
+            self.frozen = results[0]["frozen"]["tensors"]
             self.preload(results[0]["imported"])
+            if self.frozen:
+                self._say_frozen([r["frozen"] for r in results])
+
+    def _say_frozen(self, manifests: list[dict]) -> None:
+        first = manifests[0]
+        self.log.event("frozen", message=(
+            f"{len(first['tensors'])} frozen tensors ({first['bytes'] / 1e6:.1f} MB) stay on "
+            "each engine, built by its cell and checked by a hash (hashing took at most "
+            f"{max(m['seconds'] for m in manifests):.2f} s): grows send, and checkpoints write, "
+            "the trained state only (--move-frozen moves them too)"))
+
+    def _check_frozen(self, engines: list[Engine], found: list[dict[str, str]]) -> None:
+        """Raise RunSetupError naming an engine that built other frozen weights than the run's
+        (or, at the start, than the first engine's), and the first tensor that differs."""
+        reference = found[0] if self.frozen is None else self.frozen
+        whose = f"slot {engines[0].slot}'s" if self.frozen is None else "the run's"
+        for engine, digests in zip(engines, found):
+            odd = [k for k in {**reference, **digests} if reference.get(k) != digests.get(k)]
+            if odd:
+                message = (
+                    f"engine slot {engine.slot} built other frozen weights than {whose} "
+                    f"({len(odd)} tensor(s) differ, first {odd[0]!r}). Frozen weights stay on "
+                    "each engine (they are never sent), so the cell must build the same ones "
+                    "everywhere: load them from a file, or seed before building them; or run "
+                    "with --move-frozen to send them from rank 0")
+                self.log.log(message)
+                raise RunSetupError(message)
 
     def _check_datasets(self, engines: list[Engine], found: list[dict]) -> None:
         """Raise RunSetupError naming the engines whose dataset differs from the run's (or,

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import UsageError
 from ..engine import checkpoint as ckpt
+from ..engine.frozen import digest
 from ..engine.history import whole_history
 from .final_state import FinalState
 from .runlog import RunLog
@@ -86,10 +87,28 @@ class RunResults:
         return os.path.dirname(path), state
 
     def load_into(self, model: Any, part: str = "model") -> Any:
-        """Copy `part`'s weights into the torch.nn.Module `model`; returns it."""
+        """Copy `part`'s weights into the torch.nn.Module `model`; returns it. The run's frozen
+        weights (engine.frozen: not in its state) are `model`'s own, checked against their
+        digests. Raises UsageError when they differ (nothing is loaded then)."""
         weights = self.state_dict(part)
         own = {_plain_key(key): key for key in model.state_dict()}
-        model.load_state_dict({own.get(key, key): value for key, value in weights.items()})
+        weights = {own.get(key, key): value for key, value in weights.items()}
+        frozen = self._state()[1].get("frozen") if part == "model" else None
+        if not frozen:
+            model.load_state_dict(weights)
+            return model
+        frozen = {own.get(_plain_key(key), key): value for key, value in frozen.items()}
+        held = model.state_dict()
+        odd = sorted(k for k, d in frozen.items() if k not in held or digest(held[k]) != d)
+        if odd:
+            raise UsageError(
+                f"run {self.name!r} trained with frozen weights that `model` does not hold "
+                f"({len(odd)} tensor(s) differ, first {odd[0]!r}): its state holds the trained "
+                "tensors only; build the model as the cell did (the same base weights), then "
+                "load_into it")
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if set(missing) - frozen.keys() or unexpected:
+            model.load_state_dict(weights)  # raises, as a strict load does
         return model
 
     def export(self, path: str, part: str = "model") -> str:

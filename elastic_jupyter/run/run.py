@@ -328,6 +328,9 @@ class TrainingRun:
         moving average an ``after_step`` hook kept).
 
         Once the run ended, its final weights; while it trains, the newest checkpoint's.
+        Frozen weights (parameters with ``requires_grad=False``, buffers of frozen modules:
+        each engine keeps those its cell built) are not in it unless the run was started with
+        ``--move-frozen``: :meth:`load_into` a model built as the cell builds it.
         Raises UsageError if there is neither, or no such part.
         """
         return self._results.state_dict(part)
@@ -341,12 +344,14 @@ class TrainingRun:
     def load_into(self, model: Any, part: str = "model") -> Any:
         """Copy the trained weights into `model` (a torch.nn.Module of the same architecture,
         compiled with ``torch.compile`` or not, whether the trained one was); `part` as in
-        :meth:`state_dict`."""
+        :meth:`state_dict`. `model`'s frozen weights are kept, and must be those the run
+        trained with (their digests are compared: UsageError otherwise)."""
         return self._results.load_into(model, part)
 
     def export(self, path: str, part: str = "model") -> str:
-        """Write the model's plain ``state_dict`` to `path` (keys as :meth:`state_dict`'s),
-        loadable by ``torch.load`` alone; `part` as in :meth:`state_dict`."""
+        """Write the model's plain ``state_dict`` to `path` (keys as :meth:`state_dict`'s:
+        without frozen weights, so a LoRA fine-tune exports its adapter alone), loadable by
+        ``torch.load`` alone; `part` as in :meth:`state_dict`."""
         return self._results.export(path, part)
 
     def logs(self, tail: int = 40) -> str:

@@ -215,7 +215,7 @@ def describe_event(event: dict) -> str | None:
     if kind == "checkpoint_failed":
         return f"[step {step}] WARNING checkpoint not written: {event['message']}"
     if kind in ("error", "warning", "finished", "stopped", "start", "micro_batches", "slot",
-                "drain"):
+                "drain", "frozen"):
         extra = event.get("message") or f"world size {event.get('world_size')}"
         return f"[step {step}] {kind}: {extra}"
     return None

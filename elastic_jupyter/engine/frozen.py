@@ -1,0 +1,166 @@
+"""Frozen weights: what the cell builds on every engine and no step changes stays where it is.
+
+A frozen backbone, or the base model under a LoRA adapter, is never trained: every engine has
+it from the cell as surely as a peer could send it. Sending it on a grow and writing it in every
+checkpoint moves bytes that did not change (a LoRA fine-tune of a 7B model would move 14 GB per
+grow where 100 MB changed). So the training state leaves these tensors out
+(engine.state.capture's ``frozen``), and a digest of each proves instead that
+
+- every engine built the same ones (the owner compares the engines' :meth:`FrozenWeights.manifest`
+  at setup, run/cellsetup.py),
+- they did not change since (:meth:`FrozenWeights.verify`, before each checkpoint is written),
+- a resume goes on from the weights its checkpoint was trained with (the checkpoint records the
+  digests; :meth:`FrozenWeights.check`).
+
+Which tensors are frozen: the parameters that do not require gradients when the setup ends, and
+the buffers of modules whose parameters are all frozen (a module without parameters takes its
+parent's answer), except those of modules that track running statistics (a BatchNorm in a
+frozen backbone still updates them in training mode: they are trained state). ``--move-frozen``
+moves and writes them as before. PEFT saves an adapter without its base model for the same
+reason (``peft.get_peft_model_state_dict``).
+
+This module imports nothing from IPython or the UI.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+
+import torch
+
+CHUNK_BYTES = 64 << 20  # a device tensor is hashed through a host buffer this large
+
+
+class FrozenWeightsError(RuntimeError):
+    """The frozen weights are not the ones the run trains with; the message names the tensor
+    and says what to do."""
+
+
+def digest(t: torch.Tensor) -> str:
+    """32 hex digits (BLAKE2b) over `t`'s dtype, shape and bytes. A tensor on a GPU is read in
+    chunks of CHUNK_BYTES through a pinned host buffer."""
+    h = hashlib.blake2b(digest_size=16)
+    t = t.detach()
+    if t.is_quantized:
+        t = t.int_repr()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+    flat = t.reshape(-1).contiguous()
+    if flat.numel() == 0:
+        return h.hexdigest()
+    raw = flat.view(torch.uint8)
+    if raw.device.type == "cpu":
+        h.update(raw.numpy().data)  # hashlib releases the interpreter lock for large buffers
+        return h.hexdigest()
+    host = torch.empty(min(CHUNK_BYTES, raw.numel()), dtype=torch.uint8, pin_memory=True)
+    # a stream of its own: the checkpoint writer's thread hashes while training runs on the
+    # default stream, which these copies must not wait behind
+    stream = torch.cuda.Stream(raw.device)
+    stream.wait_stream(torch.cuda.current_stream(raw.device))  # the tensor's last writes
+    with torch.cuda.stream(stream):
+        for start in range(0, raw.numel(), CHUNK_BYTES):
+            part = raw[start:start + CHUNK_BYTES]
+            host[:part.numel()].copy_(part, non_blocking=True)
+            stream.synchronize()  # the buffer is read next
+            h.update(host[:part.numel()].numpy().data)
+    return h.hexdigest()
+
+
+def frozen_keys(model: torch.nn.Module) -> list[str]:
+    """The keys of `model`'s state dict whose tensors are frozen (see the module docstring),
+    in the state dict's order."""
+    ids = {id(p) for p in model.parameters() if not p.requires_grad}
+    _frozen_buffers(model, False, ids)
+    return [k for k, v in model.state_dict(keep_vars=True).items()
+            if isinstance(v, torch.Tensor) and id(v) in ids]
+
+
+def _frozen_buffers(module: torch.nn.Module, parent_frozen: bool, ids: set[int]) -> None:
+    params = list(module.parameters())
+    frozen = not any(p.requires_grad for p in params) if params else parent_frozen
+    if frozen and not getattr(module, "track_running_stats", False):
+        ids.update(id(b) for b in module.buffers(recurse=False))
+    for child in module.children():
+        _frozen_buffers(child, frozen, ids)
+
+
+class FrozenWeights:
+    """A model's frozen tensors, by state-dict key, and their digests.
+
+    Args:
+        model: the cell's model, as its setup left it (on the engine's device).
+        stay: False (``--move-frozen``) treats every tensor as trained: nothing is left out.
+
+    Attributes:
+        names: the frozen keys (left out of captured states).
+        digests: {key: :func:`digest`} taken at construction.
+        nbytes: their size in bytes. seconds: the time hashing them took.
+    """
+
+    def __init__(self, model: torch.nn.Module, stay: bool = True):
+        self.model = model
+        start = time.perf_counter()
+        self.names: frozenset[str] = frozenset(frozen_keys(model) if stay else ())
+        tensors = self._tensors()
+        self.digests = {k: digest(t) for k, t in tensors.items()}
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        self.seconds = time.perf_counter() - start
+
+    def _tensors(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        wanted = self.names if names is None else set(names)
+        return {k: v for k, v in self.model.state_dict().items() if k in wanted}
+
+    def manifest(self) -> dict:
+        """``{"tensors": {key: digest}, "bytes", "seconds"}``: what the owner compares across
+        engines and reports."""
+        return {"tensors": dict(self.digests), "bytes": self.nbytes,
+                "seconds": round(self.seconds, 3)}
+
+    def verify(self) -> None:
+        """Hash the frozen tensors again. Raises FrozenWeightsError naming the first that
+        changed since setup (a checkpoint without it would resume from other weights)."""
+        for name, t in self._tensors().items():
+            if digest(t) != self.digests[name]:
+                raise FrozenWeightsError(
+                    f"frozen tensor {name!r} changed during training: frozen weights (parameters "
+                    "with requires_grad=False, buffers of frozen modules) stay out of "
+                    "checkpoints and state transfers, so they must not change. Train it "
+                    "(requires_grad=True), or run with --move-frozen to move and checkpoint "
+                    "every tensor")
+
+    def check(self, state: dict) -> None:
+        """Before `state` (a checkpoint's or a peer's) is loaded: raise FrozenWeightsError
+        unless the weights it was trained with are this model's frozen ones. A state without
+        digests (written with ``--move-frozen``, or before frozen weights stayed) holds them:
+        they are hashed from it."""
+        saved = dict(state.get("frozen") or {})
+        held = state.get("model") or {}
+        saved.update({k: digest(held[k]) for k in self.names - saved.keys() if k in held})
+        own = self.model.state_dict()
+        odd: list[tuple[str, str]] = []
+        for name in dict.fromkeys([*self.digests, *saved]):  # the model's order first
+            if name not in saved:
+                odd.append((name, "the state has no such tensor"))
+            elif name not in own:
+                odd.append((name, "this model has no such tensor"))
+            elif saved[name] != (self.digests.get(name) or digest(own[name])):
+                odd.append((name, "the cell builds other values for it"))
+        if odd:
+            name, why = odd[0]
+            raise FrozenWeightsError(
+                f"the state was trained with other frozen weights ({len(odd)} tensor(s) "
+                f"differ; {name!r}: {why}). Build the frozen weights the run was trained with "
+                "(the same files, the same requires_grad), or start a new run with another "
+                "--name")
+
+    def load(self, model_state: dict, state: dict) -> None:
+        """Load `model_state` (`state`'s "model", as restored) into the model once
+        :meth:`check` passed; the keys of the state's frozen digests may be missing from it:
+        those tensors keep the cell's values. Raises FrozenWeightsError (nothing loaded)."""
+        self.check(state)
+        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
+        wrong = sorted(set(missing) - set(state.get("frozen") or ())) + sorted(unexpected)
+        if wrong:  # as a strict load would have refused it
+            self.model.load_state_dict(model_state)
