@@ -1,0 +1,149 @@
+"""Moving a dim-0 sharded state to another world size in memory: only rows whose owner changes.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) keeps each parameter, and the optimizer keeps
+each of its moments, as a DTensor sharded on dim 0 the way ``torch.chunk`` cuts it: with ``n``
+rows and ``W`` ranks, rank ``r`` holds rows ``[r * c, (r + 1) * c)`` clipped to ``n``, where
+``c = ceil(n / W)`` (so the last ranks may hold fewer rows, or none). When the world size
+changes, torchrun, Ray Train and DeepSpeed write a checkpoint and read it back at the new size
+(DeepSpeed's Universal Checkpointing converts it offline); here the ranks of both layouts hand
+each other the rows whose owner changes, point to point, and every other row stays where it is.
+
+:func:`plan` says which rows go from which rank to which; :func:`reshard` carries the plan out
+with ``isend``/``irecv`` over the current process group. A rank holds at most its old shard and
+its new shard at once: rows travel from views of the old shard into views of the new one,
+without a staging copy. The group must hold every rank of both layouts (leavers hand their rows
+over before they go: a shrink is a drain).
+
+This module imports nothing from IPython or the UI.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collective import collective
+
+
+def chunk_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows ``[start, end)`` of `n` that `rank` holds among `world_size` ranks under
+    ``torch.chunk`` (DTensor's ``Shard(0)``, FSDP2's layout)."""
+    size = -(-n // world_size) if n else 0
+    start = min(rank * size, n)
+    return start, min(start + size, n)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Who holds what, by rank of the process group that reshards: ``old[g]`` is group rank
+    ``g``'s rank in the layout it leaves (None: a newcomer), ``new[g]`` its rank in the layout
+    it joins (None: a leaver). Raises ValueError unless each layout's ranks are 0..W-1 once."""
+
+    old: tuple[int | None, ...]
+    new: tuple[int | None, ...]
+
+    def __post_init__(self):
+        if len(self.old) != len(self.new):
+            raise ValueError("old and new must name every rank of the group")
+        for name, ranks in (("old", self.old), ("new", self.new)):
+            held = sorted(r for r in ranks if r is not None)
+            if held != list(range(len(held))) or not held:
+                raise ValueError(f"the {name} layout's ranks must be 0..W-1, each once: {ranks}")
+
+    @property
+    def old_size(self) -> int:
+        return sum(r is not None for r in self.old)
+
+    @property
+    def new_size(self) -> int:
+        return sum(r is not None for r in self.new)
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Rows ``[start, end)`` of sharded tensor ``tensor`` go from group rank ``src`` to ``dst``
+    (``src == dst``: a copy within the rank, from its old shard into its new one)."""
+
+    tensor: int
+    src: int
+    dst: int
+    start: int
+    end: int
+
+
+def plan(rows: Sequence[int], layout: Layout) -> list[Transfer]:
+    """Every piece of rows that some rank of the new layout needs, and where it comes from,
+    for sharded tensors of `rows[i]` rows each (the same list on every rank); ordered by
+    tensor, then row (the order every rank posts its sends and receives in)."""
+    holders = {r: g for g, r in enumerate(layout.old) if r is not None}
+    takers = {r: g for g, r in enumerate(layout.new) if r is not None}
+    out = []
+    for i, n in enumerate(rows):
+        old = [chunk_rows(n, layout.old_size, r) for r in range(layout.old_size)]
+        for new_rank in range(layout.new_size):
+            start, end = chunk_rows(n, layout.new_size, new_rank)
+            for old_rank, (a, b) in enumerate(old):
+                lo, hi = max(a, start), min(b, end)
+                if lo < hi:
+                    out.append(Transfer(i, holders[old_rank], takers[new_rank], lo, hi))
+    return out
+
+
+def moved_bytes(transfers: Sequence[Transfer], row_bytes: Sequence[int]) -> int:
+    """The bytes that travel between ranks (a rank's copies within itself excluded)."""
+    return sum((t.end - t.start) * row_bytes[t.tensor] for t in transfers if t.src != t.dst)
+
+
+def reshard(shards: Sequence[torch.Tensor | None], rows: Sequence[int], layout: Layout,
+            group_rank: int) -> list[torch.Tensor | None]:
+    """Carry out :func:`plan` on this rank (`group_rank` of the current process group, which
+    holds every rank of `layout`); every rank calls it with the same `rows` and `layout`.
+
+    `shards[i]`: this rank's old shard of tensor i (rows ``chunk_rows(rows[i], ...)`` of its
+    old rank, contiguous; None on a newcomer, whose shapes past dim 0 and dtypes come as
+    `shards` of zero-row tensors instead: see :func:`empty_like_rows`). Returns the new shards
+    (None on a leaver), each a new contiguous tensor on the old shard's device.
+    Raises :class:`~engine.collective.PeerFailure` when a peer fails mid-transfer.
+    """
+    old_rank, new_rank = layout.old[group_rank], layout.new[group_rank]
+    out: list[torch.Tensor | None] = []
+    for i, shard in enumerate(shards):
+        if shard is None:
+            raise ValueError(f"shard {i} is None: a newcomer passes a zero-row tensor")
+        if new_rank is None:
+            out.append(None)
+            continue
+        start, end = chunk_rows(rows[i], layout.new_size, new_rank)
+        out.append(shard.new_empty((end - start, *shard.shape[1:])).contiguous())
+    works = []
+    for k, t in enumerate(plan(rows, layout)):
+        if group_rank not in (t.src, t.dst):
+            continue
+        if t.src == group_rank:
+            assert old_rank is not None
+            base = chunk_rows(rows[t.tensor], layout.old_size, old_rank)[0]
+            piece = shards[t.tensor][t.start - base:t.end - base]  # a view: no copy
+        if t.dst == group_rank:
+            assert new_rank is not None
+            base = chunk_rows(rows[t.tensor], layout.new_size, new_rank)[0]
+            target = out[t.tensor][t.start - base:t.end - base]
+        if t.src == t.dst:
+            target.copy_(piece)
+            continue
+        with collective("resharding"):
+            if t.src == group_rank:
+                works.append(dist.isend(piece, t.dst, tag=k))
+            else:
+                works.append(dist.irecv(target, t.src, tag=k))
+    for work in works:
+        with collective("resharding"):
+            work.wait()
+    return out
+
+
+def empty_like_rows(t: torch.Tensor) -> torch.Tensor:
+    """A zero-row tensor with `t`'s trailing shape, dtype and device: what a newcomer passes
+    to :func:`reshard` for a tensor it holds no rows of."""
+    return t.new_empty((0, *t.shape[1:]))
