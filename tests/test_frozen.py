@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine.frozen import FrozenWeights, frozen_keys
+from elastic_jupyter.engine.frozen import FrozenWeights, FrozenWeightsError, frozen_keys
 from elastic_jupyter.run.run import RunSetupError
 from kernels import Kernel, kill_leftovers
 from test_bad_input import assert_pool_still_trains, unique
@@ -140,6 +140,32 @@ def test_which_tensors_are_frozen():
     assert FrozenWeights(model, stay=False).names == frozenset()
 
 
+def test_states_without_digests_tied_weights_and_a_load_refused_before_it_starts():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
+    model[1].weight = model[0].weight  # tied, as GPT-2's embedding and head
+    model[0].requires_grad_(False)
+    frozen = FrozenWeights(model)
+    assert frozen.names == {"0.weight", "1.weight"} and frozen.nbytes == 10 * 4 * 4  # once
+    # a state that holds its frozen weights (--move-frozen, or written before they stayed)
+    old = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    frozen.check(old)
+    other = {"model": dict(old["model"], **{"0.weight": torch.zeros(10, 4),
+                                            "1.weight": torch.zeros(10, 4)})}
+    with pytest.raises(FrozenWeightsError, match="resume with --move-frozen"):
+        frozen.check(other)
+    # a key this model lacks: refused naming it, with nothing loaded
+    bias = model[1].bias.detach().clone()
+    state = {"model": {"1.bias": torch.ones(10), "2.bias": torch.ones(1)},
+             "frozen": dict(frozen.digests)}
+    with pytest.raises(FrozenWeightsError, match=r"unexpected \['2.bias'\]"):
+        frozen.load(state["model"], state)
+    assert torch.equal(model[1].bias, bias)
+    del state["model"]["2.bias"]
+    frozen.load(state["model"], state)
+    assert torch.equal(model[1].bias, torch.ones(10))
+
+
 FROZEN_BY_ENGINE = '''
 import os
 import torch
@@ -178,7 +204,8 @@ def test_a_frozen_tensor_that_changes_fails_the_run_at_its_checkpoint(idle_pool,
                       source=FROZEN_BY_ENGINE.format(seed=0, change=change), workspace=tmp_path)
     run.start()
     assert run.wait(timeout=120) == "failed"
-    assert "frozen tensor '0.bias' changed during training" in run.error, run.error
+    assert "frozen tensor '0.bias' (a parameter with requires_grad=False) changed" in run.error, \
+        run.error
     assert "--move-frozen" in run.error
     assert not [c for c in run.checkpoints if c["step"] >= 4]  # none written without it
     # the same cell with --move-frozen trains, and its state holds the frozen tensors

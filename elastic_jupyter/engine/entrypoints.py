@@ -187,7 +187,8 @@ def _on_device(worker: Worker, device: str, slot: int) -> Worker:
     namespace = sys.modules["__elastic_cell__"].__dict__
     fingerprint = worker.fingerprint
     _close(worker)
-    again = Worker(namespace, worker.config, device, slot=slot)
+    again = Worker(namespace, worker.config, device, slot=slot,
+                   frozen_digests=worker.frozen.digests)  # the same bytes: not hashed again
     _check_worker(again)  # a cell that chose a device for itself fails here, not mid-step
     again.fingerprint = fingerprint
     return again

@@ -24,12 +24,14 @@ This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 import hashlib
+import os
 import time
-from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 CHUNK_BYTES = 64 << 20  # a device tensor is hashed through a host buffer this large
+HASH_THREADS = min(8, os.cpu_count() or 1)  # tensors hashed at once
 
 
 class FrozenWeightsError(RuntimeError):
@@ -51,12 +53,14 @@ def digest(t: torch.Tensor) -> str:
     if flat.numel() == 0:
         return h.hexdigest()
     raw = flat.view(torch.uint8)
+    if raw.device.type != "cuda":
+        raw = raw.cpu()  # no copy on the CPU
     if raw.device.type == "cpu":
         h.update(raw.numpy().data)  # hashlib releases the interpreter lock for large buffers
         return h.hexdigest()
     host = torch.empty(min(CHUNK_BYTES, raw.numel()), dtype=torch.uint8, pin_memory=True)
-    # a stream of its own: the checkpoint writer's thread hashes while training runs on the
-    # default stream, which these copies must not wait behind
+    # a stream of its own, so kernels queued after these copies on the default stream (the
+    # writer's thread hashes while training goes on) do not wait for them
     stream = torch.cuda.Stream(raw.device)
     stream.wait_stream(torch.cuda.current_stream(raw.device))  # the tensor's last writes
     with torch.cuda.stream(stream):
@@ -92,25 +96,28 @@ class FrozenWeights:
     Args:
         model: the cell's model, as its setup left it (on the engine's device).
         stay: False (``--move-frozen``) treats every tensor as trained: nothing is left out.
+        digests: {key: digest} of these very tensors taken before (a warm engine's Worker
+            built again on its slot's device: the bytes are the same), instead of hashing.
 
     Attributes:
         names: the frozen keys (left out of captured states).
         digests: {key: :func:`digest`} taken at construction.
-        nbytes: their size in bytes. seconds: the time hashing them took.
+        nbytes: their size in bytes (a tensor tied under two keys counted once).
+        seconds: the time hashing them took.
     """
 
-    def __init__(self, model: torch.nn.Module, stay: bool = True):
+    def __init__(self, model: torch.nn.Module, stay: bool = True,
+                 digests: dict[str, str] | None = None):
         self.model = model
         start = time.perf_counter()
         self.names: frozenset[str] = frozenset(frozen_keys(model) if stay else ())
-        tensors = self._tensors()
-        self.digests = {k: digest(t) for k, t in tensors.items()}
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        # taken once: the writer's thread re-hashes them without calling the model's hooks
+        self._tensors = {k: v for k, v in model.state_dict(keep_vars=True).items()
+                         if k in self.names}
+        known = digests if digests is not None and digests.keys() == self.names else None
+        self.digests = known if known is not None else _digests(self._tensors)
+        self.nbytes = sum(t.numel() * t.element_size() for t in _unique(self._tensors).values())
         self.seconds = time.perf_counter() - start
-
-    def _tensors(self, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-        wanted = self.names if names is None else set(names)
-        return {k: v for k, v in self.model.state_dict().items() if k in wanted}
 
     def manifest(self) -> dict:
         """``{"tensors": {key: digest}, "bytes", "seconds"}``: what the owner compares across
@@ -120,15 +127,17 @@ class FrozenWeights:
 
     def verify(self) -> None:
         """Hash the frozen tensors again. Raises FrozenWeightsError naming the first that
-        changed since setup (a checkpoint without it would resume from other weights)."""
-        for name, t in self._tensors().items():
-            if digest(t) != self.digests[name]:
+        changed since setup (a state without it would go on from other weights)."""
+        now = _digests(self._tensors)
+        for name in self._tensors:
+            if now[name] != self.digests[name]:
+                kind = ("parameter with requires_grad=False" if isinstance(
+                    self._tensors[name], torch.nn.Parameter) else "buffer of a frozen module")
                 raise FrozenWeightsError(
-                    f"frozen tensor {name!r} changed during training: frozen weights (parameters "
-                    "with requires_grad=False, buffers of frozen modules) stay out of "
-                    "checkpoints and state transfers, so they must not change. Train it "
-                    "(requires_grad=True), or run with --move-frozen to move and checkpoint "
-                    "every tensor")
+                    f"frozen tensor {name!r} (a {kind}) changed during training: frozen "
+                    "weights stay out of checkpoints and state transfers, so they must not "
+                    "change. Run with --move-frozen to send and checkpoint every tensor (or "
+                    "train it: requires_grad=True)")
 
     def check(self, state: dict) -> None:
         """Before `state` (a checkpoint's or a peer's) is loaded: raise FrozenWeightsError
@@ -149,18 +158,46 @@ class FrozenWeights:
                 odd.append((name, "the cell builds other values for it"))
         if odd:
             name, why = odd[0]
+            hint = ("start a new run with another --name" if "frozen" in state else
+                    "resume with --move-frozen, which loads the frozen weights this state "
+                    "holds")
             raise FrozenWeightsError(
                 f"the state was trained with other frozen weights ({len(odd)} tensor(s) "
                 f"differ; {name!r}: {why}). Build the frozen weights the run was trained with "
-                "(the same files, the same requires_grad), or start a new run with another "
-                "--name")
+                f"(the same files, the same requires_grad), or {hint}")
 
     def load(self, model_state: dict, state: dict) -> None:
         """Load `model_state` (`state`'s "model", as restored) into the model once
         :meth:`check` passed; the keys of the state's frozen digests may be missing from it:
-        those tensors keep the cell's values. Raises FrozenWeightsError (nothing loaded)."""
+        those tensors keep the cell's values. Raises FrozenWeightsError, before anything is
+        loaded, naming the keys that do not fit."""
         self.check(state)
-        missing, unexpected = self.model.load_state_dict(model_state, strict=False)
-        wrong = sorted(set(missing) - set(state.get("frozen") or ())) + sorted(unexpected)
-        if wrong:  # as a strict load would have refused it
-            self.model.load_state_dict(model_state)
+        expected = self.model.state_dict().keys()
+        missing = [k for k in expected if k not in model_state and k not in
+                   (state.get("frozen") or {})]
+        unexpected = [k for k in model_state if k not in expected]
+        if missing or unexpected:
+            raise FrozenWeightsError(
+                f"the state does not fit this model: missing {missing[:5]}, unexpected "
+                f"{unexpected[:5]} ({len(missing)} and {len(unexpected)} keys)")
+        self.model.load_state_dict(model_state, strict=False)
+
+
+def _unique(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` without a second key for the same tensor (a tied embedding and head)."""
+    seen: dict[tuple, str] = {}
+    for name, t in tensors.items():
+        seen.setdefault((t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()), name)
+    return {name: tensors[name] for name in seen.values()}
+
+
+def _digests(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """{key: digest} of `tensors`, each tied tensor hashed once, on up to HASH_THREADS threads
+    (hashlib releases the interpreter lock while it hashes)."""
+    unique = _unique(tensors)
+    with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(unique)))) as pool:
+        done = dict(zip(unique, pool.map(digest, unique.values())))
+    ident = {(t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride()): n
+             for n, t in unique.items()}
+    return {n: done[ident[(t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())]]
+            for n, t in tensors.items()}

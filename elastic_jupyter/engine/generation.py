@@ -134,6 +134,8 @@ class Generation:
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker
+        if self.rank == 0:  # newcomers take the frozen weights their cell built: still ours?
+            w.frozen.verify()
         live = w.capture(copy_tensors=False) if self.rank == 0 else None  # read, never kept
         if live is not None:
             live["pending"] = w.pending  # a step whose evaluation a fault interrupted

@@ -96,22 +96,20 @@ def moved_bytes(transfers: Sequence[Transfer], row_bytes: Sequence[int]) -> int:
     return sum((t.end - t.start) * row_bytes[t.tensor] for t in transfers if t.src != t.dst)
 
 
-def reshard(shards: Sequence[torch.Tensor | None], rows: Sequence[int], layout: Layout,
+def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             group_rank: int) -> list[torch.Tensor | None]:
     """Carry out :func:`plan` on this rank (`group_rank` of the current process group, which
     holds every rank of `layout`); every rank calls it with the same `rows` and `layout`.
 
     `shards[i]`: this rank's old shard of tensor i (rows ``chunk_rows(rows[i], ...)`` of its
-    old rank, contiguous; None on a newcomer, whose shapes past dim 0 and dtypes come as
-    `shards` of zero-row tensors instead: see :func:`empty_like_rows`). Returns the new shards
-    (None on a leaver), each a new contiguous tensor on the old shard's device.
+    old rank, contiguous; on a newcomer a zero-row tensor of the same trailing shape and dtype,
+    :func:`empty_like_rows`). Returns the new shards (None on a leaver), each a new contiguous
+    tensor on the old shard's device.
     Raises :class:`~engine.collective.PeerFailure` when a peer fails mid-transfer.
     """
     old_rank, new_rank = layout.old[group_rank], layout.new[group_rank]
     out: list[torch.Tensor | None] = []
     for i, shard in enumerate(shards):
-        if shard is None:
-            raise ValueError(f"shard {i} is None: a newcomer passes a zero-row tensor")
         if new_rank is None:
             out.append(None)
             continue
@@ -126,17 +124,18 @@ def reshard(shards: Sequence[torch.Tensor | None], rows: Sequence[int], layout: 
             base = chunk_rows(rows[t.tensor], layout.old_size, old_rank)[0]
             piece = shards[t.tensor][t.start - base:t.end - base]  # a view: no copy
         if t.dst == group_rank:
-            assert new_rank is not None
+            new_shard = out[t.tensor]
+            assert new_rank is not None and new_shard is not None
             base = chunk_rows(rows[t.tensor], layout.new_size, new_rank)[0]
-            target = out[t.tensor][t.start - base:t.end - base]
+            target = new_shard[t.start - base:t.end - base]
         if t.src == t.dst:
             target.copy_(piece)
             continue
         with collective("resharding"):
-            if t.src == group_rank:
-                works.append(dist.isend(piece, t.dst, tag=k))
-            else:
-                works.append(dist.irecv(target, t.src, tag=k))
+            work = (dist.isend(piece, t.dst, tag=k) if t.src == group_rank
+                    else dist.irecv(target, t.src, tag=k))
+        if work is not None:  # None: this rank is not in the group (never here)
+            works.append(work)
     for work in works:
         with collective("resharding"):
             work.wait()

@@ -65,6 +65,12 @@ def _group_lrs(optimizer) -> dict:
     return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
 
 
+def _before_write(worker: Worker) -> None:
+    """Before each checkpoint write, on the writer's thread."""
+    fault_point("checkpoint", worker)
+    worker.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
+
+
 class Worker:
     """One engine's share of a run: the user's objects plus the run's progress.
 
@@ -75,6 +81,7 @@ class Worker:
             sends, ``RunConfig.as_dict()``).
         device: torch device string this engine trains on ("cpu" or "cuda").
         slot: the engine's slot (fault points match it against armed slots), None outside a pool.
+        frozen_digests: the frozen weights' digests, when taken before (engine.frozen).
     Raises SetupError when the objects or options cannot make a run.
     """
 
@@ -85,7 +92,7 @@ class Worker:
     after_step, extra_state = CellAttribute(), CellAttribute()  # extra: an EMA, {name: obj}
 
     def __init__(self, objects: dict, config: EngineConfig | Mapping[str, Any], device: str,
-                 slot: int | None = None):
+                 slot: int | None = None, frozen_digests: dict[str, str] | None = None):
         config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
         cell = CellObjects.of(objects, config.global_batch)
         self.config, self.slot = config, slot
@@ -96,7 +103,7 @@ class Worker:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
         self.model.to(self.device)
-        self.frozen = FrozenWeights(self.model, stay=not config.move_frozen)
+        self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
         for obj in self.extra_state.values():  # an EMA updates from the model where it is,
             # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
             if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
@@ -140,13 +147,9 @@ class Worker:
         self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
         if config.checkpoint_dir:
             self.writer = CheckpointWriter(config.checkpoint_dir, config.keep,
-                                           before_write=self._before_checkpoint_write)
+                                           before_write=lambda: _before_write(self))
 
     # state -------------------------------------------------------------------------------------
-
-    def _before_checkpoint_write(self) -> None:  # on the writer's thread
-        fault_point("checkpoint", self)
-        self.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
 
     def capture(self, copy_tensors: bool = True, staging: state_mod.Staging | None = None
                 ) -> dict:

@@ -1,0 +1,116 @@
+"""An FSDP2-sharded model and its AdamW state resized in memory (issue 36): over real gloo
+process groups, a float64 model with a BatchNorm buffer trains 2 steps at each world size of
+2 -> 3 -> 1 -> 2 (a newcomer, two leavers, another newcomer) and ends with the parameters of the
+same model trained at 2 throughout (rtol 1e-9). Each step's loss is weighted by the rank's
+share of the global batch and the reduce-scatter sums, as the engine weights micro-batches."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from elastic_jupyter.engine.reshard import Layout
+from elastic_jupyter.engine.sharding import ShardedModel, ShardingError, default_units
+from worlds import spawn
+
+B = 12  # the global batch: 6, 4 and 12 samples a rank at 2, 3 and 1
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(9, 9), nn.BatchNorm1d(9), nn.Tanh()) for _ in range(3)]
+    return nn.Sequential(nn.Sequential(*blocks), nn.Linear(9, 1)).double()
+
+
+def data():
+    g = torch.Generator().manual_seed(1)
+    return (torch.randn(8 * B, 9, generator=g, dtype=torch.float64),
+            torch.randn(8 * B, 1, generator=g, dtype=torch.float64))
+
+
+def train_step(model, optimizer, step: int, rank: int, world_size: int) -> None:
+    x, y = data()
+    n = B // world_size
+    lo = step * B + rank * n
+    model.eval()  # BatchNorm's running statistics as buffers, never updated: the same per rank
+    loss = ((model(x[lo:lo + n]) - y[lo:lo + n]) ** 2).sum() / B  # the rank's share of the mean
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def whole(model) -> dict:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in model.state_dict().items()}
+
+
+# world sizes by step pair, and the process group ranks each generation holds
+GENERATIONS = [(0, [0, 1]), (2, [0, 1, 2]), (4, [2]), (6, [2, 3])]
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(store, 4), rank=rank, world_size=4)
+    try:
+        groups = {tuple(members): dist.new_group(members) for _, members in GENERATIONS}
+        groups[(0, 1, 2, 3)] = dist.group.WORLD
+        if rank < 2:  # the reference: fixed at 2
+            mesh = DeviceMesh.from_group(groups[(0, 1)], "cpu")
+            sharded = ShardedModel(build())
+            model = sharded.shard(mesh, None)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+            for step in range(8):
+                train_step(model, optimizer, step, rank, 2)
+            fixed = whole(model)
+        cell = build()
+        optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)  # made before sharding
+        sharded = ShardedModel(cell)
+        held = []  # process group ranks holding the state
+        for first, members in GENERATIONS:
+            mesh = DeviceMesh.from_group(groups[tuple(members)], "cpu") \
+                if rank in members else None
+            if not held:
+                if rank in members:
+                    sharded.shard(mesh, optimizer)
+            else:  # every process resizes over the world group: old holders and newcomers
+                layout = Layout(tuple(held.index(g) if g in held else None for g in range(4)),
+                                tuple(members.index(g) if g in members else None
+                                      for g in range(4)))
+                sharded.reshard_to(mesh, layout, rank, optimizer, torch.device("cpu"))
+            held = members
+            if rank in members:
+                for step in (first, first + 1):
+                    train_step(sharded.module, optimizer, step, members.index(rank),
+                               len(members))
+            dist.barrier()
+        if rank == 0:
+            torch.save(fixed, f"{out}/fixed.pt")
+        if rank in held:
+            got = whole(sharded.module)
+            if rank == held[0]:
+                torch.save(got, f"{out}/resized.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_model_resized_2_3_1_2_in_memory_ends_as_one_fixed_at_2(tmp_path):
+    spawn(_rank, (str(tmp_path / "store"), str(tmp_path)), 4)
+    fixed = torch.load(tmp_path / "fixed.pt", weights_only=True)
+    resized = torch.load(tmp_path / "resized.pt", weights_only=True)
+    assert fixed.keys() == resized.keys()
+    for key, want in fixed.items():
+        assert torch.allclose(resized[key], want, rtol=1e-9, atol=0), key
+    assert not torch.equal(fixed["1.weight"], build().state_dict()["1.weight"])  # it trained
+
+
+def test_the_default_units_are_the_blocks_and_a_failing_shard_fn_says_what_to_do():
+    model = build()
+    assert default_units(model) == list(model[0])  # the list holding the bulk of parameters
+    assert default_units(nn.Linear(3, 3)) == []
+
+    def shard_fn(model, mesh):
+        raise RuntimeError("no such layer")
+    with pytest.raises(ShardingError, match="shard_fn.*raised RuntimeError: no such layer. Fix"):
+        ShardedModel(build(), shard_fn=shard_fn).shard(None, None)
+    with pytest.raises(ShardingError, match="FSDP2 could not shard.*train without --shard"):
+        ShardedModel(build()).shard(None, None)  # no mesh: no process group either
