@@ -9,7 +9,7 @@ changes, torchrun, Ray Train and DeepSpeed write a checkpoint and read it back a
 each other the rows whose owner changes, point to point, and every other row stays where it is.
 
 :func:`plan` says which rows go from which rank to which; :func:`reshard` carries the plan out
-with ``isend``/``irecv`` over the current process group. A rank holds at most its old shard and
+with batched ``isend``/``irecv`` over the current process group. A rank holds at most its old shard and
 its new shard at once: rows travel from views of the old shard into views of the new one,
 without a staging copy. The group must hold every rank of both layouts (leavers hand their rows
 over before they go: a shrink is a drain).
@@ -19,7 +19,7 @@ This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,34 +39,45 @@ def chunk_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
 class Layout:
     """Who holds what, by rank of the process group that reshards: ``old[g]`` is group rank
     ``g``'s rank in the layout it leaves (None: a newcomer), ``new[g]`` its rank in the layout
-    it joins (None: a leaver). Raises ValueError unless each layout's ranks are 0..W-1 once."""
+    it joins (None: a leaver). ``copies[g]`` names old ranks that are gone whose rows group rank
+    ``g`` holds a copy of (a partner's replica: engine.replicas). Raises ValueError unless the
+    old ranks, own and copied, are 0..W-1 once each, and so are the new ones."""
 
     old: tuple[int | None, ...]
     new: tuple[int | None, ...]
+    copies: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self):
-        if len(self.old) != len(self.new):
-            raise ValueError("old and new must name every rank of the group")
-        for name, ranks in (("old", self.old), ("new", self.new)):
-            held = sorted(r for r in ranks if r is not None)
-            if held != list(range(len(held))) or not held:
-                raise ValueError(f"the {name} layout's ranks must be 0..W-1, each once: {ranks}")
+        if len(self.old) != len(self.new) or (self.copies and len(self.copies) != len(self.old)):
+            raise ValueError("old, new (and copies) must name every rank of the group")
+        held = [r for r in self.old if r is not None] + [r for c in self.copies for r in c]
+        for name, ranks in (("old", held), ("new", [r for r in self.new if r is not None])):
+            if sorted(ranks) != list(range(len(ranks))) or not ranks:
+                raise ValueError(f"the {name} layout's ranks must be 0..W-1, each held once: "
+                                 f"{self.old if name == 'old' else self.new}")
 
     @property
     def old_size(self) -> int:
-        return sum(r is not None for r in self.old)
+        return sum(r is not None for r in self.old) + sum(len(c) for c in self.copies)
 
     @property
     def new_size(self) -> int:
         return sum(r is not None for r in self.new)
 
+    def holder(self, old_rank: int) -> int:
+        """The group rank that holds old rank `old_rank`'s rows (its own, or a copy)."""
+        if old_rank in self.old:
+            return self.old.index(old_rank)
+        return next(g for g, held in enumerate(self.copies) if old_rank in held)
+
 
 @dataclass(frozen=True)
 class Transfer:
-    """Rows ``[start, end)`` of sharded tensor ``tensor`` go from group rank ``src`` to ``dst``
-    (``src == dst``: a copy within the rank, from its old shard into its new one)."""
+    """Rows ``[start, end)`` of sharded tensor ``tensor``, old rank ``old_rank``'s, go from
+    group rank ``src`` to ``dst`` (``src == dst``: a copy within the rank)."""
 
     tensor: int
+    old_rank: int
     src: int
     dst: int
     start: int
@@ -77,7 +88,6 @@ def plan(rows: Sequence[int], layout: Layout) -> list[Transfer]:
     """Every piece of rows that some rank of the new layout needs, and where it comes from,
     for sharded tensors of `rows[i]` rows each (the same list on every rank); ordered by
     tensor, then row (the order every rank posts its sends and receives in)."""
-    holders = {r: g for g, r in enumerate(layout.old) if r is not None}
     takers = {r: g for g, r in enumerate(layout.new) if r is not None}
     out = []
     for i, n in enumerate(rows):
@@ -87,7 +97,8 @@ def plan(rows: Sequence[int], layout: Layout) -> list[Transfer]:
             for old_rank, (a, b) in enumerate(old):
                 lo, hi = max(a, start), min(b, end)
                 if lo < hi:
-                    out.append(Transfer(i, holders[old_rank], takers[new_rank], lo, hi))
+                    out.append(Transfer(i, old_rank, layout.holder(old_rank),
+                                        takers[new_rank], lo, hi))
     return out
 
 
@@ -97,14 +108,16 @@ def moved_bytes(transfers: Sequence[Transfer], row_bytes: Sequence[int]) -> int:
 
 
 def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
-            group_rank: int) -> list[torch.Tensor | None]:
+            group_rank: int, copies: Mapping[int, Sequence[torch.Tensor]] | None = None
+            ) -> list[torch.Tensor | None]:
     """Carry out :func:`plan` on this rank (`group_rank` of the current process group, which
     holds every rank of `layout`); every rank calls it with the same `rows` and `layout`.
 
     `shards[i]`: this rank's old shard of tensor i (rows ``chunk_rows(rows[i], ...)`` of its
     old rank, contiguous; on a newcomer a zero-row tensor of the same trailing shape and dtype,
-    :func:`empty_like_rows`). Returns the new shards (None on a leaver), each a new contiguous
-    tensor on the old shard's device.
+    :func:`empty_like_rows`). `copies`: {old rank: its shards} for the old ranks this rank
+    holds copies of (``layout.copies``). Returns the new shards (None on a leaver), each a new
+    contiguous tensor on the old shard's device.
     Raises :class:`~engine.collective.PeerFailure` when a peer fails mid-transfer.
     """
     old_rank, new_rank = layout.old[group_rank], layout.new[group_rank]
@@ -115,14 +128,14 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             continue
         start, end = chunk_rows(rows[i], layout.new_size, new_rank)
         out.append(shard.new_empty((end - start, *shard.shape[1:])).contiguous())
-    works = []
-    for k, t in enumerate(plan(rows, layout)):
+    ops = []  # posted by every rank in the plan's order: each pair's messages match in order
+    for t in plan(rows, layout):
         if group_rank not in (t.src, t.dst):
             continue
         if t.src == group_rank:
-            assert old_rank is not None
-            base = chunk_rows(rows[t.tensor], layout.old_size, old_rank)[0]
-            piece = shards[t.tensor][t.start - base:t.end - base]  # a view: no copy
+            source = shards if t.old_rank == old_rank else (copies or {})[t.old_rank]
+            base = chunk_rows(rows[t.tensor], layout.old_size, t.old_rank)[0]
+            piece = source[t.tensor][t.start - base:t.end - base]  # a view: no copy
         if t.dst == group_rank:
             new_shard = out[t.tensor]
             assert new_rank is not None and new_shard is not None
@@ -130,14 +143,12 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             target = new_shard[t.start - base:t.end - base]
         if t.src == t.dst:
             target.copy_(piece)
-            continue
-        with collective("resharding"):
-            work = (dist.isend(piece, t.dst, tag=k) if t.src == group_rank
-                    else dist.irecv(target, t.src, tag=k))
-        if work is not None:  # None: this rank is not in the group (never here)
-            works.append(work)
-    for work in works:
-        with collective("resharding"):
+        elif t.src == group_rank:
+            ops.append(dist.P2POp(dist.isend, piece, t.dst))
+        else:
+            ops.append(dist.P2POp(dist.irecv, target, t.src))
+    with collective("resharding"):  # nccl and gloo alike: one batch of point-to-point ops
+        for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
     return out
 

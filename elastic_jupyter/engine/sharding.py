@@ -21,6 +21,7 @@ one's. This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -123,40 +124,53 @@ class ShardedModel:
             self._repoint(optimizer, dict(self.module.named_parameters()), [], [], mesh, {})
         return self.module
 
-    def local_state(self, optimizer: torch.optim.Optimizer | None, state_keys: Sequence[str]
-                    ) -> list[torch.Tensor]:
-        """This rank's rows of every parameter, then of each of the optimizer's sharded
-        per-parameter tensors named `state_keys` (AdamW's ``exp_avg``, ``exp_avg_sq``), in
-        :attr:`names` order; zero-row tensors on a rank that holds none (a newcomer, from the
-        skeleton's shapes and dtypes)."""
+    def snapshot(self, optimizer: torch.optim.Optimizer | None) -> Snapshot:
+        """This rank's part of the training state as it stands (views: no copies): its rows
+        of every parameter and of the optimizer's sharded per-parameter tensors (DTensors:
+        AdamW's moments), the optimizer's other per-parameter values (a step counter) and the
+        buffers; a rank without a module yet (a newcomer) holds zero-row tensors."""
         if self.module is None:
-            return [self._empty(n) for n in self.names] * (1 + len(state_keys))
+            return Snapshot([self._empty(n) for n in self.names], [], {}, {})
         params = dict(self.module.named_parameters())
-        out = [_local(params[n]) for n in self.names]
-        for key in state_keys:
-            out += [_local(optimizer.state[params[n]][key]) for n in self.names]  # type: ignore
-        return out
+        keys: list[str] = []
+        replicated: dict = {}
+        for n in self.names:
+            held = optimizer.state.get(params[n], {}) if optimizer is not None else {}
+            keys += [k for k, v in held.items() if isinstance(v, DTensor) and k not in keys]
+            replicated[n] = {k: v for k, v in held.items() if not isinstance(v, DTensor)}
+        tensors = [_local(params[n]) for n in self.names]
+        for key in keys:
+            tensors += [_local(optimizer.state[params[n]][key]) for n in self.names]  # type: ignore
+        return Snapshot(tensors, keys, replicated, dict(self.module.named_buffers()))
 
     def _empty(self, name: str) -> torch.Tensor:
         p = dict(self.skeleton.named_parameters())[name]
         return torch.empty((0, *p.shape[1:]), dtype=p.dtype)
 
-    def rows(self, state_keys: Sequence[str]) -> list[int]:
-        """Dim-0 sizes of :meth:`local_state`'s tensors (the same on every rank)."""
-        return [self.shapes[n][0] for n in self.names] * (1 + len(state_keys))
+    def rows(self, keys: Sequence[str]) -> list[int]:
+        """Dim-0 sizes of a snapshot's tensors with optimizer `keys` (the same on every
+        rank)."""
+        return [self.shapes[n][0] for n in self.names] * (1 + len(keys))
 
     def reshard_to(self, mesh: DeviceMesh | None, layout: Layout, group_rank: int,
-                   optimizer: torch.optim.Optimizer | None, device: torch.device
+                   optimizer: torch.optim.Optimizer | None, device: torch.device,
+                   held: Snapshot | None = None,
+                   copies: dict[int, list[torch.Tensor]] | None = None
                    ) -> nn.Module | None:
         """Move to the layout's new world size over the current process group; every rank of
         both layouts calls it (`mesh`: the new layout's, None on a leaver). Rows whose owner
         changes travel (engine.reshard); the module is built again from the skeleton and
-        sharded over `mesh`; `optimizer` is pointed at its parameters, with its sharded
-        per-parameter tensors (DTensors: AdamW's moments) resharded too and its other values
-        (a step counter) as old rank 0 holds them. Returns the new module (None on a leaver,
-        which holds no rows any more)."""
-        keys, replicated, buffers = self._replicated(optimizer, layout, group_rank)
-        shards = reshard(self.local_state(optimizer, keys), self.rows(keys), layout, group_rank)
+        sharded over `mesh`; `optimizer` is pointed at its parameters, with its moments
+        resharded too and its other values (a step counter) and the buffers as old rank 0's
+        holder has them. `held`: this rank's part to start from (default: :meth:`snapshot`,
+        the state as it stands; engine.replicas gives an older one after a fault), `copies`:
+        {old rank: tensors} of lost ranks this rank holds (``layout.copies``). Returns the
+        new module (None on a leaver, which holds no rows any more)."""
+        held = held if held is not None else self.snapshot(optimizer)
+        keys, replicated, buffers = _from_holder(held, layout, group_rank)
+        if self.module is None and layout.old[group_rank] is None:  # a newcomer's shapes
+            held = Snapshot(held.tensors * (1 + len(keys)), keys, replicated, buffers)
+        shards = reshard(held.tensors, self.rows(keys), layout, group_rank, copies)
         if layout.new[group_rank] is None or mesh is None:
             self.module = None
             return None
@@ -174,29 +188,6 @@ class ShardedModel:
             self._repoint(optimizer, params, shards[len(self.names):], keys, mesh, replicated)
         self.module = module
         return module
-
-    def _replicated(self, optimizer, layout: Layout, group_rank: int
-                    ) -> tuple[list[str], dict, dict]:
-        """(the optimizer's sharded per-parameter keys, {name: its other per-parameter
-        values}, {name: buffer}) as the rank of old rank 0 holds them: every rank gets them
-        (buffers and a step counter are small, and the same on every rank)."""
-        box: list = [None]
-        if layout.old[group_rank] == 0:
-            keys: list[str] = []
-            replicated: dict = {}
-            buffers = {n: b.cpu() for n, b in self.module.named_buffers()} \
-                if self.module is not None else {}
-            if optimizer is not None and self.module is not None:
-                params = dict(self.module.named_parameters())
-                for n in self.names:
-                    held = optimizer.state.get(params[n], {})
-                    keys += [k for k, v in held.items() if isinstance(v, DTensor)
-                             and k not in keys]
-                    replicated[n] = {k: v for k, v in held.items() if not isinstance(v, DTensor)}
-            box[0] = (keys, replicated, buffers)
-        with collective("resharding"):
-            dist.broadcast_object_list(box, src=layout.old.index(0))
-        return box[0]
 
     def _repoint(self, optimizer, params: dict, moments: list, state_keys, mesh,
                  replicated: dict) -> None:
@@ -217,6 +208,30 @@ class ShardedModel:
             if kept:
                 optimizer.state[p] = kept
         self._held = {id(p): n for n, p in params.items()}
+
+
+@dataclass
+class Snapshot:
+    """A rank's part of a sharded training state: `tensors`, its rows of every parameter then
+    of each optimizer key in `keys` (in the model's parameter order); `replicated`, {name:
+    the optimizer's other per-parameter values}; `buffers`, {name: buffer} (whole)."""
+
+    tensors: list[torch.Tensor]
+    keys: list[str]
+    replicated: dict
+    buffers: dict
+
+
+def _from_holder(held: Snapshot, layout: Layout, group_rank: int) -> tuple[list, dict, dict]:
+    """(optimizer keys, replicated values, buffers on the CPU) as the holder of old rank 0
+    has them: every rank gets them (a step counter and buffers are small, and the same on
+    every rank)."""
+    box: list = [None]
+    if layout.holder(0) == group_rank:
+        box[0] = (held.keys, held.replicated, {n: b.cpu() for n, b in held.buffers.items()})
+    with collective("resharding"):
+        dist.broadcast_object_list(box, src=layout.holder(0))
+    return box[0]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
