@@ -108,16 +108,18 @@ def moved_bytes(transfers: Sequence[Transfer], row_bytes: Sequence[int]) -> int:
 
 
 def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
-            group_rank: int, copies: Mapping[int, Sequence[torch.Tensor]] | None = None
-            ) -> list[torch.Tensor | None]:
+            group_rank: int, copies: Mapping[int, Sequence[torch.Tensor]] | None = None,
+            into: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor | None]:
     """Carry out :func:`plan` on this rank (`group_rank` of the current process group, which
     holds every rank of `layout`); every rank calls it with the same `rows` and `layout`.
 
     `shards[i]`: this rank's old shard of tensor i (rows ``chunk_rows(rows[i], ...)`` of its
     old rank, contiguous; on a newcomer a zero-row tensor of the same trailing shape and dtype,
     :func:`empty_like_rows`). `copies`: {old rank: its shards} for the old ranks this rank
-    holds copies of (``layout.copies``). Returns the new shards (None on a leaver), each a new
-    contiguous tensor on the old shard's device.
+    holds copies of (``layout.copies``). `into[i]`, where given: the contiguous tensor of the
+    new shard's shape that tensor i's new rows land in (a rebuilt module's parameter: no copy
+    after). Returns the new shards (None on a leaver): `into`'s, else new contiguous tensors
+    on the old shard's device.
     Raises :class:`~engine.collective.PeerFailure` when a peer fails mid-transfer.
     """
     old_rank, new_rank = layout.old[group_rank], layout.new[group_rank]
@@ -127,7 +129,11 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             out.append(None)
             continue
         start, end = chunk_rows(rows[i], layout.new_size, new_rank)
-        out.append(shard.new_empty((end - start, *shard.shape[1:])).contiguous())
+        given = into[i] if into is not None else None
+        if given is not None and (given.shape[0] != end - start or not given.is_contiguous()):
+            raise ValueError(f"into[{i}] must be contiguous with {end - start} rows")
+        out.append(given if given is not None
+                   else shard.new_empty((end - start, *shard.shape[1:])).contiguous())
     ops = []  # posted by every rank in the plan's order: each pair's messages match in order
     for t in plan(rows, layout):
         if group_rank not in (t.src, t.dst):

@@ -108,9 +108,10 @@ class ShardedModel:
             raise ShardingError(f"FSDP2 could not shard the model: {type(e).__name__}: {e}. "
                                 "Define shard_fn(model, mesh) in the cell to choose the "
                                 "submodules, or train without --shard") from e
-        for unit in module.modules():  # each unit's reduce-scatter sums
-            if isinstance(unit, FSDPModule):
+        for unit in module.modules():  # each unit's reduce-scatter sums, as ReduceOp.SUM
+            if isinstance(unit, FSDPModule):  # (gloo has no PREMUL_SUM; nccl's is no faster)
                 unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)
         return module
 
     def shard(self, mesh: DeviceMesh, optimizer: torch.optim.Optimizer | None) -> nn.Module:
@@ -170,8 +171,8 @@ class ShardedModel:
         keys, replicated, buffers = _from_holder(held, layout, group_rank)
         if self.module is None and layout.old[group_rank] is None:  # a newcomer's shapes
             held = Snapshot(held.tensors * (1 + len(keys)), keys, replicated, buffers)
-        shards = reshard(held.tensors, self.rows(keys), layout, group_rank, copies)
-        if layout.new[group_rank] is None or mesh is None:
+        if layout.new[group_rank] is None or mesh is None:  # a leaver: hands its rows over
+            reshard(held.tensors, self.rows(keys), layout, group_rank, copies)
             self.module = None
             return None
         module = copy.deepcopy(self.skeleton)
@@ -180,10 +181,10 @@ class ShardedModel:
         for name, buffer in buffers.items():  # whole on every rank: old rank 0's
             _set_buffer(module, name, buffer.to(device))
         params = dict(module.named_parameters())
-        with torch.no_grad():
-            for n, shard in zip(self.names, shards):
-                assert shard is not None  # a rank of the new layout gets every shard
-                _local(params[n]).copy_(shard)
+        # the parameters' rows land in the new module's own storage
+        into: list[torch.Tensor | None] = [_local(params[n]).detach() for n in self.names]
+        into += [None] * (len(keys) * len(self.names))
+        shards = reshard(held.tensors, self.rows(keys), layout, group_rank, copies, into)
         if optimizer is not None:
             self._repoint(optimizer, params, shards[len(self.names):], keys, mesh, replicated)
         self.module = module
