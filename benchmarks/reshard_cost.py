@@ -74,19 +74,19 @@ def _resize(rank: int, size: str, case: str, folder: str) -> None:
         sharded.shard(mesh_of[tuple(old_members)], optimizer)
         out["step_s"] = one_step(sharded.module, optimizer)
         part = sharded.snapshot(optimizer)
-        out["structure"] = len(pickle.dumps((part.keys, part.replicated, part.buffers)))
+        out["structure"] = len(pickle.dumps((list(part.parts), part.replicated, part.buffers)))
         replicas = PartnerReplicas()
         group = groups.get(tuple(old_members))
         if group is None:  # the refresh runs on the default group: all three old ranks
             dist.barrier()
             start = time.perf_counter()
-            out["replica_bytes"] = replicas.refresh(1, part, sharded.rows(part.keys), rank, 3)
+            out["replica_bytes"] = replicas.refresh(
+                1, part, {n: s[0] for n, s in sharded.shapes.items()}, rank, 3)
             out["replica_s"] = time.perf_counter() - start
     del cell
     layout = Layout(tuple(old_members.index(g) if g in old_members else None for g in range(3)),
                     tuple(new_members.index(g) if g in new_members else None for g in range(3)))
-    keys = ["exp_avg", "exp_avg_sq"]
-    rows = sharded.rows(keys)
+    rows = [sharded.shapes[n][0] for n in sharded.names] * 3  # parameters, AdamW's 2 moments
     dist.barrier()
     start = time.perf_counter()
     sharded.reshard_to(mesh_of[tuple(new_members)], layout, rank, optimizer, torch.device("cpu"))

@@ -1,5 +1,5 @@
 """An FSDP2-sharded model and its AdamW state resized in memory (issue 36): over real gloo
-process groups, a float64 model with a BatchNorm buffer trains 2 steps at each world size of
+process groups, a float64 model with a BatchNorm buffer and a frozen layer trains 2 steps at each world size of
 2 -> 3 -> 1 -> 2 (a newcomer, two leavers, another newcomer) and ends with the parameters of the
 same model trained at 2 throughout (rtol 1e-9). Each step's loss is weighted by the rank's
 share of the global batch and the reduce-scatter sums, as the engine weights micro-batches."""
@@ -20,6 +20,7 @@ B = 12  # the global batch: 6, 4 and 12 samples a rank at 2, 3 and 1
 def build() -> nn.Module:
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(9, 9), nn.BatchNorm1d(9), nn.Tanh()) for _ in range(3)]
+    blocks[0][0].weight.requires_grad_(False)  # frozen: no optimizer state of its own
     return nn.Sequential(nn.Sequential(*blocks), nn.Linear(9, 1)).double()
 
 

@@ -36,7 +36,7 @@ class PartnerReplicas:
         step: the step they hold (None before the first refresh).
         world_size, rank: the layout they were taken in.
         own: this rank's part (a Snapshot of host tensors).
-        partner: rank ``(rank - 1) mod world_size``'s tensors (host), None at W = 1.
+        partner: rank ``(rank - 1) mod world_size``'s parts (host), None at W = 1.
     """
 
     def __init__(self):
@@ -44,50 +44,50 @@ class PartnerReplicas:
         self.world_size = 0
         self.rank = 0
         self.own: Snapshot | None = None
-        self.partner: list[torch.Tensor] | None = None
+        self.partner: dict[tuple[str, str | None], torch.Tensor] | None = None
 
-    def refresh(self, step: int, part: Snapshot, rows: Sequence[int], rank: int,
+    def refresh(self, step: int, part: Snapshot, rows: dict[str, int], rank: int,
                 world_size: int) -> int:
         """Every rank of the generation, at committed step `step`: copy `part` (this rank's
-        Snapshot; `rows`: its tensors' dim-0 sizes, engine.sharding's ``rows``) to host
+        Snapshot; `rows`: each parameter's dim-0 size, engine.sharding's ``shapes``) to host
         memory, send it to ``(rank + 1) mod W`` and take ``(rank - 1) mod W``'s. A fault
         during the exchange leaves the previous copies (a rank uses the new ones only once
         both are complete). Returns the bytes this rank sent. Raises PeerFailure."""
         # new host copies, not the last ones overwritten: those stay usable until these are
-        own = Snapshot([t.detach().to("cpu", copy=True) for t in part.tensors],
-                       list(part.keys), copy.deepcopy(part.replicated),
+        own = Snapshot({e: t.detach().to("cpu", copy=True) for e, t in part.parts.items()},
+                       copy.deepcopy(part.replicated),
                        {n: b.detach().to("cpu", copy=True) for n, b in part.buffers.items()})
         partner = None
         sent = 0
         if world_size > 1:
             source, target = (rank - 1) % world_size, (rank + 1) % world_size
-            partner = [t.new_empty((_rows(n, world_size, source), *t.shape[1:]))
-                       for n, t in zip(rows, own.tensors)]
+            partner = {e: t.new_empty((_rows(rows[e[0]], world_size, source), *t.shape[1:]))
+                       for e, t in own.parts.items()}
             # nccl sends device memory only: the part itself goes, the partner's arrives on
             # the device and is copied to the host after (gloo sends host copies as they are)
             nccl = dist.get_backend() == "nccl"
-            landing = [torch.empty_like(p, device=t.device) if nccl else p
-                       for p, t in zip(partner, part.tensors)]
+            landing = {e: torch.empty_like(p, device=part.parts[e].device) if nccl else p
+                       for e, p in partner.items()}
             ops = []
-            for mine, device_part, theirs in zip(own.tensors, part.tensors, landing):
+            for e, mine in own.parts.items():  # the same order on every rank
                 if mine.numel():
-                    ops.append(dist.P2POp(dist.isend, device_part if nccl else mine, target))
+                    ops.append(dist.P2POp(dist.isend, part.parts[e] if nccl else mine, target))
                     sent += mine.numel() * mine.element_size()
-                if theirs.numel():
-                    ops.append(dist.P2POp(dist.irecv, theirs, source))
+                if landing[e].numel():
+                    ops.append(dist.P2POp(dist.irecv, landing[e], source))
             with collective("replica refresh"):
                 for work in dist.batch_isend_irecv(ops) if ops else []:
                     work.wait()
             if nccl:
-                for p, arrived in zip(partner, landing):
-                    p.copy_(arrived)
+                for e, p in partner.items():
+                    p.copy_(landing[e])
         self.own, self.partner = own, partner
         self.step, self.rank, self.world_size = step, rank, world_size
         return sent
 
-    def recovery(self, lost: set[int]) -> tuple[tuple[int, ...], dict[int, list]] | None:
+    def recovery(self, lost: set[int]) -> tuple[tuple[int, ...], dict[int, dict]] | None:
         """After ranks `lost` (of the replicas' layout) died: (the old ranks whose rows this
-        rank holds copies of, {old rank: their tensors}), or None when some lost rank's copy
+        rank holds copies of, {old rank: their parts}), or None when some lost rank's copy
         is lost too (its partner died with it, or W = 1): then no survivor can recover."""
         if self.step is None or any((r + 1) % self.world_size in lost for r in lost) \
                 or self.world_size == 1:

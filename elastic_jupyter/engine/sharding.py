@@ -21,6 +21,7 @@ one's. This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 import copy
+import gc
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -32,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .collective import collective
-from .reshard import Layout, reshard
+from .reshard import Layout, chunk_rows, reshard
 
 BULK = 0.5  # the share of the parameters a module list must hold for its children to be units
 
@@ -88,8 +89,8 @@ class ShardedModel:
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
         self.module: nn.Module | None = None
         self._cell_model: nn.Module | None = model  # sharded in place by the first shard()
-        # the parameters the optimizer holds now, by id: the cell's until its first mesh
-        self._held = {id(p): n for n, p in model.named_parameters()}
+        # the cell's parameters by id: what its optimizer holds until the first mesh
+        self._cell_ids = {id(p): n for n, p in model.named_parameters()}
 
     def _wrap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.shard_fn is not None:
@@ -122,41 +123,36 @@ class ShardedModel:
             raise RuntimeError("the cell's model is sharded already: use reshard_to")
         self.module, self._cell_model = self._wrap(self._cell_model, mesh), None
         if optimizer is not None:
-            self._repoint(optimizer, dict(self.module.named_parameters()), [], [], mesh, {})
+            self._repoint(optimizer, self._cell_ids, dict(self.module.named_parameters()), {},
+                          mesh, {})
         return self.module
 
     def snapshot(self, optimizer: torch.optim.Optimizer | None) -> Snapshot:
         """This rank's part of the training state as it stands (views: no copies): its rows
         of every parameter and of the optimizer's sharded per-parameter tensors (DTensors:
-        AdamW's moments), the optimizer's other per-parameter values (a step counter) and the
-        buffers; a rank without a module yet (a newcomer) holds zero-row tensors."""
+        AdamW's moments; parameters without optimizer state have none), the optimizer's other
+        per-parameter values (a step counter) and the buffers. A rank without a module yet (a
+        newcomer) holds nothing. Raises ShardingError for a layout other than dim-0 shards
+        on a 1-D mesh (a shard_fn's Shard(1), a 2-D mesh)."""
         if self.module is None:
-            return Snapshot([self._empty(n) for n in self.names], [], {}, {})
+            return Snapshot({}, {}, {})
         params = dict(self.module.named_parameters())
-        keys: list[str] = []
+        parts: dict[tuple[str, str | None], torch.Tensor] = {}
         replicated: dict = {}
         for n in self.names:
+            parts[n, None] = _dim0_local(params[n], n, params[n])
+        for n in self.names:
             held = optimizer.state.get(params[n], {}) if optimizer is not None else {}
-            keys += [k for k, v in held.items() if isinstance(v, DTensor) and k not in keys]
+            for key, value in held.items():
+                if isinstance(value, DTensor):
+                    parts[n, key] = _dim0_local(value, f"{n} ({key})", params[n])
             replicated[n] = {k: v for k, v in held.items() if not isinstance(v, DTensor)}
-        tensors = [_local(params[n]) for n in self.names]
-        for key in keys:
-            tensors += [_local(optimizer.state[params[n]][key]) for n in self.names]  # type: ignore
-        return Snapshot(tensors, keys, replicated, dict(self.module.named_buffers()))
-
-    def _empty(self, name: str) -> torch.Tensor:
-        p = dict(self.skeleton.named_parameters())[name]
-        return torch.empty((0, *p.shape[1:]), dtype=p.dtype)
-
-    def rows(self, keys: Sequence[str]) -> list[int]:
-        """Dim-0 sizes of a snapshot's tensors with optimizer `keys` (the same on every
-        rank)."""
-        return [self.shapes[n][0] for n in self.names] * (1 + len(keys))
+        return Snapshot(parts, replicated, dict(self.module.named_buffers()))
 
     def reshard_to(self, mesh: DeviceMesh | None, layout: Layout, group_rank: int,
                    optimizer: torch.optim.Optimizer | None, device: torch.device,
                    held: Snapshot | None = None,
-                   copies: dict[int, list[torch.Tensor]] | None = None
+                   copies: dict[int, dict[tuple[str, str | None], torch.Tensor]] | None = None
                    ) -> nn.Module | None:
         """Move to the layout's new world size over the current process group; every rank of
         both layouts calls it (`mesh`: the new layout's, None on a leaver). Rows whose owner
@@ -165,15 +161,30 @@ class ShardedModel:
         resharded too and its other values (a step counter) and the buffers as old rank 0's
         holder has them. `held`: this rank's part to start from (default: :meth:`snapshot`,
         the state as it stands; engine.replicas gives an older one after a fault), `copies`:
-        {old rank: tensors} of lost ranks this rank holds (``layout.copies``). Returns the
-        new module (None on a leaver, which holds no rows any more)."""
+        {old rank: parts} of lost ranks this rank holds (``layout.copies``). With nccl, parts
+        held on the host are moved to `device` first. Returns the new module (None on a
+        leaver, which holds no rows any more). Raises ShardingError, or PeerFailure."""
+        leaving = layout.new[group_rank] is None
+        if leaving != (mesh is None):
+            raise ValueError("a rank of the new layout needs its mesh; a leaver has none")
         held = held if held is not None else self.snapshot(optimizer)
-        keys, replicated, buffers = _from_holder(held, layout, group_rank)
-        if self.module is None and layout.old[group_rank] is None:  # a newcomer's shapes
-            held = Snapshot(held.tensors * (1 + len(keys)), keys, replicated, buffers)
-        if layout.new[group_rank] is None or mesh is None:  # a leaver: hands its rows over
-            reshard(held.tensors, self.rows(keys), layout, group_rank, copies)
-            self.module = None
+        entries, dtypes, replicated, buffers = _from_holder(held, layout, group_rank)
+        rows = [self.shapes[n][0] for n, _ in entries]
+        on = device if dist.get_backend() == "nccl" else None  # nccl sends device memory
+
+        def listed(parts: dict) -> list[torch.Tensor]:
+            return [_moved(parts[e], on) if e in parts else torch.empty(
+                (0, *self.shapes[e[0]][1:]), dtype=dtypes[i], device=device)
+                for i, e in enumerate(entries)]
+        sources, copied = listed(held.parts), {r: listed(c) for r, c in (copies or {}).items()}
+        old_ids = ({id(p): n for n, p in self.module.named_parameters()}
+                   if self.module is not None else self._cell_ids)
+        if leaving or mesh is None:  # hands its rows over, then holds nothing of the run
+            reshard(sources, rows, layout, group_rank, copied)
+            self.module = self._cell_model = None
+            if optimizer is not None:
+                optimizer.state.clear()
+            gc.collect()  # FSDP's modules and hooks hold each other: free the shards now
             return None
         module = copy.deepcopy(self.skeleton)
         self._wrap(module, mesh)
@@ -181,58 +192,88 @@ class ShardedModel:
         for name, buffer in buffers.items():  # whole on every rank: old rank 0's
             _set_buffer(module, name, buffer.to(device))
         params = dict(module.named_parameters())
-        # the parameters' rows land in the new module's own storage
-        into: list[torch.Tensor | None] = [_local(params[n]).detach() for n in self.names]
-        into += [None] * (len(keys) * len(self.names))
-        shards = reshard(held.tensors, self.rows(keys), layout, group_rank, copies, into)
+        # the rows land in the new module's own storage, and the moments on the device
+        into = [_local(params[n]).detach() if key is None else torch.empty(
+            (_new_rows(rows[i], layout, group_rank), *self.shapes[n][1:]), dtype=dtypes[i],
+            device=device) for i, (n, key) in enumerate(entries)]
+        shards = reshard(sources, rows, layout, group_rank, copied, into)
         if optimizer is not None:
-            self._repoint(optimizer, params, shards[len(self.names):], keys, mesh, replicated)
-        self.module = module
+            moments = {e: t for e, t in zip(entries, shards) if e[1] is not None}
+            self._repoint(optimizer, old_ids, params, moments, mesh, replicated)
+        self.module, self._cell_model = module, None
+        gc.collect()  # the old module's shards: FSDP's modules and hooks hold each other
         return module
 
-    def _repoint(self, optimizer, params: dict, moments: list, state_keys, mesh,
+    def _repoint(self, optimizer, old_ids: dict[int, str], params: dict, moments: dict, mesh,
                  replicated: dict) -> None:
-        """Point `optimizer` at `params` (by name); its state becomes `replicated`'s values
-        and the `moments` as DTensors on `mesh`."""
+        """Point `optimizer` (its parameters: `old_ids`, {id: name}) at `params` by name; its
+        state becomes `replicated`'s values and the `moments` ({(name, key): local rows}) as
+        DTensors on `mesh`. Raises ShardingError for a parameter the model does not hold."""
         for group in optimizer.param_groups:
-            group["params"] = [params[self._held[id(p)]] if id(p) in self._held else p
-                               for p in group["params"]]
-        k = len(self.names)
+            unknown = [p for p in group["params"] if id(p) not in old_ids]
+            if unknown:
+                raise ShardingError(f"the optimizer holds {len(unknown)} tensor(s) that are not "
+                                    "the model's parameters: under --shard it must optimize "
+                                    "model parameters only")
+            group["params"] = [params[old_ids[id(p)]] for p in group["params"]]
         optimizer.state.clear()
-        for i, n in enumerate(self.names):
-            p = params[n]
+        for n, p in params.items():
             kept = dict(replicated.get(n, {}))
-            for j, key in enumerate(state_keys):
-                kept[key] = DTensor.from_local(moments[j * k + i], mesh, [Shard(0)],
-                                               run_check=False, shape=p.shape,
-                                               stride=p.stride())
+            for (name, key), rows in moments.items():
+                if name == n:
+                    kept[key] = DTensor.from_local(rows, mesh, [Shard(0)], run_check=False,
+                                                   shape=p.shape, stride=p.stride())
             if kept:
                 optimizer.state[p] = kept
-        self._held = {id(p): n for n, p in params.items()}
 
 
 @dataclass
 class Snapshot:
-    """A rank's part of a sharded training state: `tensors`, its rows of every parameter then
-    of each optimizer key in `keys` (in the model's parameter order); `replicated`, {name:
-    the optimizer's other per-parameter values}; `buffers`, {name: buffer} (whole)."""
+    """A rank's part of a sharded training state: `parts`, {(parameter name, None or an
+    optimizer key): its rows}; `replicated`, {name: the optimizer's other per-parameter
+    values}; `buffers`, {name: buffer} (whole)."""
 
-    tensors: list[torch.Tensor]
-    keys: list[str]
+    parts: dict[tuple[str, str | None], torch.Tensor]
     replicated: dict
     buffers: dict
 
 
-def _from_holder(held: Snapshot, layout: Layout, group_rank: int) -> tuple[list, dict, dict]:
-    """(optimizer keys, replicated values, buffers on the CPU) as the holder of old rank 0
-    has them: every rank gets them (a step counter and buffers are small, and the same on
-    every rank)."""
+def _from_holder(held: Snapshot, layout: Layout, group_rank: int
+                 ) -> tuple[list, list[torch.dtype], dict, dict]:
+    """(the parts' names, their dtypes, the replicated values, the buffers on the CPU) as the
+    holder of old rank 0 has them: every rank gets them (a step counter and buffers are
+    small, and the same on every rank). Copies: the state built from them must not share
+    tensors with `held` (a replica stays as it was for the next fault)."""
     box: list = [None]
     if layout.holder(0) == group_rank:
-        box[0] = (held.keys, held.replicated, {n: b.cpu() for n, b in held.buffers.items()})
+        box[0] = (list(held.parts), [t.dtype for t in held.parts.values()],
+                  copy.deepcopy(held.replicated),
+                  {n: b.detach().to("cpu", copy=True) for n, b in held.buffers.items()})
     with collective("resharding"):
         dist.broadcast_object_list(box, src=layout.holder(0))
     return box[0]
+
+
+def _dim0_local(t: torch.Tensor, what: str, param: torch.Tensor) -> torch.Tensor:
+    """`t`'s local rows, once checked to be dim-0 shards of `param`'s shape on a 1-D mesh
+    (what engine.reshard moves)."""
+    if not isinstance(t, DTensor) or t.device_mesh.ndim != 1 \
+            or tuple(t.placements) != (Shard(0),) or t.shape != param.shape:
+        raise ShardingError(f"{what} is not sharded on dim 0 over a 1-D mesh: --shard resizes "
+                            "that layout only (a shard_fn must call fully_shard without "
+                            "shard_placement_fn)")
+    return t.to_local()
+
+
+def _moved(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    return t if device is None else t.to(device)
+
+
+def _new_rows(n: int, layout: Layout, group_rank: int) -> int:
+    new_rank = layout.new[group_rank]
+    assert new_rank is not None
+    start, end = chunk_rows(n, layout.new_size, new_rank)
+    return end - start
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
