@@ -186,12 +186,7 @@ class ShardedModel:
                 optimizer.state.clear()
             gc.collect()  # FSDP's modules and hooks hold each other: free the shards now
             return None
-        module = copy.deepcopy(self.skeleton)
-        self._wrap(module, mesh)
-        module.to_empty(device=device)
-        for name, buffer in buffers.items():  # whole on every rank: old rank 0's
-            _set_buffer(module, name, buffer.to(device))
-        params = dict(module.named_parameters())
+        module, params = self._new_module(mesh, buffers, device)
         # the rows land in the new module's own storage, and the moments on the device
         into = [_local(params[n]).detach() if key is None else torch.empty(
             (_new_rows(rows[i], layout, group_rank), *self.shapes[n][1:]), dtype=dtypes[i],
@@ -203,6 +198,35 @@ class ShardedModel:
         self.module, self._cell_model = module, None
         gc.collect()  # the old module's shards: FSDP's modules and hooks hold each other
         return module
+
+    def load(self, mesh: DeviceMesh, optimizer: torch.optim.Optimizer | None,
+             device: torch.device, parts: dict, replicated: dict, buffers: dict) -> nn.Module:
+        """Build the module on `mesh` from this rank's rows read elsewhere (`parts`, {(name,
+        None or optimizer key): rows}: engine.sharded_checkpoint's ``read_rows``), with the
+        optimizer's other values and the buffers; `optimizer` is pointed at it. Returns it."""
+        old_ids = ({id(p): n for n, p in self.module.named_parameters()}
+                   if self.module is not None else self._cell_ids)
+        module, params = self._new_module(mesh, buffers, device)
+        with torch.no_grad():
+            for n in self.names:
+                _local(params[n]).copy_(parts[n, None])
+        if optimizer is not None:
+            moments = {e: t.to(device) for e, t in parts.items() if e[1] is not None}
+            self._repoint(optimizer, old_ids, params, moments, mesh, replicated)
+        self.module, self._cell_model = module, None
+        gc.collect()
+        return module
+
+    def _new_module(self, mesh: DeviceMesh, buffers: dict, device: torch.device
+                    ) -> tuple[nn.Module, dict]:
+        """The skeleton built again and sharded over `mesh`, its parameters' storage allocated
+        on `device` (their values still to write) and `buffers` set; with its parameters."""
+        module = copy.deepcopy(self.skeleton)
+        self._wrap(module, mesh)
+        module.to_empty(device=device)
+        for name, buffer in buffers.items():  # whole on every rank
+            _set_buffer(module, name, buffer.to(device))
+        return module, dict(module.named_parameters())
 
     def _repoint(self, optimizer, old_ids: dict[int, str], params: dict, moments: dict, mesh,
                  replicated: dict) -> None:

@@ -1,0 +1,146 @@
+"""A sharded training state on disk: each rank writes its own part; any world size reads it.
+
+A checkpoint of step S is the folder ``step-SSSSSSSS.shards/`` in the run's checkpoint folder:
+``part-RRRRR.pt`` from each rank R of the W that wrote it (its rows of every parameter and
+optimizer moment: engine.sharding's Snapshot), and ``manifest.pt``, which rank 0 writes last:
+the step, W, every parameter's shape, the parts' names and dtypes, the optimizer's values that
+are the same on every rank (a step counter) and the buffers, and each file's bytes and SHA-256. The ranks write into ``step-SSSSSSSS.shards.tmp/``, fsync each file, and rank 0
+renames the folder once every part and the manifest are on disk: a folder with its final name
+is complete, and one a crash left behind keeps its ``.tmp`` name (it is never read).
+
+Everything in them is tensors, numbers, strings, lists and dicts: both load with
+``torch.load(weights_only=True)``. A reader at another world size takes, for each of its new
+rows, the overlapping rows of the parts that hold them (``torch.load(mmap=True)``: a part is
+read only where it overlaps), after checking those files' hashes. torch.distributed.checkpoint
+reads such layouts too, but loads its ``.metadata`` with ``pickle.load``, which would break
+the ``weights_only`` promise.
+
+This module imports nothing from IPython or the UI.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CheckpointError, _fsync_dir, _sha256, atomic_write
+from .collective import collective
+from .reshard import chunk_rows
+from .sharding import Snapshot
+
+FORMAT_VERSION = 1
+SEP = "\t"  # joins a part's parameter name and optimizer key in a file (str keys only)
+
+
+def folder_name(step: int) -> str:
+    return f"step-{step:08d}.shards"
+
+
+def _key(entry: tuple[str, str | None]) -> str:
+    return f"{entry[0]}{SEP}{entry[1] or ''}"
+
+
+def _entry(key: str) -> tuple[str, str | None]:
+    name, _, opt = key.partition(SEP)
+    return name, opt or None
+
+
+def write_parts(folder: str, step: int, part: Snapshot, shapes: dict[str, torch.Size],
+                rank: int, world_size: int) -> str:
+    """Every rank of the generation: write this rank's `part` (`shapes`: each parameter's
+    whole shape) as its part of step `step`'s checkpoint in `folder` (rank 0's replicated
+    values and buffers go in the manifest); returns the checkpoint's path
+    once every rank's part and the manifest are on disk. A collective (the ranks exchange
+    their files' hashes). Raises CheckpointError when a rank could not write."""
+    final = os.path.join(folder, folder_name(step))
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt at the same step
+        os.makedirs(tmp)
+    with collective("sharded checkpoint"):
+        dist.barrier()
+    name = f"part-{rank:05d}.pt"
+    body = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world_size": world_size,
+            "parts": {_key(e): t.detach().cpu() for e, t in part.parts.items()}}
+    error = None
+    try:
+        atomic_write(os.path.join(tmp, name), lambda f: torch.save(body, f))
+        mine = {"file": name, "bytes": os.path.getsize(os.path.join(tmp, name)),
+                "sha256": _sha256(os.path.join(tmp, name))}
+    except OSError as e:
+        mine, error = {"file": name, "error": str(e)}, e
+    gathered: list = [None] * world_size
+    with collective("sharded checkpoint"):
+        dist.all_gather_object(gathered, mine)
+    failed = [g for g in gathered if "error" in g]
+    if failed:
+        raise CheckpointError(f"checkpoint {step} not written: {failed[0]['file']}: "
+                              f"{failed[0]['error']}") from error
+    if rank == 0:
+        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
+                    "shapes": {n: list(shape) for n, shape in shapes.items()},
+                    "entries": [_key(e) for e in part.parts],
+                    "replicated": part.replicated,
+                    "buffers": {n: b.detach().cpu() for n, b in part.buffers.items()},
+                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in part.parts.values()],
+                    "files": gathered}
+        atomic_write(os.path.join(tmp, "manifest.pt"), lambda f: torch.save(manifest, f))
+        os.replace(tmp, final)
+        _fsync_dir(folder)
+    with collective("sharded checkpoint"):
+        dist.barrier()
+    return final
+
+
+def read_rows(path: str, rank: int, world_size: int) -> tuple[dict, dict, dict]:
+    """This rank's rows at world size `world_size` from the checkpoint folder `path`: (parts,
+    {(name, None or key): rows}; the optimizer's replicated values; the buffers). Only the
+    parts that hold its rows are read (and their hashes checked). Raises CheckpointError
+    naming the file when one is missing, damaged or of another format."""
+    manifest = _load(os.path.join(path, "manifest.pt"))
+    old_size, shapes = manifest["world_size"], manifest["shapes"]
+    entries = [_entry(k) for k in manifest["entries"]]
+    opened: dict[int, dict] = {}
+
+    def part(old_rank: int) -> dict:
+        if old_rank not in opened:
+            listed = manifest["files"][old_rank]
+            file = os.path.join(path, listed["file"])
+            if not os.path.exists(file) or _sha256(file) != listed["sha256"]:
+                raise CheckpointError(f"{file} is missing or damaged (its SHA-256 differs "
+                                      "from the manifest's)")
+            opened[old_rank] = _load(file, mmap=True)
+        return opened[old_rank]
+
+    out = {}
+    for entry, dtype in zip(entries, manifest["dtypes"]):
+        n = shapes[entry[0]][0]
+        start, end = chunk_rows(n, world_size, rank)
+        pieces = []
+        for old_rank in range(old_size):
+            a, b = chunk_rows(n, old_size, old_rank)
+            lo, hi = max(a, start), min(b, end)
+            if lo < hi:
+                pieces.append(part(old_rank)["parts"][_key(entry)][lo - a:hi - a])
+        out[entry] = torch.cat(pieces) if pieces else torch.empty(
+            (0, *shapes[entry[0]][1:]), dtype=getattr(torch, dtype))
+    return out, manifest["replicated"], manifest["buffers"]
+
+
+def latest(folder: str) -> str | None:
+    """The newest complete sharded checkpoint in `folder` (its path), or None."""
+    done = sorted(d for d in os.listdir(folder) if d.endswith(".shards")) \
+        if os.path.isdir(folder) else []
+    return os.path.join(folder, done[-1]) if done else None
+
+
+def _load(file: str, mmap: bool = False) -> dict:
+    try:
+        loaded = torch.load(file, weights_only=True, mmap=mmap)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"{file} cannot be read: {e}") from e
+    if not isinstance(loaded, dict) or loaded.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"{file} is not a sharded checkpoint of format {FORMAT_VERSION}")
+    return loaded
