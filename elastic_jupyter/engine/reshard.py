@@ -135,6 +135,7 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
         out.append(given if given is not None
                    else shard.new_empty((end - start, *shard.shape[1:])).contiguous())
     ops = []  # posted by every rank in the plan's order: each pair's messages match in order
+    local = []  # (new rows, old rows) this rank holds itself
     for t in plan(rows, layout):
         if group_rank not in (t.src, t.dst):
             continue
@@ -148,13 +149,17 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             base = chunk_rows(rows[t.tensor], layout.new_size, new_rank)[0]
             target = new_shard[t.start - base:t.end - base]
         if t.src == t.dst:
-            target.copy_(piece)
+            local.append((target, piece))
         elif t.src == group_rank:
             ops.append(dist.P2POp(dist.isend, piece, t.dst))
         else:
             ops.append(dist.P2POp(dist.irecv, target, t.src))
     with collective("resharding"):  # nccl and gloo alike: one batch of point-to-point ops
-        for work in dist.batch_isend_irecv(ops) if ops else []:
+        works = dist.batch_isend_irecv(ops) if ops else []
+        with torch.no_grad():
+            for target, piece in local:  # the rows a rank keeps, copied while others travel
+                target.copy_(piece)
+        for work in works:
             work.wait()
     return out
 
