@@ -119,7 +119,8 @@ def test_a_lora_fine_tune_moves_and_writes_only_its_adapter_and_resumes_exactly(
     assert "21 frozen tensors" in out["frozen_events"][0], out
     # a resume on another base model is refused, naming a tensor; the checkpoints stay
     assert bad["kind"] == "UsageError" and "other frozen weights" in bad["error"], bad
-    assert "'base_model.model.model.embed_tokens.weight'" in bad["error"] and "--name" in bad["error"], bad
+    assert "'base_model.model.model.embed_tokens.weight'" in bad["error"], bad
+    assert "--name" in bad["error"], bad
     assert left["left"] == [p.name for p in before], (left, before)
 
 

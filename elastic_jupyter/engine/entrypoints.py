@@ -249,8 +249,9 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     EngineConfig reads it).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "frozen",
     "workdir", "imported"}: "frozen" is the frozen weights' manifest (engine.frozen: their
-    digests, bytes and hashing time), which the owner compares across engines; "imported" names the installed modules the setup loaded, in order (for
-    pool.zygote; not the notebook's own, see engine.workdir);
+    digests, bytes and hashing time), which the owner compares across engines; "imported"
+    names the installed modules the setup loaded, in order (for pool.zygote; not the
+    notebook's own, see engine.workdir);
     "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
     across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
     folder does not exist, the engine's own (the run's folder must exist there: it is shared).

@@ -9,10 +9,10 @@ changes, torchrun, Ray Train and DeepSpeed write a checkpoint and read it back a
 each other the rows whose owner changes, point to point, and every other row stays where it is.
 
 :func:`plan` says which rows go from which rank to which; :func:`reshard` carries the plan out
-with batched ``isend``/``irecv`` over the current process group. A rank holds at most its old shard and
-its new shard at once: rows travel from views of the old shard into views of the new one,
-without a staging copy. The group must hold every rank of both layouts (leavers hand their rows
-over before they go: a shrink is a drain).
+with batched ``isend``/``irecv`` over the current process group. A rank holds at most its old
+shard and its new shard at once: rows travel from views of the old shard into views of the new
+one, without a staging copy. The group must hold every rank of both layouts (leavers hand their
+rows over before they go: a shrink is a drain).
 
 This module imports nothing from IPython or the UI.
 """

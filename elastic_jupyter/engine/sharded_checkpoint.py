@@ -4,14 +4,15 @@ A checkpoint of step S is the folder ``step-SSSSSSSS.shards/`` in the run's chec
 ``part-RRRRR.pt`` from each rank R of the W that wrote it (its rows of every parameter and
 optimizer moment: engine.sharding's Snapshot), and ``manifest.pt``, which rank 0 writes last:
 the step, W, every parameter's shape, the parts' names and dtypes, the optimizer's values that
-are the same on every rank (a step counter) and the buffers, and each file's bytes and SHA-256. The ranks write into ``step-SSSSSSSS.shards.tmp/``, fsync each file, and rank 0
-renames the folder once every part and the manifest are on disk: a folder with its final name
-is complete, and one a crash left behind keeps its ``.tmp`` name (it is never read).
+are the same on every rank (a step counter) and the buffers, and each file's bytes and SHA-256.
+The ranks write into ``step-SSSSSSSS.shards.tmp/``, fsync each file, and rank 0 renames the
+folder once every part and the manifest are on disk: a folder with its final name is complete,
+and one a crash left behind keeps its ``.tmp`` name (it is never read).
 
 Everything in them is tensors, numbers, strings, lists and dicts: both load with
 ``torch.load(weights_only=True)``. A reader at another world size takes, for each of its new
-rows, the overlapping rows of the parts that hold them (``torch.load(mmap=True)``: a part is
-read only where it overlaps), after checking those files' hashes. torch.distributed.checkpoint
+rows, the overlapping rows of the parts that hold them: only those parts are opened (hashed
+in full, then mapped with ``torch.load(mmap=True)``, so only the rows it takes are copied). torch.distributed.checkpoint
 reads such layouts too, but loads its ``.metadata`` with ``pickle.load``, which would break
 the ``weights_only`` promise.
 
