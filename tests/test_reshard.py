@@ -10,10 +10,11 @@ from elastic_jupyter.engine.reshard import (Layout, chunk_rows, empty_like_rows,
                                             plan, reshard)
 from worlds import spawn
 
-# rows per tensor: fewer rows than ranks, one row, a prime, a model-sized one
-ROWS = [0, 1, 2, 5, 7, 64, 1031]
+# rows per tensor: fewer rows than ranks, one row, a prime, model-sized ones (the last one's
+# pieces are past DIRECT_BYTES: they travel alone, the others in buckets)
+ROWS = [0, 1, 2, 5, 7, 64, 1031, 300_000]
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.float32, torch.bool,
-          torch.float16]
+          torch.float16, torch.float32]
 
 LAYOUTS = {  # (old rank, new rank) per group rank
     "grow 2 -> 3": Layout((0, 1, None), (0, 1, 2)),

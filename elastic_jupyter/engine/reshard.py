@@ -10,9 +10,10 @@ each other the rows whose owner changes, point to point, and every other row sta
 
 :func:`plan` says which rows go from which rank to which; :func:`reshard` carries the plan out
 with batched ``isend``/``irecv`` over the current process group. A rank holds at most its old
-shard and its new shard at once: rows travel from views of the old shard into views of the new
-one, without a staging copy. The group must hold every rank of both layouts (leavers hand their
-rows over before they go: a shrink is a drain).
+shard, its new shard and its small pieces' buckets at once: rows of 1 MiB or more travel from
+views of the old shard into views of the new one, without a staging copy; smaller ones (norms,
+biases) travel together, in buckets of one pair of ranks. The group must hold every rank of both
+layouts (leavers hand their rows over before they go: a shrink is a drain).
 
 This module imports nothing from IPython or the UI.
 """
@@ -25,6 +26,10 @@ import torch
 import torch.distributed as dist
 
 from .collective import collective
+
+DIRECT_BYTES = 1 << 20  # a piece this large travels alone, as it is (a view: no copy)
+BUCKET_BYTES = 16 << 20  # smaller pieces of one pair of ranks travel together, copied
+ALIGN = 16  # a piece's offset in a bucket: a multiple of any dtype's size
 
 
 def chunk_rows(n: int, world_size: int, rank: int) -> tuple[int, int]:
@@ -136,6 +141,7 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
                    else shard.new_empty((end - start, *shard.shape[1:])).contiguous())
     ops = []  # posted by every rank in the plan's order: each pair's messages match in order
     local = []  # (new rows, old rows) this rank holds itself
+    packs: dict[tuple[int, int], _Packs] = {}  # small pieces, by (src, dst)
     for t in plan(rows, layout):
         if group_rank not in (t.src, t.dst):
             continue
@@ -150,10 +156,20 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             target = new_shard[t.start - base:t.end - base]
         if t.src == t.dst:
             local.append((target, piece))
-        elif t.src == group_rank:
-            ops.append(dist.P2POp(dist.isend, piece, t.dst))
-        else:
-            ops.append(dist.P2POp(dist.irecv, target, t.src))
+            continue
+        mine = piece if t.src == group_rank else target
+        if mine.numel() * mine.element_size() >= DIRECT_BYTES:
+            ops.append(dist.P2POp(dist.isend, piece, t.dst) if t.src == group_rank
+                       else dist.P2POp(dist.irecv, target, t.src))
+        else:  # small rows travel together: a message per piece costs more than its bytes
+            packs.setdefault((t.src, t.dst), _Packs()).add(mine)
+    unpack = []
+    for (src, dst), pack in packs.items():  # the same order on both sides of each pair
+        for flat, pieces in pack.buckets(group_rank == src):
+            ops.append(dist.P2POp(dist.isend, flat, dst) if group_rank == src
+                       else dist.P2POp(dist.irecv, flat, src))
+            if group_rank == dst:
+                unpack.append((flat, pieces))
     with collective("resharding"):  # nccl and gloo alike: one batch of point-to-point ops
         works = dist.batch_isend_irecv(ops) if ops else []
         with torch.no_grad():
@@ -161,7 +177,42 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
                 target.copy_(piece)
         for work in works:
             work.wait()
+    with torch.no_grad():
+        for flat, pieces in unpack:
+            for offset, target in pieces:
+                n = target.numel() * target.element_size()
+                target.copy_(flat[offset:offset + n].view(target.dtype).view(target.shape))
     return out
+
+
+class _Packs:
+    """One pair's small pieces (in the plan's order), cut into buckets of BUCKET_BYTES at
+    most, each piece at an offset aligned to ALIGN bytes (any dtype views it there)."""
+
+    def __init__(self):
+        self.pieces: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor) -> None:
+        self.pieces.append(t)
+
+    def buckets(self, sending: bool):
+        """(flat uint8 tensor, [(offset, piece)]) per bucket; a sender's filled with its
+        pieces, a receiver's to unpack after it arrived."""
+        current: list[tuple[int, torch.Tensor]] = []
+        size = 0
+        for t in [*self.pieces, None]:
+            n = t.numel() * t.element_size() if t is not None else 0
+            if current and (t is None or size + n > BUCKET_BYTES):
+                flat = torch.empty(size, dtype=torch.uint8, device=current[0][1].device)
+                if sending:
+                    for offset, piece in current:
+                        flat[offset:offset + piece.numel() * piece.element_size()].copy_(
+                            piece.reshape(-1).view(torch.uint8))
+                yield flat, current
+                current, size = [], 0
+            if t is not None:
+                current.append((size, t))
+                size += -(-n // ALIGN) * ALIGN
 
 
 def empty_like_rows(t: torch.Tensor) -> torch.Tensor:
