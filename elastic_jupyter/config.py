@@ -332,6 +332,12 @@ class RunConfig:
         "frozen modules) to new engines and write them in checkpoints, as trained ones "
         "(default: each engine keeps the ones its cell built, checked by a hash)",
         after="sync_batchnorm"))
+    # the model sharded with FSDP2 (engine.sharded_mode): engine-side only until resizes,
+    # replicas and sharded checkpoints are wired (issue 36), so not an option of the magics
+    shard: bool = False
+    # steps between two partner replicas of a sharded state (engine.replicas); and after each
+    # resize. Not an option of the magics yet either
+    replica_every: int = 10
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from elastic_jupyter.engine.batching import BatchPlan
 from elastic_jupyter.engine.entrypoints import _run_setup
@@ -57,11 +58,16 @@ def cell_namespace(cell: str, seed: int) -> dict:
     return _run_setup(cell, None, {}, None)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered (a collective: every rank calls it), else `t`."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _result(model, history=(), losses=(), scaler=None) -> Result:
-    grads = {n: None if p.grad is None else p.grad.detach().to_dense().clone()
+    grads = {n: None if p.grad is None else _whole(p.grad.detach()).to_dense().clone()
              for n, p in model.named_parameters()}
     sparse = {n: p.grad is not None and p.grad.is_sparse for n, p in model.named_parameters()}
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    params = {n: _whole(p.detach()).clone() for n, p in model.named_parameters()}
     return Result(params, grads, sparse, list(history), list(losses),
                   scaler.state_dict() if scaler is not None else None)
 
@@ -78,7 +84,9 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
         # options the setup refuses on CPU
         worker.config = dataclasses.replace(worker.config, **cfg.get("late", {}))
-        worker.start_generation(rank, world_size)  # as a generation does
+        if worker.sharded is not None:  # as a generation does: the others are sent rank 0's
+            worker.sharded.agree(rank, world_size, rank > 0, 0, worker.restore)
+        worker.start_generation(rank, world_size)
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, vote)[0])
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)

@@ -5,14 +5,21 @@ run fails) by signals, never by the words of a message: an engine that is gone, 
 not return, or a :class:`PeerFailure` raised here. Every collective this package runs (forming
 the process group, the state broadcast, the gradient reduction, the evaluation gather) runs
 inside :func:`collective` (also the BatchNorm statistics and the evaluation's buffer
-broadcast); collectives the user's own code runs are the user's.
+broadcast). Passes of the user's code that run torch.distributed's collectives for us
+(FSDP2's all-gathers and reduce-scatters under ``shard=True``, SyncBatchNorm's statistics) run
+inside :func:`collectives_within`: there only an error a collective raised is a peer's; other
+collectives the user's own code runs are the user's.
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
+
+_C10D = os.path.join("torch", "distributed", "distributed_c10d.py")
 
 
 class PeerFailure(RuntimeError):
@@ -35,3 +42,28 @@ def collective(what: str, only: type[BaseException] = RuntimeError) -> Iterator[
         raise
     except only as e:
         raise PeerFailure(f"{what} failed: {e}") from e
+
+
+@contextlib.contextmanager
+def collectives_within(what: str) -> Iterator[None]:
+    """Run the user's code in which torch.distributed's collectives run for us (FSDP2's, in
+    the forward and backward passes); a RuntimeError that one of those collectives raised
+    (torch's DistError, or any raised from torch.distributed's collective calls: gloo's
+    "Connection closed by peer" is a plain RuntimeError) becomes a :class:`PeerFailure`
+    naming `what`; the user's own errors pass through unchanged."""
+    try:
+        yield
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except RuntimeError as e:
+        if isinstance(e, (dist.DistError, PeerFailure)) or _raised_in_c10d(e):
+            raise PeerFailure(f"{what} failed: {e}") from e
+        raise
+
+
+def _raised_in_c10d(e: BaseException) -> bool:
+    """Whether `e`'s innermost Python frame is torch.distributed's collective calls."""
+    tb, last = e.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and last.tb_frame.f_code.co_filename.endswith(_C10D)

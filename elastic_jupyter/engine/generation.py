@@ -24,8 +24,9 @@ from . import drain
 from .abort import AbortableStore, AbortWatch
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
-from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, PROCESS_GROUP_PREFIX, VERSION_KEY,
-                       EngineConfig, GenerationSpec, decode_end_at, generation_prefix)
+from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
+                       VERSION_KEY, EngineConfig, GenerationSpec, decode_end_at,
+                       generation_prefix)
 from .publish import publish
 from .schedulers import step_lr_scheduler
 from .state_transfer import broadcast_state
@@ -69,6 +70,14 @@ def _out_of_memory_hint(config: EngineConfig):
                 "the update stays the same")
         raise torch.cuda.OutOfMemoryError(
             f"{e}\nThe step ran out of GPU memory: {hint}") from e
+
+
+def _hand_over(worker: Worker, rank: int, world_size: int, leaving: bool) -> None:
+    """A sharded run's end of generation: rows go to the ranks that stay (engine.sharded_mode);
+    the Worker keeps the model's skeleton (no memory) until the next generation builds it."""
+    assert worker.sharded is not None
+    worker.sharded.leave(rank, world_size, leaving, worker.optimizer)
+    worker.model = worker.sharded.model.skeleton
 
 
 class Generation:
@@ -124,11 +133,17 @@ class Generation:
     def _train(self) -> dict:
         w = self.worker
         fault_point("resize", w)
+        if w.sharded is not None:  # where each rank's rows come from; survivors of a lost
+            # rank's rows go back to their replicas' step before newcomers are sent the state
+            w.sharded.agree(self.rank, self.world_size, self.spec.receive_state,
+                            w.progress.step, w.restore)
         if self.spec.broadcast:
             self._broadcast_state(self.spec.receive_state)
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
             event = w.start_generation(self.rank, self.world_size)
         self.events += [event] if event else []
+        if w.sharded is not None:  # replicas of the new layout, at once
+            self._refresh_replicas()
         with _out_of_memory_hint(w.config):
             return self._loop()
 
@@ -197,6 +212,8 @@ class Generation:
                     published = [published[1], p.step]
                     last_publish = now
             if leave and p.step < w.total_steps:
+                if w.sharded is not None:  # a leaver hands its rows over first
+                    _hand_over(w, rank, world_size, self._leaving())
                 break
         else:
             reason = "finished"
@@ -207,6 +224,24 @@ class Generation:
         return {"reason": reason, "progress": p.as_dict(),
                 "records": w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],
                 "events": events, "drained": drain.served()}
+
+    def _refresh_replicas(self) -> None:
+        """Every rank of a sharded run: its part and the rest of the state copied, the part
+        sent to its partner (engine.sharded_mode); rank 0 logs the bytes and seconds."""
+        w, start = self.worker, time.perf_counter()
+        assert w.sharded is not None
+        sent = w.sharded.refresh(w.progress.step, self.rank, self.world_size, w.optimizer,
+                                 w.capture)
+        if self.rank == 0:
+            self.events.append({"kind": "replicas", "step": w.progress.step, "bytes": sent,
+                                "seconds": round(time.perf_counter() - start, 3)})
+
+    def _leaving(self) -> bool:
+        """Whether this rank leaves when the generation ends: its scheduler told it to go
+        (engine.drain), or the owner named it (a shrink)."""
+        named = (self.control.get(LEAVERS_KEY).decode().split(",")
+                 if self.control.check([LEAVERS_KEY]) else [])
+        return drain.requested() or str(self.rank) in named
 
     def _acknowledged(self) -> int | None:
         """The newest step up to which the owner's run log holds every record (it writes it
@@ -236,6 +271,8 @@ class Generation:
         w.history.append(record)
         step_lr_scheduler(w, record)
         w.pending = None
+        if w.sharded is not None and step % w.config.replica_every == 0:
+            self._refresh_replicas()
         if step % ACKNOWLEDGED_EVERY == 0 or self._acknowledged_step is None:
             self._acknowledged_step = self._acknowledged()
         w.forget_history(self._acknowledged_step)

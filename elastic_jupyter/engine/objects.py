@@ -2,8 +2,8 @@
 
 A cell must define ``model``, ``optimizer``, ``dataset`` (map-style) and
 ``loss_fn(model, batch)``; it may define ``lr_scheduler``, ``collate_fn``, ``worker_init_fn``,
-``eval_dataset`` with ``metric_fn(model, batch)``, ``min_micro_batch``, ``after_step`` and
-``extra_state``. A mistake in their kinds is a :class:`SetupError` naming what to change.
+``eval_dataset`` with ``metric_fn(model, batch)``, ``min_micro_batch``, ``after_step``,
+``extra_state`` and ``shard_fn(model, mesh)``. A mistake in their kinds is a :class:`SetupError` naming what to change.
 
 This module imports nothing from IPython or the UI.
 """
@@ -43,6 +43,7 @@ class CellObjects:
     min_micro_batch: int | None = None  # the cell's floor, if declared
     after_step: Callable | None = None  # called after each committed step
     extra_state: dict = dataclasses.field(default_factory=dict)
+    shard_fn: Callable | None = None  # shard_fn(model, mesh) under shard=True (engine.sharding)
 
     @classmethod
     def of(cls, namespace: dict, global_batch: int) -> CellObjects:
@@ -59,7 +60,8 @@ class CellObjects:
             namespace.get("collate_fn") or torch.utils.data.default_collate,
             namespace.get("worker_init_fn"), namespace.get("eval_dataset"),
             namespace.get("metric_fn"), namespace.get("min_micro_batch"),
-            namespace.get("after_step"), namespace.get("extra_state") or {})
+            namespace.get("after_step"), namespace.get("extra_state") or {},
+            namespace.get("shard_fn"))
         objects._check(global_batch)
         return objects
 

@@ -28,6 +28,7 @@ END_AT_KEY = "end_at"  # the owner's request: leave after this step ("none": kee
 VERSION_KEY = "version"  # counts the owner's requests: rank 0 reads end_at only when it moved
 ACKNOWLEDGED_KEY = "acknowledged"  # the newest step the owner's run log holds every record to
 ABORT_KEY = "abort"  # set by the owner once a rank died: waits on its peers end now
+LEAVERS_KEY = "leavers"  # ranks the owner stops after end_at, "0,2" (a sharded run's hand-over)
 PROCESS_GROUP_PREFIX = "pg/"  # the process group's own keys, within the generation's prefix
 END_AT_NONE = "none"  # END_AT_KEY's value for "no request"
 
@@ -121,6 +122,8 @@ class EngineConfig:
     precision: str | None = None
     tensorboard: bool | str = False
     move_frozen: bool = False
+    shard: bool = False
+    replica_every: int = 10
     fault_dir: str | None = None
     total_steps: int = 0
 

@@ -89,8 +89,8 @@ class ShardedModel:
         self.shapes = {n: p.shape for n, p in model.named_parameters()}
         self.module: nn.Module | None = None
         self._cell_model: nn.Module | None = model  # sharded in place by the first shard()
-        # the cell's parameters by id: what its optimizer holds until the first mesh
-        self._cell_ids = {id(p): n for n, p in model.named_parameters()}
+        # the parameters the optimizer holds, by id: the cell's until the first mesh
+        self._held_ids = {id(p): n for n, p in model.named_parameters()}
 
     def _wrap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.shard_fn is not None:
@@ -123,8 +123,8 @@ class ShardedModel:
             raise RuntimeError("the cell's model is sharded already: use reshard_to")
         self.module, self._cell_model = self._wrap(self._cell_model, mesh), None
         if optimizer is not None:
-            self._repoint(optimizer, self._cell_ids, dict(self.module.named_parameters()), {},
-                          mesh, {})
+            self._repoint(optimizer, dict(self._held_ids), dict(self.module.named_parameters()),
+                          {}, mesh, {})
         return self.module
 
     def snapshot(self, optimizer: torch.optim.Optimizer | None) -> Snapshot:
@@ -135,7 +135,8 @@ class ShardedModel:
         newcomer) holds nothing. Raises ShardingError for a layout other than dim-0 shards
         on a 1-D mesh (a shard_fn's Shard(1), a 2-D mesh)."""
         if self.module is None:
-            return Snapshot({}, {}, {})
+            return self._whole_snapshot(optimizer) if self._cell_model is not None \
+                else Snapshot({}, {}, {})
         params = dict(self.module.named_parameters())
         parts: dict[tuple[str, str | None], torch.Tensor] = {}
         replicated: dict = {}
@@ -148,6 +149,62 @@ class ShardedModel:
                     parts[n, key] = _dim0_local(value, f"{n} ({key})", params[n])
             replicated[n] = {k: v for k, v in held.items() if not isinstance(v, DTensor)}
         return Snapshot(parts, replicated, dict(self.module.named_buffers()))
+
+    def _whole_snapshot(self, optimizer: torch.optim.Optimizer | None) -> Snapshot:
+        """The cell's model before its first mesh as the part of rank 0 of one rank: whole
+        parameters, and the optimizer's per-parameter tensors of the parameter's shape (a
+        state loaded from a replicated checkpoint) as rows too."""
+        assert self._cell_model is not None
+        parts: dict[tuple[str, str | None], torch.Tensor] = {}
+        replicated: dict = {}
+        for n, p in self._cell_model.named_parameters():
+            parts[n, None] = p.detach()
+            held = optimizer.state.get(p, {}) if optimizer is not None else {}
+            rows = {k: v for k, v in held.items() if torch.is_tensor(v) and v.shape == p.shape}
+            parts.update({(n, k): v for k, v in rows.items()})
+            replicated[n] = {k: v for k, v in held.items() if k not in rows}
+        return Snapshot(parts, replicated, dict(self._cell_model.named_buffers()))
+
+    def _sources(self, held: Snapshot, layout: Layout, group_rank: int, device: torch.device,
+                 copies: dict | None) -> tuple:
+        """What a resharding sends from: (entries, dtypes, replicated, buffers) as old rank
+        0's holder has them, each entry's rows, this rank's tensors per entry and those of
+        `copies` (zero-row tensors where it holds none; on `device` with nccl)."""
+        entries, dtypes, replicated, buffers = _from_holder(held, layout, group_rank)
+        rows = [self.shapes[n][0] for n, _ in entries]
+        on = device if dist.get_backend() == "nccl" else None  # nccl sends device memory
+
+        def listed(parts: dict) -> list[torch.Tensor]:
+            return [_moved(parts[e], on) if e in parts else torch.empty(
+                (0, *self.shapes[e[0]][1:]), dtype=dtypes[i], device=device)
+                for i, e in enumerate(entries)]
+        copied = {r: listed(c) for r, c in (copies or {}).items()}
+        return entries, dtypes, replicated, buffers, rows, listed(held.parts), copied
+
+    def hand_over(self, layout: Layout, group_rank: int,
+                  optimizer: torch.optim.Optimizer | None) -> Snapshot:
+        """At a generation's end, where ranks leave (a shrink is a drain): every rank of the
+        group moves its rows to `layout`'s new ranks (leavers to None) and keeps them as a
+        Snapshot, built into a module at the next generation's start (its mesh does not exist
+        yet). The module is freed. Returns this rank's new part (empty on a leaver). Raises
+        PeerFailure."""
+        held = self.snapshot(optimizer)
+        device = next(iter(held.parts.values())).device if held.parts else torch.device("cpu")
+        entries, _, replicated, buffers, rows, sources, _ = self._sources(
+            held, layout, group_rank, device, None)
+        shards = reshard(sources, rows, layout, group_rank)
+        self._free(optimizer)
+        if layout.new[group_rank] is None:
+            return Snapshot({}, {}, {})
+        parts = {e: t for e, t in zip(entries, shards) if t is not None}
+        return Snapshot(parts, replicated, buffers)
+
+    def _free(self, optimizer: torch.optim.Optimizer | None) -> None:
+        """Hold no module any more (its rows are elsewhere now)."""
+        self.module = self._cell_model = None
+        if optimizer is not None:
+            optimizer.state.clear()
+        gc.collect()  # FSDP's modules and hooks hold each other: free the shards now
 
     def reshard_to(self, mesh: DeviceMesh | None, layout: Layout, group_rank: int,
                    optimizer: torch.optim.Optimizer | None, device: torch.device,
@@ -168,23 +225,12 @@ class ShardedModel:
         if leaving != (mesh is None):
             raise ValueError("a rank of the new layout needs its mesh; a leaver has none")
         held = held if held is not None else self.snapshot(optimizer)
-        entries, dtypes, replicated, buffers = _from_holder(held, layout, group_rank)
-        rows = [self.shapes[n][0] for n, _ in entries]
-        on = device if dist.get_backend() == "nccl" else None  # nccl sends device memory
-
-        def listed(parts: dict) -> list[torch.Tensor]:
-            return [_moved(parts[e], on) if e in parts else torch.empty(
-                (0, *self.shapes[e[0]][1:]), dtype=dtypes[i], device=device)
-                for i, e in enumerate(entries)]
-        sources, copied = listed(held.parts), {r: listed(c) for r, c in (copies or {}).items()}
-        old_ids = ({id(p): n for n, p in self.module.named_parameters()}
-                   if self.module is not None else self._cell_ids)
+        entries, dtypes, replicated, buffers, rows, sources, copied = self._sources(
+            held, layout, group_rank, device, copies)
+        old_ids = dict(self._held_ids)
         if leaving or mesh is None:  # hands its rows over, then holds nothing of the run
             reshard(sources, rows, layout, group_rank, copied)
-            self.module = self._cell_model = None
-            if optimizer is not None:
-                optimizer.state.clear()
-            gc.collect()  # FSDP's modules and hooks hold each other: free the shards now
+            self._free(optimizer)
             return None
         module, params = self._new_module(mesh, buffers, device)
         # the rows land in the new module's own storage, and the moments on the device
@@ -204,8 +250,7 @@ class ShardedModel:
         """Build the module on `mesh` from this rank's rows read elsewhere (`parts`, {(name,
         None or optimizer key): rows}: engine.sharded_checkpoint's ``read_rows``), with the
         optimizer's other values and the buffers; `optimizer` is pointed at it. Returns it."""
-        old_ids = ({id(p): n for n, p in self.module.named_parameters()}
-                   if self.module is not None else self._cell_ids)
+        old_ids = dict(self._held_ids)
         module, params = self._new_module(mesh, buffers, device)
         with torch.no_grad():
             for n in self.names:
@@ -249,6 +294,7 @@ class ShardedModel:
                                                    shape=p.shape, stride=p.stride())
             if kept:
                 optimizer.state[p] = kept
+        self._held_ids = {id(p): n for n, p in params.items()}
 
 
 @dataclass

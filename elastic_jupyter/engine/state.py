@@ -277,7 +277,8 @@ class Staging:
 
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
             *, copy_tensors: bool = True, grad_scaler=None, staging: Staging | None = None,
-            extra: dict | None = None, frozen: Mapping[str, str] | None = None) -> dict:
+            extra: dict | None = None, frozen: Mapping[str, str] | None = None,
+            rows: bool = True) -> dict:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
@@ -287,17 +288,22 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     copied into its reused buffers (see :class:`Staging`). `extra`: the cell's ``extra_state``
     ({name: object with ``state_dict()``}, an EMA of the weights), captured under ``"extra"``.
     `frozen`: {key: digest} of the model's frozen tensors (engine.frozen), left out of
-    ``"model"`` and recorded under ``"frozen"``.
+    ``"model"`` and recorded under ``"frozen"``. ``rows=False`` (a sharded model,
+    engine.sharded_mode, whose parameters and moments travel by resharding): no ``"model"``
+    and no per-parameter optimizer state, the rest as always.
     """
     if staging is not None:  # the optimizer step alone changes these (see Staging)
         staging.begin({_identity(t) for t in _step_changes(optimizer)})
     tensor = (staging.copy if staging is not None else _cpu_copy) if copy_tensors \
         else (lambda t: t)
     numpy_types: list = []
-    weights = model.state_dict()  # a new dict each call (its _metadata kept)
+    weights = model.state_dict() if rows else {}  # a new dict each call (its _metadata kept)
     for key in frozen or ():
         del weights[key]
-    objects = {"model": weights, "optimizer": optimizer.state_dict(),
+    optimizer_state = optimizer.state_dict()
+    if not rows:
+        optimizer_state["state"] = {}
+    objects = {"model": weights, "optimizer": optimizer_state,
                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()}}
     state: dict[str, Any] = {"format": FORMAT_VERSION}

@@ -15,6 +15,7 @@ import torch
 from .losses import read_loss, weighted
 from .precision import Precision
 from .reduce import GradReducer
+from .sharded_reduce import ShardedReducer
 
 
 class StepWeights:
@@ -30,7 +31,7 @@ class StepWeights:
         items: the same summed over the global batch, once the vote summed it.
     """
 
-    def __init__(self, precision: Precision, reducer: GradReducer):
+    def __init__(self, precision: Precision, reducer: GradReducer | ShardedReducer):
         self.precision, self.reducer = precision, reducer
         self.mean_over: bool | None = None
         self.count = 0.0
@@ -69,18 +70,35 @@ class StepWeights:
         pass), so its parameters count as unused: a parameter no other rank has a gradient for
         ends with ``.grad`` None (engine.reduce). Tested on CPU with a stand-in for
         SyncBatchNorm's collective (tests/test_gradients.py), not with SyncBatchNorm on GPUs.
+        Raises ValueError when `loss` is not finite (:meth:`_at_weight_zero`)."""
+        self._at_weight_zero(loss, step, "--sync-batchnorm", "with a MeanOver count of 0")
+        self.reducer.forget_pass()
 
-        Raises ValueError when `loss` is not finite: 0 * NaN is NaN, which SyncBatchNorm would
-        all-reduce into every rank's gradients.
-        """
+    def zero_weight_backward(self, out, step: int) -> None:
+        """The backward of a padding pass under --shard (engine.sharded_mode), at weight 0:
+        FSDP2's all-gathers and reduce-scatters are collectives, so every rank runs as many
+        passes as rank 0. Its gradients are zeros and its parameters count as unused
+        (engine.sharded_reduce). Raises ValueError when its loss is not finite."""
+        loss = read_loss(out, 1)[0]
+        reducer = self.reducer
+        assert isinstance(reducer, ShardedReducer), "padding passes run under shard=True only"
+        reducer.padding(True)
+        try:
+            self._at_weight_zero(loss, step, "--shard", "in a padding pass")
+        finally:
+            reducer.padding(False)
+
+    def _at_weight_zero(self, loss: torch.Tensor, step: int, option: str, where: str) -> None:
+        """Backward of `loss` * 0 (its collectives run; it adds nothing). Raises ValueError
+        when `loss` is not finite: 0 * NaN is NaN, which the reduction would add to every
+        rank's gradients."""
         if not bool(torch.isfinite(loss.detach()).all()):
             raise ValueError(
-                f"loss_fn returned a loss of {float(loss.detach())} with a MeanOver count of 0 "
-                f"at step {step + 1}: with --sync-batchnorm every rank's pass "
-                "takes part in SyncBatchNorm's backward, so loss_fn must return a finite loss "
-                "for a batch with no items (e.g. divide by count.clamp(min=1))")
+                f"loss_fn returned a loss of {float(loss.detach())} {where} at step {step + 1}: "
+                f"with {option} every rank's pass takes part in the collectives of backward, so "
+                "loss_fn must return a finite loss there (for a mean over no items, divide by "
+                "count.clamp(min=1))")
         self.precision.backward(loss * 0.0)
-        self.reducer.forget_pass()
 
     def settle(self, total: float, B: int, step: int) -> float | None:
         """The vote summed every rank's count to `total` (the global batch's MeanOver items;

@@ -27,13 +27,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from . import state as state_mod
 from .batching import BatchPlan, Cut, steps_per_epoch
 from .checkpoint_writer import CheckpointWriter
-from .collective import collective
+from .collective import collectives_within
 from .cut_choice import CutChoice
 from .evaluation import Evaluation
 from .faultpoints import fault_point
@@ -48,6 +47,7 @@ from .protocol import EngineConfig
 from .randomness import host_generators_kept, micro_batch_stream
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
+from .sharded_mode import ShardedMode, is_pad, pad_source
 from .transfer import to_device
 from .trials import SetupTrials
 from .vote import Vote
@@ -65,10 +65,41 @@ def _group_lrs(optimizer) -> dict:
     return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
 
 
+def _step_record(p: state_mod.Progress, epoch: int, losses: list[float], lrs: dict,
+                 world_size: int, samples: int, seconds: float, weights: StepWeights) -> dict:
+    """The history record of committed step ``p.step`` of epoch `epoch`: its loss and extra
+    metrics (`losses`), learning rates, world size and speed."""
+    record = {"step": p.step, "epoch": epoch, "loss": losses[0], **lrs,
+              "world_size": world_size, "samples_per_s": samples / max(seconds, 1e-9),
+              "time": time.time()}
+    record.update(zip(p.metric_names, losses[1:]))
+    if weights.mean_over:  # what the step's loss is a mean over (an epoch's mean weighs it)
+        record["items"] = int(round(weights.items))
+    return record
+
+
 def _before_write(worker: Worker) -> None:
     """Before each checkpoint write, on the writer's thread."""
     fault_point("checkpoint", worker)
     worker.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
+
+
+def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
+    """The step after which :meth:`Worker.forget_history` keeps the records."""
+    step = worker.progress.step
+    # with no kernel to fill, whoever drives the run reads the engine's whole history
+    keep_after = 0 if acknowledged is None else min(step, acknowledged)
+    if worker.writer is not None:
+        every = worker.config.checkpoint_every or 0
+        # without periodic checkpoints the last one holds every record
+        keep_after = min(keep_after, max(0, (step // every - 1) * every) if every else 0)
+        if worker.writer.saved_step is not None:
+            keep_after = min(keep_after, worker.writer.saved_step)
+    if isinstance(worker.lr_scheduler, ReduceLROnPlateau) and not worker.config.plateau_metric:
+        start = worker.history.epoch_start(worker.progress.epoch)
+        if start is not None:
+            keep_after = min(keep_after, start - 1)
+    return keep_after
 
 
 class Worker:
@@ -103,13 +134,18 @@ class Worker:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
         self.model.to(self.device)
-        self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
+        # under shard=True frozen rows travel like the others (not wired: issue 36)
+        self.frozen = FrozenWeights(self.model, not (config.move_frozen or config.shard),
+                                    frozen_digests)
         for obj in self.extra_state.values():  # an EMA updates from the model where it is,
             # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
             if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
                 obj.to(self.device)
+        # shard=True: the model sharded over each generation (engine.sharded_mode)
+        self.sharded = ShardedMode(cell, config) if config.shard else None
         try:
-            self.reducer = GradReducer(self.model, self.device)
+            self.reducer = (self.sharded.reducer if self.sharded is not None
+                            else GradReducer(self.model, self.device))
             self.precision = Precision(config.precision, self.device)
         except (LayoutError, PrecisionError) as e:
             raise SetupError(str(e)) from None
@@ -160,7 +196,7 @@ class Worker:
                                  self.history.records, self.config_record(),
                                  copy_tensors=copy_tensors, grad_scaler=self.precision.scaler,
                                  staging=staging, extra=self.extra_state,
-                                 frozen=self.frozen.digests)
+                                 frozen=self.frozen.digests, rows=self.sharded is None)
 
     def config_record(self) -> dict:
         """The run's options as its checkpoints store them (plain data): the config's fields,
@@ -178,7 +214,8 @@ class Worker:
         self.pending, self.in_flight = state.get("pending"), False
         self.progress, records = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler,
-            self.extra_state, load_model=lambda weights: self.frozen.load(weights, state))
+            self.extra_state, load_model=(lambda weights: self.frozen.load(weights, state))
+            if self.sharded is None else lambda weights: None)  # rows: at the generation
         self.history = History(records)
         if self.writer is not None:  # what it wrote before may be of another timeline
             self.writer.saved_step = None
@@ -192,20 +229,7 @@ class Worker:
         that are in the checkpoint folder's history file (up to the checkpoint before the
         newest scheduled one, or this rank's last written one if older: any rank may write
         the next), and not of the current epoch when ReduceLROnPlateau steps by its loss."""
-        step = self.progress.step
-        # with no kernel to fill, whoever drives the run reads the engine's whole history
-        keep_after = 0 if acknowledged is None else min(step, acknowledged)
-        if self.writer is not None:
-            every = self.config.checkpoint_every or 0
-            # without periodic checkpoints the last one holds every record
-            keep_after = min(keep_after, max(0, (step // every - 1) * every) if every else 0)
-            if self.writer.saved_step is not None:
-                keep_after = min(keep_after, self.writer.saved_step)
-        if isinstance(self.lr_scheduler, ReduceLROnPlateau) and not self.config.plateau_metric:
-            start = self.history.epoch_start(self.progress.epoch)
-            if start is not None:
-                keep_after = min(keep_after, start - 1)
-        self.history.forget_upto(keep_after)
+        self.history.forget_upto(_history_kept_after(self, acknowledged))
 
     # a generation's start -------------------------------------------------------------------
 
@@ -219,6 +243,9 @@ class Worker:
         Returns, on rank 0 of the run's first generation, the ``micro_batches`` event.
         """
         event = self.record_cut(rank, world_size) if self.progress.cut is None else None
+        if self.sharded is not None:  # measured above on the whole model; the rows come now
+            self.model = self.sharded.start(rank, world_size, self.optimizer, self.device)
+            self.running_stats = RunningStats(self.model)
         self.reducer.sync_order(world_size)
         self._first_step_of_generation = True
         return event
@@ -249,6 +276,8 @@ class Worker:
         """This rank's passes of a step over `batch` (sample indices): its micro-batches
         (index k, sample indices), or with --sync-batchnorm all of them in one pass."""
         parts = self.plan.rank_micro_batches(batch, rank, world_size)
+        if self.sharded is not None:  # as many passes as rank 0 (FSDP2's collectives)
+            return self.sharded.padded(self.plan, batch, parts, world_size)
         if self.config.sync_batchnorm and parts:
             # SyncBatchNorm's statistics span what every rank forwards at once: one pass over
             # the rank's whole share gives the global batch (and no rank waits on another)
@@ -257,7 +286,7 @@ class Worker:
 
     def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int,
                             world_size: int):
-        """Yield the sample indices of each of this rank's micro-batches (index, indices) of a
+        """Yield (zero-weight?, sample indices) for each of this rank's passes `parts` over a
         batch of `B` samples; the caller's loop body (forward and backward) runs inside that
         micro-batch's random stream with its BatchNorm statistics recorded, and the last one's
         backward starts the gradients' all-reduce as buckets fill (engine.reduce). After the
@@ -269,9 +298,11 @@ class Worker:
         for n, (index, chunk) in enumerate(host_generators_kept(parts)):
             if n == len(parts) - 1:  # SyncBatchNorm's collectives run inside backward
                 self.reducer.last_pass(world_size > 1 and not self.config.sync_batchnorm)
-            with micro_batch_stream(self.config.seed, self.progress.step, index, self.device), \
-                    self.running_stats.micro_batch(index):
-                yield chunk
+            pad = is_pad(index)  # a zero-weight pass: no statistics kept
+            with micro_batch_stream(self.config.seed, self.progress.step,
+                                    pad_source(index) if pad else index, self.device), \
+                    contextlib.nullcontext() if pad else self.running_stats.micro_batch(index):
+                yield pad, chunk
         # ranks start buckets at different moments: all of them, before any other collective
         self.reducer.flush(world_size)
         self.running_stats.combine(self.plan.micro_batch_count(B))
@@ -287,15 +318,18 @@ class Worker:
         # closed on the way out, also when a pass raises: that restores the generators' states
         # and the layers' momenta now, not whenever the interpreter frees the loop
         with contextlib.closing(self._micro_batch_passes(parts, B, world_size)) as passes:
-            for chunk in passes:
+            for pad, chunk in passes:
                 batch = to_device(self._next_batch(rank, world_size), self.device)
                 fault_point("forward", self)
-                with self._sync_batchnorm_collectives(), micro_batch_note(
+                with self._collectives_in_passes(), micro_batch_note(
                         len(chunk), self.progress.step + 1, B, self.plan.cut,
                         self.config.global_batch):
                     with self.precision.autocast():
                         out = self.loss_fn(self.model, batch)
                     fault_point("backward", self)
+                    if pad:
+                        self.weights.zero_weight_backward(out, self.progress.step)
+                        continue
                     loss, metrics, weight = self.weights.backward(
                         out, len(chunk), B, self.progress.step, self.config.sync_batchnorm)
                 loss_sum = loss_sum + loss
@@ -306,12 +340,14 @@ class Worker:
                     extras[j] = extras[j] + weighted(metrics[name], weight)
         return loss_sum, extras
 
-    def _sync_batchnorm_collectives(self):
-        """SyncBatchNorm's collectives run inside the forward and backward passes: a peer
-        failing there (torch's DistError) is a fault, like in our own collectives."""
+    def _collectives_in_passes(self):
+        """SyncBatchNorm's and FSDP2's collectives run inside the forward and backward passes:
+        a peer failing there (torch's DistError) is a fault, like in our own collectives."""
+        if self.sharded is not None:
+            return collectives_within("FSDP2's all-gather or reduce-scatter")
         if not self.config.sync_batchnorm:
             return contextlib.nullcontext()
-        return collective("SyncBatchNorm statistics", only=dist.DistError)
+        return collectives_within("SyncBatchNorm statistics")
 
     def _reduce_and_vote(self, loss, extras: list, flag: float, B: int, world_size: int,
                          vote: Vote) -> tuple:
@@ -383,13 +419,8 @@ class Worker:
         self.pipeline.moved_to((rank, world_size, p.epoch, p.position))  # its next step
         p.step += 1
         p.samples += len(batch)
-        seconds = time.perf_counter() - t0
-        record = {"step": p.step, "epoch": epoch, "loss": loss, **lrs,
-                  "world_size": world_size, "samples_per_s": len(batch) / max(seconds, 1e-9),
-                  "time": time.time()}
-        record.update(zip(p.metric_names, extras))
-        if self.weights.mean_over:  # what the step's loss is a mean over (an epoch's mean
-            record["items"] = int(round(self.weights.items))  # weighs it)
+        record = _step_record(p, epoch, [loss, *extras], lrs, world_size, len(batch),
+                              time.perf_counter() - t0, self.weights)
         self.in_flight, self.pending = False, record
         if self._first_step_of_generation:  # the buckets, in the order backward filled them:
             # a collective, so only once the step is done (a peer failing here loses nothing)

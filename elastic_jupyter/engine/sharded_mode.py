@@ -1,0 +1,222 @@
+"""What ``shard=True`` changes in a Worker: the model sharded over each generation, equal passes.
+
+In the sharded mode (engine.sharding) the Worker's step is the replicated mode's, with three
+differences this module owns:
+
+- the model is sharded with FSDP2 over the generation's process group when the generation
+  starts, and its gradients are reduce-scattered (engine.sharded_reduce) instead of
+  all-reduced;
+- every rank runs the same number of forward and backward passes in a step, because FSDP2's
+  all-gathers and reduce-scatters are collectives: a rank with fewer micro-batches than rank 0
+  first runs zero-weight passes over rank 0's first micro-batch (its gradients are zeros; its
+  BatchNorm statistics and random draws are not kept);
+- options that the sharded mode does not support yet are refused at setup.
+
+At each generation's start the ranks tell each other which rows they hold and move them to
+the generation's layout in memory (engine.sharding's ``reshard_to``): newcomers receive theirs
+from the holders. Where ranks leave at a generation's end, they first hand their rows to those
+that stay (:meth:`ShardedMode.leave`: a shrink is a drain). Each rank's part is also kept by
+its partner in host memory every ``replica_every`` steps and after each resize
+(engine.replicas): after a fault the survivors go back to that step and take the lost rows from
+the copies. Not yet wired (issue 36): sharded checkpoints (engine.sharded_checkpoint, and the
+fallback to them when a rank is lost with its partner), and the owner, which does not offer
+``shard`` as a run option yet.
+
+This module imports nothing from IPython or the UI.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from .batching import BatchPlan
+from .collective import collective
+from .objects import CellObjects, SetupError
+from .protocol import EngineConfig
+from .replicas import PartnerReplicas
+from .reshard import Layout
+from .sharded_reduce import ShardedReducer
+from .sharding import ShardedModel, ShardingError, Snapshot
+
+# (what the option is, why it is refused for now)
+_NOT_YET = (
+    ("sync_batchnorm", "--sync-batchnorm", "SyncBatchNorm's collectives run once per rank's "
+     "share, not per padded pass"),
+    ("precision", "--precision", "mixed precision goes through FSDP2's MixedPrecisionPolicy, "
+     "not wired yet"),
+    ("checkpoint_dir", "a checkpoint folder", "a sharded state is written one part per rank "
+     "(engine.sharded_checkpoint), not wired yet"),
+)
+
+
+def is_pad(index: int) -> bool:
+    """Whether pass `index` (from :meth:`ShardedMode.padded`) is a zero-weight pass."""
+    return index < 0
+
+
+def pad_source(index: int) -> int:
+    """The micro-batch a zero-weight pass `index` reads (its random stream too)."""
+    return -index - 1
+
+
+class ShardedMode:
+    """The sharded mode of one Worker.
+
+    Args:
+        objects: the cell's objects; ``shard_fn(model, mesh)`` when the cell defines one.
+        config: the run's options.
+    Raises SetupError for an option the sharded mode does not support yet, or a cell that
+    keeps other training state (``extra_state``, ``after_step``).
+
+    Attributes:
+        held: the layout of the rows this rank holds, (world size, rank), or None (a newcomer,
+            a leaver). Before the first generation every engine holds the cell's whole model:
+            rank 0 of one; at the first generation only rank 0's counts (the others are sent
+            the state, as in the replicated mode).
+        parked: rows handed over at the last generation's end (:meth:`leave`), not yet in a
+            module (their mesh is the next generation's).
+        replicas: partner replicas (engine.replicas), refreshed by :meth:`refresh`.
+    """
+
+    def __init__(self, objects: CellObjects, config: EngineConfig):
+        for field, option, why in _NOT_YET:
+            if getattr(config, field):
+                raise SetupError(f"{option} is not supported with shard=True yet: {why}")
+        if objects.extra_state or objects.after_step is not None:
+            raise SetupError("extra_state and after_step are not supported with shard=True "
+                             "yet: an EMA of a sharded model must be sharded alike")
+        if objects.eval_dataset is not None:
+            raise SetupError("eval_dataset is not supported with shard=True yet: an "
+                             "evaluation's forward passes must be as many on every rank")
+        self.model = ShardedModel(objects.model, objects.shard_fn)
+        self.reducer = ShardedReducer()
+        self.held: tuple[int, int] | None = (1, 0)
+        self.parked: Snapshot | None = None
+        self.replicas = PartnerReplicas()  # this rank's and its partner's parts, host memory
+        self.replica_state: dict | None = None  # the rest of the state at the replicas' step
+        self._plan: tuple = ()  # agreed at the generation's start: (layout, own part, copies)
+
+    def agree(self, rank: int, world_size: int, newcomer: bool, step: int,
+              roll_back: Callable[[dict], None]) -> None:
+        """At a generation's start, before the rest of the state is broadcast, on every rank
+        (a collective): the ranks say which rows they hold and agree where each new rank's
+        rows come from. `newcomer`: this rank is sent the state; `step`: the committed step
+        it holds. When some rank's rows were lost (a fault), the survivors go back to their
+        partner replicas' step (Gemini, SOSP'23): `roll_back(state)` loads the rest of the
+        state as it was there (progress, history, scheduler), and the lost rows come from
+        their partners' copies. Raises ShardingError when rows are lost with their copy (a
+        rank and its partner, or a fault at W = 1), PeerFailure when a peer fails."""
+        if newcomer:
+            self.held, self.parked, self.replicas, self.replica_state = None, None, \
+                PartnerReplicas(), None
+        r = self.replicas
+        mine = (self.held, step, None if r.step is None else (r.step, r.world_size, r.rank))
+        box: list = [None] * world_size
+        with collective("the sharded layout"):
+            dist.all_gather_object(box, mine)
+        held = [b[0] for b in box]
+        if _complete(held) and len({b[1] for b in box if b[0] is not None}) == 1:
+            self._plan = (_layout(held, world_size), None, None)
+            return
+        self._plan = self._recovery(box, world_size)
+        if self.held is not None:  # a survivor: back to the replicas' step
+            assert self.replica_state is not None
+            roll_back(self.replica_state)
+            self.held, self.parked = (r.world_size, r.rank), None
+
+    def _recovery(self, box: list, world_size: int) -> tuple:
+        """(layout, own part, copies) from the partner replicas, once every rank said what it
+        holds (`box`). Raises ShardingError when that cannot hold every row."""
+        infos = [b[2] for b in box if b[0] is not None]  # the survivors' replicas
+        if not infos or None in infos or len({info[:2] for info in infos}) != 1:
+            raise ShardingError("a rank's rows were lost, and the survivors hold no partner "
+                                "replicas of one step to recover them from")
+        step, size = infos[0][:2]
+        lost = set(range(size)) - {info[2] for info in infos}  # ranks of `size` at `step`
+        found = self.replicas.recovery(lost) if self.held is not None else ((), {})
+        gathered: list = [None] * world_size
+        with collective("the sharded layout"):
+            dist.all_gather_object(gathered, None if found is None else found[0])
+        if any(g is None for g, b in zip(gathered, box) if b[0] is not None):
+            raise ShardingError(f"rank(s) {sorted(lost)} of {size} were lost with their "
+                                "partner's copy (or at W = 1): their rows are nowhere in "
+                                "memory (a checkpoint fallback is not wired yet)")
+        old = tuple(b[2][2] if b[0] is not None else None for b in box)
+        layout = Layout(old, tuple(range(world_size)), tuple(g or () for g in gathered))
+        return layout, self.replicas.own, (found[1] if found else {})
+
+    def start(self, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
+              device: torch.device) -> nn.Module:
+        """After :meth:`agree` and the broadcast, on every rank (a collective): the rows move
+        to this generation's layout (engine.reshard: only rows whose owner changes, point to
+        point) and the module is built on the generation's mesh, `optimizer` pointed at it.
+        Returns the module. Raises PeerFailure when a peer fails."""
+        layout, own, copies = self._plan
+        group = dist.group.WORLD
+        assert group is not None, "a generation's process group is formed first"
+        mesh = DeviceMesh.from_group(group, device.type)
+        held, self.parked = own if own is not None else self.parked, None
+        module = self.model.reshard_to(mesh, layout, rank, optimizer, device, held, copies)
+        assert module is not None
+        self.reducer.attach(module)
+        self.held = (world_size, rank)
+        return module
+
+    def refresh(self, step: int, rank: int, world_size: int,
+                optimizer: torch.optim.Optimizer, capture: Callable[[], dict]) -> int:
+        """At committed step `step`, on every rank (a collective): this rank's part copied
+        to host memory and sent to its partner (engine.replicas), with `capture()`, the rest
+        of the state (engine.state's capture without rows). Returns the bytes sent."""
+        part = self.model.snapshot(optimizer)
+        sent = self.replicas.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
+                                     rank, world_size)
+        self.replica_state = capture()
+        return sent
+
+    def leave(self, rank: int, world_size: int, leaving: bool,
+              optimizer: torch.optim.Optimizer) -> None:
+        """At the generation's end, on every rank (a collective): when some rank leaves
+        (`leaving`: this one does), every rank hands its rows to the layout of those that
+        stay, in rank order; a leaver then holds nothing. Raises PeerFailure."""
+        box: list = [None] * world_size
+        with collective("the ranks that leave"):
+            dist.all_gather_object(box, leaving)
+        if not any(box):
+            return
+        if all(box):
+            raise ShardingError("every rank of a sharded run leaves at once: its state would "
+                                "be nowhere (a checkpoint is not wired yet)")
+        stay = [r for r in range(world_size) if not box[r]]
+        new = tuple(stay.index(r) if r in stay else None for r in range(world_size))
+        layout = Layout(tuple(range(world_size)), new)
+        self.parked = self.model.hand_over(layout, rank, optimizer)
+        self.reducer.close()
+        self.held = None if leaving else (len(stay), stay.index(rank))
+
+    @staticmethod
+    def padded(plan: BatchPlan, batch: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
+               world_size: int) -> list[tuple[int, torch.Tensor]]:
+        """`parts`, a rank's (index, sample indices) passes of a step over `batch`, with as
+        many zero-weight passes in front as make them rank 0's count (the most any rank
+        has); a zero-weight pass's index is negative (:func:`is_pad`)."""
+        first = plan.rank_micro_batches(batch, 0, world_size)
+        index, chunk = first[0]
+        return [(-index - 1, chunk)] * (len(first) - len(parts)) + parts
+
+
+def _complete(held: list) -> bool:
+    """Whether the (size, rank) layouts the ranks hold (None: nothing) are of one size and
+    hold each of its ranks once."""
+    sizes = {h[0] for h in held if h is not None}
+    ranks = sorted(h[1] for h in held if h is not None)
+    return len(sizes) == 1 and ranks == list(range(*sizes))
+
+
+def _layout(held: list, world_size: int) -> Layout:
+    """The resharding from the complete layout the group's ranks hold rows in (`held`: (size,
+    rank) or None per group rank) to ranks 0..world_size-1."""
+    return Layout(tuple(h[1] if h is not None else None for h in held), tuple(range(world_size)))
