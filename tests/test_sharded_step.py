@@ -86,10 +86,11 @@ def test_a_sharded_run_equals_a_plain_loop(tmp_path):
             assert torch.allclose(result.params[k], value, rtol=1e-9, atol=1e-12), (rank, k)
 
 
-@pytest.mark.parametrize("options, refused", [
-    ({"checkpoint_dir": "x"}, "a checkpoint folder is not supported with shard=True yet"),
-    ({"precision": "bf16"}, "--precision is not supported with shard=True yet"),
+@pytest.mark.parametrize("more, options, refused", [
+    ("", {"precision": "bf16"}, "--precision is not supported with shard=True yet"),
+    ("def after_step(model, optimizer, step): pass", {},
+     "extra_state and after_step are not supported with shard=True yet"),
 ])
-def test_what_the_sharded_mode_does_not_do_yet_is_refused_at_setup(options, refused):
+def test_what_the_sharded_mode_does_not_do_yet_is_refused_at_setup(more, options, refused):
     with pytest.raises(SetupError, match=refused):
-        Worker(cell_namespace(CELL, 3), dict(config(shard=True), **options), "cpu")
+        Worker(cell_namespace(CELL + more, 3), dict(config(shard=True), **options), "cpu")

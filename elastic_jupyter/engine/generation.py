@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import drain
 from .abort import AbortableStore, AbortWatch
+from .checkpoint import CheckpointError
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
@@ -70,14 +71,6 @@ def _out_of_memory_hint(config: EngineConfig):
                 "the update stays the same")
         raise torch.cuda.OutOfMemoryError(
             f"{e}\nThe step ran out of GPU memory: {hint}") from e
-
-
-def _hand_over(worker: Worker, rank: int, world_size: int, leaving: bool) -> None:
-    """A sharded run's end of generation: rows go to the ranks that stay (engine.sharded_mode);
-    the Worker keeps the model's skeleton (no memory) until the next generation builds it."""
-    assert worker.sharded is not None
-    worker.sharded.leave(rank, world_size, leaving, worker.optimizer)
-    worker.model = worker.sharded.model.skeleton
 
 
 class Generation:
@@ -135,8 +128,9 @@ class Generation:
         fault_point("resize", w)
         if w.sharded is not None:  # where each rank's rows come from; survivors of a lost
             # rank's rows go back to their replicas' step before newcomers are sent the state
-            w.sharded.agree(self.rank, self.world_size, self.spec.receive_state,
-                            w.progress.step, w.restore)
+            event = w.sharded.agree(self.rank, self.world_size, self.spec.receive_state,
+                                    w.progress.step, w.restore)
+            self.events += [event] if event and self.rank == 0 else []
         if self.spec.broadcast:
             self._broadcast_state(self.spec.receive_state)
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
@@ -213,7 +207,7 @@ class Generation:
                     last_publish = now
             if leave and p.step < w.total_steps:
                 if w.sharded is not None:  # a leaver hands its rows over first
-                    _hand_over(w, rank, world_size, self._leaving())
+                    self._hand_over()
                 break
         else:
             reason = "finished"
@@ -235,6 +229,37 @@ class Generation:
         if self.rank == 0:
             self.events.append({"kind": "replicas", "step": w.progress.step, "bytes": sent,
                                 "seconds": round(time.perf_counter() - start, 3)})
+
+    def _hand_over(self) -> None:
+        """A sharded run's end of generation: rows go to the ranks that stay
+        (engine.sharded_mode), and the Worker keeps the model's skeleton (no memory) until the
+        next generation builds it; when every rank leaves (each told to go), a checkpoint."""
+        w = self.worker
+        assert w.sharded is not None
+        if w.sharded.leave(self.rank, self.world_size, self._leaving(), w.optimizer):
+            if w.sharded.folder is not None and not self._checkpoint_written():
+                self._sharded_checkpoint(w.progress.step)
+            return
+        w.model = w.sharded.model.skeleton
+
+    def _checkpoint_written(self) -> bool:
+        return any(e.get("kind") == "checkpoint" and e["step"] == self.worker.progress.step
+                   for e in self.events)
+
+    def _sharded_checkpoint(self, step: int) -> None:
+        """Every rank of a sharded run writes its part of step `step`'s checkpoint; rank 0
+        logs it (a failure is an event, as the replicated mode's writer's)."""
+        w, start = self.worker, time.time()
+        assert w.sharded is not None
+        try:
+            path = w.sharded.checkpoint(step, self.rank, self.world_size, w.optimizer,
+                                        w.capture, w.config.keep)
+            event = {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
+                     "seconds": round(time.time() - start, 3)}
+        except CheckpointError as e:
+            event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
+        if self.rank == 0:
+            self.events.append(event)
 
     def _leaving(self) -> bool:
         """Whether this rank leaves when the generation ends: its scheduler told it to go
@@ -278,6 +303,10 @@ class Generation:
         w.forget_history(self._acknowledged_step)
         if self.rank == 0:
             self._maybe_checkpoint(step)
+        every = w.config.checkpoint_every or 0
+        if w.sharded is not None and w.sharded.folder is not None and (
+                (every and step % every == 0) or step >= w.total_steps):
+            self._sharded_checkpoint(step)
 
     def _keep_final_state(self, record: dict) -> None:
         """Rank 0, before the final evaluation: write the final state as a checkpoint, its

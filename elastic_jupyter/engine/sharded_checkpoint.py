@@ -4,7 +4,9 @@ A checkpoint of step S is the folder ``step-SSSSSSSS.shards/`` in the run's chec
 ``part-RRRRR.pt`` from each rank R of the W that wrote it (its rows of every parameter and
 optimizer moment: engine.sharding's Snapshot), and ``manifest.pt``, which rank 0 writes last:
 the step, W, every parameter's shape, the parts' names and dtypes, the optimizer's values that
-are the same on every rank (a step counter) and the buffers, and each file's bytes and SHA-256.
+are the same on every rank (a step counter) and the buffers, each file's bytes and SHA-256,
+and ``state``, the rest of the training state (engine.state's capture without rows: progress,
+history, scheduler, random generators, the run's options).
 The ranks write into ``step-SSSSSSSS.shards.tmp/``, fsync each file, and rank 0 renames the
 folder once every part and the manifest are on disk: a folder with its final name is complete,
 and one a crash left behind keeps its ``.tmp`` name (it is never read).
@@ -49,10 +51,11 @@ def _entry(key: str) -> tuple[str, str | None]:
 
 
 def write_parts(folder: str, step: int, part: Snapshot, shapes: dict[str, torch.Size],
-                rank: int, world_size: int) -> str:
+                rank: int, world_size: int, state: dict | None = None) -> str:
     """Every rank of the generation: write this rank's `part` (`shapes`: each parameter's
     whole shape) as its part of step `step`'s checkpoint in `folder` (rank 0's replicated
-    values and buffers go in the manifest); returns the checkpoint's path
+    values, buffers and `state`, the rest of the training state, go in the manifest); returns
+    the checkpoint's path
     once every rank's part and the manifest are on disk. A collective (the ranks exchange
     their files' hashes). Raises CheckpointError when a rank could not write."""
     final = os.path.join(folder, folder_name(step))
@@ -86,7 +89,7 @@ def write_parts(folder: str, step: int, part: Snapshot, shapes: dict[str, torch.
                     "replicated": part.replicated,
                     "buffers": {n: b.detach().cpu() for n, b in part.buffers.items()},
                     "dtypes": [str(t.dtype).removeprefix("torch.") for t in part.parts.values()],
-                    "files": gathered}
+                    "files": gathered, "state": state}
         atomic_write(os.path.join(tmp, "manifest.pt"), lambda f: torch.save(manifest, f))
         os.replace(tmp, final)
         _fsync_dir(folder)
@@ -128,6 +131,19 @@ def read_rows(path: str, rank: int, world_size: int) -> tuple[dict, dict, dict]:
         out[entry] = torch.cat(pieces) if pieces else torch.empty(
             (0, *shapes[entry[0]][1:]), dtype=getattr(torch, dtype))
     return out, manifest["replicated"], manifest["buffers"]
+
+
+def read_state(path: str) -> dict | None:
+    """The rest of the training state the checkpoint folder `path` holds (its manifest's).
+    Raises CheckpointError when the manifest is missing or damaged."""
+    return _load(os.path.join(path, "manifest.pt"))["state"]
+
+
+def prune(folder: str, keep: int) -> None:
+    """Remove all but the newest `keep` complete sharded checkpoints in `folder`."""
+    done = sorted(d for d in os.listdir(folder) if d.endswith(".shards"))
+    for name in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
 
 
 def latest(folder: str) -> str | None:

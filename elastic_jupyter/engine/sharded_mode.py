@@ -18,14 +18,16 @@ from the holders. Where ranks leave at a generation's end, they first hand their
 that stay (:meth:`ShardedMode.leave`: a shrink is a drain). Each rank's part is also kept by
 its partner in host memory every ``replica_every`` steps and after each resize
 (engine.replicas): after a fault the survivors go back to that step and take the lost rows from
-the copies. Not yet wired (issue 36): sharded checkpoints (engine.sharded_checkpoint, and the
-fallback to them when a rank is lost with its partner), and the owner, which does not offer
-``shard`` as a run option yet.
+the copies. Checkpoints are written one part per rank (engine.sharded_checkpoint); a run
+resumes from one at any world size, and goes back to the newest when a rank was lost with its
+partner. Not yet wired (issue 36): the owner, which does not offer ``shard`` as a run option
+yet, and its final state (``run.export()``) from the parts.
 
 This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -39,6 +41,7 @@ from .objects import CellObjects, SetupError
 from .protocol import EngineConfig
 from .replicas import PartnerReplicas
 from .reshard import Layout
+from .sharded_checkpoint import latest, prune, read_rows, read_state, write_parts
 from .sharded_reduce import ShardedReducer
 from .sharding import ShardedModel, ShardingError, Snapshot
 
@@ -48,8 +51,6 @@ _NOT_YET = (
      "share, not per padded pass"),
     ("precision", "--precision", "mixed precision goes through FSDP2's MixedPrecisionPolicy, "
      "not wired yet"),
-    ("checkpoint_dir", "a checkpoint folder", "a sharded state is written one part per rank "
-     "(engine.sharded_checkpoint), not wired yet"),
 )
 
 
@@ -98,73 +99,132 @@ class ShardedMode:
         self.parked: Snapshot | None = None
         self.replicas = PartnerReplicas()  # this rank's and its partner's parts, host memory
         self.replica_state: dict | None = None  # the rest of the state at the replicas' step
-        self._plan: tuple = ()  # agreed at the generation's start: (layout, own part, copies)
+        self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
+        self.folder = config.checkpoint_dir  # sharded checkpoints go there
+        self._plan = _Plan()  # agreed at the generation's start
+
+    def resume(self, path: str) -> None:
+        """Start from the sharded checkpoint folder `path` (engine.sharded_checkpoint) at the
+        next generation, at its world size, whatever the world size that wrote it."""
+        self.disk = path
 
     def agree(self, rank: int, world_size: int, newcomer: bool, step: int,
-              roll_back: Callable[[dict], None]) -> None:
+              roll_back: Callable[[dict], None]) -> dict | None:
         """At a generation's start, before the rest of the state is broadcast, on every rank
         (a collective): the ranks say which rows they hold and agree where each new rank's
-        rows come from. `newcomer`: this rank is sent the state; `step`: the committed step
-        it holds. When some rank's rows were lost (a fault), the survivors go back to their
-        partner replicas' step (Gemini, SOSP'23): `roll_back(state)` loads the rest of the
-        state as it was there (progress, history, scheduler), and the lost rows come from
-        their partners' copies. Raises ShardingError when rows are lost with their copy (a
-        rank and its partner, or a fault at W = 1), PeerFailure when a peer fails."""
+        rows come from: the ranks that hold them, or a checkpoint a rank resumes from.
+        `newcomer`: this rank is sent the state; `step`: the committed step it holds.
+
+        When some rank's rows were lost (a fault), the survivors go back to their partner
+        replicas' step (Gemini, SOSP'23): `roll_back(state)` loads the rest of the state as
+        it was there (progress, history, scheduler), and the lost rows come from their
+        partners' copies. When a rank was lost with its partner (or at W = 1), every rank
+        goes back to the newest sharded checkpoint in ``checkpoint_dir`` instead; returns
+        the event that says so (else None). Raises ShardingError when there is none,
+        PeerFailure when a peer fails."""
         if newcomer:
             self.held, self.parked, self.replicas, self.replica_state = None, None, \
                 PartnerReplicas(), None
         r = self.replicas
-        mine = (self.held, step, None if r.step is None else (r.step, r.world_size, r.rank))
+        mine = (self.held, step, None if r.step is None else (r.step, r.world_size, r.rank),
+                self.disk)
         box: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(box, mine)
-        held = [b[0] for b in box]
+        held, disks = [b[0] for b in box], {b[3] for b in box} - {None}
+        if disks:  # a resume: every rank reads its rows
+            return self._from_disk(disks.pop() if len(disks) == 1 else None, roll_back)
         if _complete(held) and len({b[1] for b in box if b[0] is not None}) == 1:
-            self._plan = (_layout(held, world_size), None, None)
-            return
-        self._plan = self._recovery(box, world_size)
+            self._plan = _Plan(layout=_layout(held, world_size))
+            return None
+        lost = self._recovery(box, world_size)
+        if lost is not None:  # rows nowhere in memory
+            return self._from_disk(latest(self.folder) if self.folder else None, roll_back,
+                                   f"rank(s) {lost} were lost with their partner's copy")
         if self.held is not None:  # a survivor: back to the replicas' step
             assert self.replica_state is not None
             roll_back(self.replica_state)
             self.held, self.parked = (r.world_size, r.rank), None
+        return None
 
-    def _recovery(self, box: list, world_size: int) -> tuple:
-        """(layout, own part, copies) from the partner replicas, once every rank said what it
-        holds (`box`). Raises ShardingError when that cannot hold every row."""
+    def _from_disk(self, path: str | None, roll_back: Callable[[dict], None],
+                   why: str | None = None) -> dict | None:
+        """Plan to read every rank's rows from the checkpoint folder `path` and load the rest
+        of its state (`why`: the fault that sends the run there, for its event)."""
+        if path is None:
+            raise ShardingError(
+                f"{why}: their rows are nowhere in memory, and the run has no sharded "
+                "checkpoint to go back to (give it a checkpoint folder)" if why else
+                "the ranks were told to resume from different checkpoints")
+        state = read_state(path)
+        assert state is not None
+        roll_back(state)
+        self._plan, self.disk, self.parked = _Plan(path=path), None, None
+        if why is None:
+            return None
+        return {"kind": "fallback", "step": state["progress"]["step"], "path": path,
+                "message": f"{why}: the run goes back to its checkpoint of step "
+                           f"{state['progress']['step']}"}
+
+    def _recovery(self, box: list, world_size: int) -> list[int] | None:
+        """Plan the layout from the partner replicas, once every rank said what it holds
+        (`box`); returns the lost ranks when some rows are nowhere in memory (else None).
+        Raises ShardingError when the survivors hold no replicas of one step."""
         infos = [b[2] for b in box if b[0] is not None]  # the survivors' replicas
-        if not infos or None in infos or len({info[:2] for info in infos}) != 1:
+        if infos and (None in infos or len({info[:2] for info in infos}) != 1):
             raise ShardingError("a rank's rows were lost, and the survivors hold no partner "
                                 "replicas of one step to recover them from")
-        step, size = infos[0][:2]
+        step, size = infos[0][:2] if infos else (None, 1)
         lost = set(range(size)) - {info[2] for info in infos}  # ranks of `size` at `step`
         found = self.replicas.recovery(lost) if self.held is not None else ((), {})
         gathered: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(gathered, None if found is None else found[0])
-        if any(g is None for g, b in zip(gathered, box) if b[0] is not None):
-            raise ShardingError(f"rank(s) {sorted(lost)} of {size} were lost with their "
-                                "partner's copy (or at W = 1): their rows are nowhere in "
-                                "memory (a checkpoint fallback is not wired yet)")
+        if not infos or any(g is None for g, b in zip(gathered, box) if b[0] is not None):
+            return sorted(lost)
         old = tuple(b[2][2] if b[0] is not None else None for b in box)
-        layout = Layout(old, tuple(range(world_size)), tuple(g or () for g in gathered))
-        return layout, self.replicas.own, (found[1] if found else {})
+        self._plan = _Plan(Layout(old, tuple(range(world_size)), tuple(g or () for g in gathered)),
+                           self.replicas.own, found[1] if found else {})
+        return None
 
     def start(self, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
               device: torch.device) -> nn.Module:
         """After :meth:`agree` and the broadcast, on every rank (a collective): the rows move
         to this generation's layout (engine.reshard: only rows whose owner changes, point to
-        point) and the module is built on the generation's mesh, `optimizer` pointed at it.
-        Returns the module. Raises PeerFailure when a peer fails."""
-        layout, own, copies = self._plan
+        point; or read from the checkpoint) and the module is built on the generation's
+        mesh, `optimizer` pointed at it. Returns the module. Raises PeerFailure when a peer
+        fails, CheckpointError when a part cannot be read."""
+        plan = self._plan
         group = dist.group.WORLD
         assert group is not None, "a generation's process group is formed first"
         mesh = DeviceMesh.from_group(group, device.type)
-        held, self.parked = own if own is not None else self.parked, None
-        module = self.model.reshard_to(mesh, layout, rank, optimizer, device, held, copies)
+        module: nn.Module | None
+        if plan.path is not None:
+            module = self.model.load(mesh, optimizer, device,
+                                     *read_rows(plan.path, rank, world_size))
+        else:
+            assert plan.layout is not None
+            held, self.parked = plan.own if plan.own is not None else self.parked, None
+            module = self.model.reshard_to(mesh, plan.layout, rank, optimizer, device, held,
+                                           plan.copies)
         assert module is not None
         self.reducer.attach(module)
         self.held = (world_size, rank)
         return module
+
+    def checkpoint(self, step: int, rank: int, world_size: int,
+                   optimizer: torch.optim.Optimizer, capture: Callable[[], dict],
+                   keep: int) -> str:
+        """At committed step `step`, on every rank (a collective): write this rank's part of
+        the checkpoint (rank 0 also the rest of the state, `capture()`) into
+        ``checkpoint_dir`` (engine.sharded_checkpoint), keeping the newest `keep`. Returns
+        its path. Raises CheckpointError, PeerFailure."""
+        assert self.folder is not None
+        path = write_parts(self.folder, step, self.model.snapshot(optimizer), self.model.shapes,
+                           rank, world_size, capture() if rank == 0 else None)
+        if rank == 0:
+            prune(self.folder, keep)
+        return path
 
     def refresh(self, step: int, rank: int, world_size: int,
                 optimizer: torch.optim.Optimizer, capture: Callable[[], dict]) -> int:
@@ -178,24 +238,24 @@ class ShardedMode:
         return sent
 
     def leave(self, rank: int, world_size: int, leaving: bool,
-              optimizer: torch.optim.Optimizer) -> None:
+              optimizer: torch.optim.Optimizer) -> bool:
         """At the generation's end, on every rank (a collective): when some rank leaves
         (`leaving`: this one does), every rank hands its rows to the layout of those that
-        stay, in rank order; a leaver then holds nothing. Raises PeerFailure."""
+        stay, in rank order; a leaver then holds nothing. Returns whether every rank leaves
+        (their rows stay where they are: the caller writes a checkpoint). Raises
+        PeerFailure."""
         box: list = [None] * world_size
         with collective("the ranks that leave"):
             dist.all_gather_object(box, leaving)
-        if not any(box):
-            return
-        if all(box):
-            raise ShardingError("every rank of a sharded run leaves at once: its state would "
-                                "be nowhere (a checkpoint is not wired yet)")
+        if not any(box) or all(box):
+            return all(box)
         stay = [r for r in range(world_size) if not box[r]]
         new = tuple(stay.index(r) if r in stay else None for r in range(world_size))
         layout = Layout(tuple(range(world_size)), new)
         self.parked = self.model.hand_over(layout, rank, optimizer)
         self.reducer.close()
         self.held = None if leaving else (len(stay), stay.index(rank))
+        return False
 
     @staticmethod
     def padded(plan: BatchPlan, batch: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
@@ -206,6 +266,17 @@ class ShardedMode:
         first = plan.rank_micro_batches(batch, 0, world_size)
         index, chunk = first[0]
         return [(-index - 1, chunk)] * (len(first) - len(parts)) + parts
+
+
+@dataclass
+class _Plan:
+    """Where this generation's rows come from: the holders' `layout` (with this rank's `own`
+    part and `copies` of lost ranks' parts after a fault), or the checkpoint at `path`."""
+
+    layout: Layout | None = None
+    own: Snapshot | None = None
+    copies: dict | None = None
+    path: str | None = None
 
 
 def _complete(held: list) -> bool:

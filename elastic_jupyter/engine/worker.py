@@ -181,7 +181,7 @@ class Worker:
         self.pending: dict | None = None
         self.writer: CheckpointWriter | None = None
         self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
-        if config.checkpoint_dir:
+        if config.checkpoint_dir and not config.shard:  # sharded: one part per rank
             self.writer = CheckpointWriter(config.checkpoint_dir, config.keep,
                                            before_write=lambda: _before_write(self))
 
