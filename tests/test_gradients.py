@@ -302,8 +302,8 @@ def test_sync_batchnorm_refuses_a_nan_loss_without_items():
         worker.train_step(0, 1)
     assert str(refused.value) == (
         "loss_fn returned a loss of nan with a MeanOver count of 0 at step 1: with "
-        "--sync-batchnorm every rank's pass takes part in the collectives of backward, so "
-        "loss_fn must return a finite loss there (for a mean over no items, divide by "
+        "--sync-batchnorm every rank's pass takes part in SyncBatchNorm's backward, so loss_fn "
+        "must return a finite loss for a batch with no items (e.g. divide by "
         "count.clamp(min=1))")
     assert ns["backward_calls"] == []
 

@@ -13,6 +13,7 @@ import torch
 
 from elastic_jupyter.engine.objects import SetupError
 from elastic_jupyter.engine.worker import Worker
+from test_gradients import TOKENS_CELL
 from worlds import cell_namespace, config, reference, train
 
 CELL = '''
@@ -94,3 +95,16 @@ def test_a_sharded_run_equals_a_plain_loop(tmp_path):
 def test_what_the_sharded_mode_does_not_do_yet_is_refused_at_setup(more, options, refused):
     with pytest.raises(SetupError, match=refused):
         Worker(cell_namespace(CELL + more, 3), dict(config(shard=True), **options), "cpu")
+
+
+def test_micro_batches_without_items_take_part_in_fsdp2s_collectives(tmp_path):
+    # MeanOver losses over token counts, 40% of the samples without a token: some micro-batches
+    # of 2 hold none, and their rank still runs FSDP2's backward (at weight 0, so the loss of
+    # an empty mean must be finite, as with --sync-batchnorm)
+    cell = TOKENS_CELL.replace("(error ** 2)[mask].mean()",
+                               "(error ** 2)[mask].sum() / mask.sum().clamp(min=1)")
+    options = config(micro_batch=2)
+    replicated = train(cell, options, 2, 6, tmp_path)[0]
+    for got in train(cell, dict(options, shard=True), 2, 6, tmp_path):
+        for k, value in replicated.params.items():
+            assert torch.allclose(got.params[k], value, rtol=1e-9, atol=1e-12), k

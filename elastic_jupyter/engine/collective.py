@@ -55,8 +55,10 @@ def collectives_within(what: str) -> Iterator[None]:
         yield
     except torch.cuda.OutOfMemoryError:
         raise
+    except PeerFailure:
+        raise
     except RuntimeError as e:
-        if isinstance(e, (dist.DistError, PeerFailure)) or _raised_in_c10d(e):
+        if isinstance(e, dist.DistError) or _raised_in_c10d(e):
             raise PeerFailure(f"{what} failed: {e}") from e
         raise
 

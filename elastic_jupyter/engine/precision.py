@@ -64,9 +64,9 @@ class Precision:
         """Backward of `loss`, scaled by the fp16 scaler when there is one."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer, clip_grad_norm: float | None, parameters) -> None:
+    def step(self, optimizer, clip_grad_norm: float | None, parameters, clip=None) -> None:
         """Unscale the (already reduced) gradients, clip their norm to `clip_grad_norm` (if
-        given), step. With fp16, a step whose gradients hold inf/NaN is skipped and the scale
+        given; with `clip(parameters, max_norm)`, default torch's ``clip_grad_norm_``), step. With fp16, a step whose gradients hold inf/NaN is skipped and the scale
         backs off: every rank holds the same reduced gradients, so every rank does the same."""
         if self.scaler is not None:
             # the scaler creates its scale on first use: a rank that scaled no loss this step
@@ -74,7 +74,7 @@ class Precision:
             self.scaler.scale(torch.zeros((), device=self.device))
             self.scaler.unscale_(optimizer)
         if clip_grad_norm:
-            torch.nn.utils.clip_grad_norm_(parameters, clip_grad_norm)
+            (clip or torch.nn.utils.clip_grad_norm_)(parameters, clip_grad_norm)
         if self.scaler is None:
             optimizer.step()
             return

@@ -303,6 +303,11 @@ class GradReducer:
             self._reduce_sparse(world_size)
         return [float(id(p) in self._used) for p in self.params]
 
+    def clip(self, parameters, max_norm: float) -> None:
+        """Clip the summed gradients of `parameters` to the norm `max_norm`
+        (``torch.nn.utils.clip_grad_norm_``: every rank holds the same gradients)."""
+        torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+
     def drop_unused(self, counts: list[float]) -> None:
         """``.grad = None`` for each dense parameter that no rank produced a gradient for;
         `counts` are the ranks' flags from :meth:`finish`, summed."""

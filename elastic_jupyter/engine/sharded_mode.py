@@ -90,6 +90,9 @@ class ShardedMode:
         if objects.extra_state or objects.after_step is not None:
             raise SetupError("extra_state and after_step are not supported with shard=True "
                              "yet: an EMA of a sharded model must be sharded alike")
+        if config.replica_every < 1:
+            raise SetupError(f"replica_every must be a positive number of steps, got "
+                             f"{config.replica_every}")
         if objects.eval_dataset is not None:
             raise SetupError("eval_dataset is not supported with shard=True yet: an "
                              "evaluation's forward passes must be as many on every rank")
@@ -126,6 +129,8 @@ class ShardedMode:
             self.held, self.parked, self.replicas, self.replica_state = None, None, \
                 PartnerReplicas(), None
         r = self.replicas
+        if self.parked is None and not self.model.holds_rows:
+            self.held = None  # its rows went elsewhere (or a start failed after a hand-over)
         mine = (self.held, step, None if r.step is None else (r.step, r.world_size, r.rank),
                 self.disk)
         box: list = [None] * world_size
@@ -141,10 +146,15 @@ class ShardedMode:
         if lost is not None:  # rows nowhere in memory
             return self._from_disk(latest(self.folder) if self.folder else None, roll_back,
                                    f"rank(s) {lost} were lost with their partner's copy")
-        if self.held is not None:  # a survivor: back to the replicas' step
-            assert self.replica_state is not None
-            roll_back(self.replica_state)
-            self.held, self.parked = (r.world_size, r.rank), None
+        # back to the replicas' step, every rank: a rank that holds no rows but was sent the
+        # state before (a newcomer of a generation that failed) takes the holders' copy
+        state = [self.replica_state if self.held is not None else None]
+        with collective("the sharded layout"):
+            dist.broadcast_object_list(state, src=held.index(next(h for h in held if h)))
+        assert state[0] is not None, "the holders keep the rest of the state with replicas"
+        roll_back(state[0])
+        if self.held is not None:
+            self.held = (r.world_size, r.rank)
         return None
 
     def _from_disk(self, path: str | None, roll_back: Callable[[dict], None],
@@ -171,16 +181,18 @@ class ShardedMode:
         (`box`); returns the lost ranks when some rows are nowhere in memory (else None).
         Raises ShardingError when the survivors hold no replicas of one step."""
         infos = [b[2] for b in box if b[0] is not None]  # the survivors' replicas
-        if infos and (None in infos or len({info[:2] for info in infos}) != 1):
-            raise ShardingError("a rank's rows were lost, and the survivors hold no partner "
-                                "replicas of one step to recover them from")
-        step, size = infos[0][:2] if infos else (None, 1)
-        lost = set(range(size)) - {info[2] for info in infos}  # ranks of `size` at `step`
+        if not infos or None in infos or len({info[:2] for info in infos}) != 1:
+            # none, or of different steps (a refresh a fault cut short): rows to find on disk
+            sizes = {h[0] for h in (b[0] for b in box) if h is not None}
+            return sorted(set(range(max(sizes, default=1))) - {
+                b[0][1] for b in box if b[0] is not None})
+        size = infos[0][1]
+        lost = set(range(size)) - {info[2] for info in infos}  # ranks of the replicas' layout
         found = self.replicas.recovery(lost) if self.held is not None else ((), {})
         gathered: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(gathered, None if found is None else found[0])
-        if not infos or any(g is None for g, b in zip(gathered, box) if b[0] is not None):
+        if any(g is None for g, b in zip(gathered, box) if b[0] is not None):
             return sorted(lost)
         old = tuple(b[2][2] if b[0] is not None else None for b in box)
         self._plan = _Plan(Layout(old, tuple(range(world_size)), tuple(g or () for g in gathered)),
@@ -204,9 +216,10 @@ class ShardedMode:
                                      *read_rows(plan.path, rank, world_size))
         else:
             assert plan.layout is not None
-            held, self.parked = plan.own if plan.own is not None else self.parked, None
+            held = plan.own if plan.own is not None else self.parked
             module = self.model.reshard_to(mesh, plan.layout, rank, optimizer, device, held,
                                            plan.copies)
+        self.parked = None  # only now: a start that fails keeps them for the next one
         assert module is not None
         self.reducer.attach(module)
         self.held = (world_size, rank)

@@ -16,7 +16,15 @@ Worker makes on engine.reduce's GradReducer, so the step loop is the same in bot
   match, as DDP's ``find_unused_parameters``), and the step's vote sums each rank's "used"
   flags, taken by a post-accumulate-grad hook on each unsharded parameter (FSDP2 keeps one
   unsharded ``nn.Parameter`` per parameter for the module's life; a forward pre-hook, which
-  runs after FSDP2's own, finds it in place).
+  runs after FSDP2's own, finds it in place);
+- ``--clip-grad-norm`` clips the whole model's norm without a collective after the vote: each
+  rank's sum of squares of its gradient rows rides in the step's vote (torch's
+  ``clip_grad_norm_`` over DTensors would all-reduce after the commit, where a peer's death
+  must change nothing).
+
+Every rank must run the same FSDP2 units in each pass (their all-gathers pair by order): a
+forward whose units differ by rank or by data (LayerDrop, a branch wrapped as a unit of its
+own) is not supported; a parameter a pass skips inside a unit that ran is.
 
 This module imports nothing from IPython or the UI.
 """
@@ -28,6 +36,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ShardedReducer:
@@ -48,6 +60,7 @@ class ShardedReducer:
         self._used: set[int] = set()  # indices of parameters with a gradient this step
         self._padding = False
         self._handles: list = []
+        self._norm_sq = 0.0  # the gradients' squared norm over every rank, once voted
 
     def attach(self, module: nn.Module) -> None:
         """Reduce `module`'s gradients from now on (a module engine.sharding built on a mesh):
@@ -84,7 +97,7 @@ class ShardedReducer:
         """Remove the hooks (a module that is left behind must not keep this reducer)."""
         for handle in self._handles:
             handle.remove()
-        self._handles = []
+        self._handles, self.params, self._units, self._index = [], [], [], {}
 
     # GradReducer's protocol ------------------------------------------------------------------
 
@@ -123,19 +136,35 @@ class ShardedReducer:
 
     def finish(self, world_size: int) -> list[float]:
         """This rank's "has a gradient" flag (1.0 or 0.0) per trainable parameter, in
-        ``self.params`` order, for the step's vote to sum."""
-        return [float(i in self._used) for i in range(len(self.params))]
+        ``self.params`` order, then the sum of squares of its gradient rows: the step's vote
+        sums them."""
+        with torch.no_grad():
+            norm_sq = sum(float(_local(p.grad).double().square().sum())
+                          for p in self.params if p.grad is not None)
+        return [float(i in self._used) for i in range(len(self.params))] + [norm_sq]
 
     def drop_unused(self, counts: list[float]) -> None:
         """``.grad = None`` for each parameter that no rank used (`counts`: the vote's sums
-        of :meth:`finish`'s flags)."""
+        of :meth:`finish`'s values)."""
+        *counts, self._norm_sq = counts
         for p, n in zip(self.params, counts):
             if not n:
                 p.grad = None
 
     def scale(self, factor: float) -> None:
         """Multiply every gradient by `factor` (engine.weighting's MeanOver settlement)."""
+        self._norm_sq *= factor * factor
         with torch.no_grad():
             for p in self.params:
                 if p.grad is not None:
                     p.grad.mul_(factor)
+
+    def clip(self, parameters, max_norm: float) -> None:  # pylint: disable=unused-argument
+        """Scale the gradients so that the whole model's norm is at most `max_norm`, as
+        ``torch.nn.utils.clip_grad_norm_`` does (its 1e-6, its clamp at 1), from the norm the
+        vote summed: no collective."""
+        coefficient = min(1.0, max_norm / (self._norm_sq ** 0.5 + 1e-6))
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)

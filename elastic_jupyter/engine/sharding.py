@@ -201,10 +201,9 @@ class ShardedModel:
 
     def _free(self, optimizer: torch.optim.Optimizer | None) -> None:
         """Hold no module any more (its rows are elsewhere now)."""
-        self.module = self._cell_model = None
         if optimizer is not None:
             optimizer.state.clear()
-        gc.collect()  # FSDP's modules and hooks hold each other: free the shards now
+        self._replace(None)
 
     def reshard_to(self, mesh: DeviceMesh | None, layout: Layout, group_rank: int,
                    optimizer: torch.optim.Optimizer | None, device: torch.device,
@@ -232,18 +231,48 @@ class ShardedModel:
             reshard(sources, rows, layout, group_rank, copied)
             self._free(optimizer)
             return None
-        module, params = self._new_module(mesh, buffers, device)
-        # the rows land in the new module's own storage, and the moments on the device
-        into = [_local(params[n]).detach() if key is None else torch.empty(
-            (_new_rows(rows[i], layout, group_rank), *self.shapes[n][1:]), dtype=dtypes[i],
-            device=device) for i, (n, key) in enumerate(entries)]
-        shards = reshard(sources, rows, layout, group_rank, copied, into)
+        if self._cell_model is not None:  # the first mesh: the rows travel first, then the
+            # cell's model is sharded in place (its whole tensors freed) and takes them
+            shards = reshard(sources, rows, layout, group_rank, copied)
+            module, params = self._in_place(mesh, buffers, device)
+            with torch.no_grad():
+                for (n, key), shard in zip(entries, shards):
+                    if key is None and shard is not None:
+                        _local(params[n]).copy_(shard)
+        else:  # the rows land in a new module's own storage, and the moments on the device
+            module, params = self._new_module(mesh, buffers, device)
+            into = [_local(params[n]).detach() if key is None else torch.empty(
+                (_new_rows(rows[i], layout, group_rank), *self.shapes[n][1:]), dtype=dtypes[i],
+                device=device) for i, (n, key) in enumerate(entries)]
+            shards = reshard(sources, rows, layout, group_rank, copied, into)
         if optimizer is not None:
             moments = {e: t for e, t in zip(entries, shards) if e[1] is not None}
             self._repoint(optimizer, old_ids, params, moments, mesh, replicated)
-        self.module, self._cell_model = module, None
-        gc.collect()  # the old module's shards: FSDP's modules and hooks hold each other
+        self._replace(module)
         return module
+
+    def _replace(self, module: nn.Module | None) -> None:
+        """Hold `module` from now on: the old one's rows are freed at once (the cell's
+        namespace still names the first one; FSDP's modules and hooks hold each other)."""
+        if self.module is not None and self.module is not module:
+            _release(self.module)
+        self.module, self._cell_model = module, None
+        gc.collect()
+
+    @property
+    def holds_rows(self) -> bool:
+        """Whether this rank holds rows of the model: a module, or the cell's whole one."""
+        return self.module is not None or self._cell_model is not None
+
+    def _in_place(self, mesh: DeviceMesh, buffers: dict, device: torch.device
+                  ) -> tuple[nn.Module, dict]:
+        """The cell's model sharded over `mesh` in place (each rank keeps its rows of its own
+        tensors, to be overwritten), with `buffers` set; with its parameters."""
+        assert self._cell_model is not None
+        module = self._wrap(self._cell_model, mesh)
+        for name, buffer in buffers.items():
+            _set_buffer(module, name, buffer.to(device))
+        return module, dict(module.named_parameters())
 
     def load(self, mesh: DeviceMesh, optimizer: torch.optim.Optimizer | None,
              device: torch.device, parts: dict, replicated: dict, buffers: dict) -> nn.Module:
@@ -258,8 +287,7 @@ class ShardedModel:
         if optimizer is not None:
             moments = {e: t.to(device) for e, t in parts.items() if e[1] is not None}
             self._repoint(optimizer, old_ids, params, moments, mesh, replicated)
-        self.module, self._cell_model = module, None
-        gc.collect()
+        self._replace(module)
         return module
 
     def _new_module(self, mesh: DeviceMesh, buffers: dict, device: torch.device
@@ -344,6 +372,14 @@ def _new_rows(n: int, layout: Layout, group_rank: int) -> int:
     assert new_rank is not None
     start, end = chunk_rows(n, layout.new_size, new_rank)
     return end - start
+
+
+def _release(module: nn.Module) -> None:
+    """Free the storage of `module`'s local rows (a module this rank no longer trains)."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if isinstance(p, DTensor):
+                p.to_local().untyped_storage().resize_(0)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

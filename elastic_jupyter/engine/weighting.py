@@ -56,7 +56,7 @@ class StepWeights:
                             "loss for others: return the same kind for every batch")
         self.count += count
         if not count:  # nothing to average: its loss (NaN for an empty mean) must not count
-            if sync_batchnorm:
+            if sync_batchnorm or isinstance(self.reducer, ShardedReducer):
                 self._backward_for_peers(loss, step)
             return 0.0, dict.fromkeys(metrics, 0.0), 0.0
         weight = count / B
@@ -64,41 +64,51 @@ class StepWeights:
         return weighted(loss, weight), metrics, weight
 
     def _backward_for_peers(self, loss: torch.Tensor, step: int) -> None:
-        """With --sync-batchnorm, the backward of a pass whose MeanOver count is 0, at weight 0:
-        SyncBatchNorm's backward is a collective, and a rank that skipped it would leave its
-        peers waiting. The pass is this rank's only one of the step (its whole share in one
-        pass), so its parameters count as unused: a parameter no other rank has a gradient for
-        ends with ``.grad`` None (engine.reduce). Tested on CPU with a stand-in for
-        SyncBatchNorm's collective (tests/test_gradients.py), not with SyncBatchNorm on GPUs.
-        Raises ValueError when `loss` is not finite (:meth:`_at_weight_zero`)."""
-        self._at_weight_zero(loss, step, "--sync-batchnorm", "with a MeanOver count of 0")
+        """With --sync-batchnorm or --shard, the backward of a pass whose MeanOver count is 0,
+        at weight 0: SyncBatchNorm's backward, and FSDP2's, run collectives, and a rank that
+        skipped them would leave its peers waiting. Its parameters count as unused: a parameter
+        no other rank has a gradient for ends with ``.grad`` None (engine.reduce; with
+        SyncBatchNorm the pass is the rank's only one of the step). Tested on CPU with a
+        stand-in for SyncBatchNorm's collective (tests/test_gradients.py), not with
+        SyncBatchNorm on GPUs.
+
+        Raises ValueError when `loss` is not finite: 0 * NaN is NaN, which the collectives
+        would add into every rank's gradients.
+        """
+        sharded = isinstance(self.reducer, ShardedReducer)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            option, layer = ("--shard", "FSDP2") if sharded else ("--sync-batchnorm",
+                                                                   "SyncBatchNorm")
+            raise ValueError(
+                f"loss_fn returned a loss of {float(loss.detach())} with a MeanOver count of 0 "
+                f"at step {step + 1}: with {option} every rank's pass "
+                f"takes part in {layer}'s backward, so loss_fn must return a finite loss "
+                "for a batch with no items (e.g. divide by count.clamp(min=1))")
+        if sharded:
+            self._padding_backward(loss)
+            return
+        self.precision.backward(loss * 0.0)
         self.reducer.forget_pass()
 
-    def zero_weight_backward(self, out, step: int) -> None:
+    def zero_weight_backward(self, out) -> None:
         """The backward of a padding pass under --shard (engine.sharded_mode), at weight 0:
         FSDP2's all-gathers and reduce-scatters are collectives, so every rank runs as many
         passes as rank 0. Its gradients are zeros and its parameters count as unused
-        (engine.sharded_reduce). Raises ValueError when its loss is not finite."""
-        loss = read_loss(out, 1)[0]
+        (engine.sharded_reduce)."""
+        self._padding_backward(read_loss(out, 1)[0])
+
+    def _padding_backward(self, loss: torch.Tensor) -> None:
+        """Backward of `loss` * 0 under --shard: its parameters do not count as used. A padding
+        pass's loss that is not finite is not refused: it reads rank 0's first micro-batch,
+        whose own backward puts the same NaN into every rank's gradients, as in the replicated
+        mode."""
         reducer = self.reducer
         assert isinstance(reducer, ShardedReducer), "padding passes run under shard=True only"
         reducer.padding(True)
         try:
-            self._at_weight_zero(loss, step, "--shard", "in a padding pass")
+            self.precision.backward(loss * 0.0)
         finally:
             reducer.padding(False)
-
-    def _at_weight_zero(self, loss: torch.Tensor, step: int, option: str, where: str) -> None:
-        """Backward of `loss` * 0 (its collectives run; it adds nothing). Raises ValueError
-        when `loss` is not finite: 0 * NaN is NaN, which the reduction would add to every
-        rank's gradients."""
-        if not bool(torch.isfinite(loss.detach()).all()):
-            raise ValueError(
-                f"loss_fn returned a loss of {float(loss.detach())} {where} at step {step + 1}: "
-                f"with {option} every rank's pass takes part in the collectives of backward, so "
-                "loss_fn must return a finite loss there (for a mean over no items, divide by "
-                "count.clamp(min=1))")
-        self.precision.backward(loss * 0.0)
 
     def settle(self, total: float, B: int, step: int) -> float | None:
         """The vote summed every rank's count to `total` (the global batch's MeanOver items;

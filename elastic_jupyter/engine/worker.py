@@ -328,7 +328,7 @@ class Worker:
                         out = self.loss_fn(self.model, batch)
                     fault_point("backward", self)
                     if pad:
-                        self.weights.zero_weight_backward(out, self.progress.step)
+                        self.weights.zero_weight_backward(out)
                         continue
                     loss, metrics, weight = self.weights.backward(
                         out, len(chunk), B, self.progress.step, self.config.sync_batchnorm)
@@ -412,7 +412,8 @@ class Worker:
         fault_point("optimizer", self)
         self.staging.wait()  # the last checkpoint's copies of the tensors this step changes
         # the scheduler steps in the loop, after evaluation (schedulers.py)
-        self.precision.step(self.optimizer, self.config.clip_grad_norm, self.model.parameters())
+        self.precision.step(self.optimizer, self.config.clip_grad_norm, self.model.parameters(),
+                            self.reducer.clip)
         loss, *extras = floats([loss, *extras])
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
