@@ -332,12 +332,14 @@ class RunConfig:
         "frozen modules) to new engines and write them in checkpoints, as trained ones "
         "(default: each engine keeps the ones its cell built, checked by a hash)",
         after="sync_batchnorm"))
-    # the model sharded with FSDP2 (engine.sharded_mode): engine-side only until resizes,
-    # replicas and sharded checkpoints are wired (issue 36), so not an option of the magics
-    shard: bool = False
-    # steps between two partner replicas of a sharded state (engine.replicas); and after each
-    # resize. Not an option of the magics yet either
-    replica_every: int = 10
+    shard: bool = field(default=False, metadata=flag(
+        "--shard", "shard the model's parameters, gradients and optimizer state over the ranks "
+        "with FSDP2 (each block; the cell's shard_fn(model, mesh) may choose), resized in "
+        "memory"))
+    replica_every: int = field(default=10, metadata=flag(
+        "--replica-every", "with --shard: steps between two copies of each rank's part on its "
+        "partner rank's host memory, the most a fault loses (default 10; also after each "
+        "resize)", parse=positive_int, metavar="K"))
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 

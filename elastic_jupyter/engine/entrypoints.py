@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import drain, history, publish, schedulers
+from . import drain, history, publish, schedulers, sharded_checkpoint
 from . import state as state_mod
 from . import workdir as workdir_mod
 from .checkpoint import CheckpointError, load_latest, unloadable
@@ -350,6 +350,9 @@ def load_state(folder: str) -> dict:
     skipped, one short line each; torch's full errors go to the engine's log.
     Raises CheckpointError when none is usable.
     """
+    w = _state.run_worker()
+    if w.sharded is not None:  # its rows are read by every rank at the next generation
+        return _load_sharded(w, folder)
     details: list[str] = []
     try:
         path, state, warnings = load_latest(folder, log=details.append)
@@ -361,10 +364,24 @@ def load_state(folder: str) -> dict:
         with _logging_to(_state.log_path):
             for text in details:
                 print(text, file=sys.stderr)
-    w = _state.run_worker()
     w.restore(state)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
             "config": state["config"], "history": history.whole_history(folder, state),
+            "pending": w.pending is not None}
+
+
+def _load_sharded(w: Worker, folder: str) -> dict:
+    """load_state for a sharded run: the newest sharded checkpoint in `folder` (its rest of
+    the state restored here; every rank reads its rows at the next generation's start)."""
+    path = sharded_checkpoint.latest(folder)
+    if path is None:
+        raise CheckpointError(f"no sharded checkpoint (step-*.shards) in {folder}")
+    state = sharded_checkpoint.read_state(path)
+    assert state is not None and w.sharded is not None
+    w.restore(state)
+    w.sharded.resume(path)
+    return {"path": path, "warnings": [], "progress": w.progress.as_dict(),
+            "config": state["config"], "history": state["history"],
             "pending": w.pending is not None}
 
 

@@ -89,6 +89,7 @@ class Generation:
         self.end_at = spec.end_at
         self.events: list[dict] = []  # rank 0's, for the owner's run log
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
+        self._went_back_to = sys.maxsize  # a sharded run's roll back (engine.sharded_mode)
 
     def run(self) -> dict:
         with drain.training():  # from here a SIGTERM waits for the next step boundary
@@ -130,7 +131,9 @@ class Generation:
             # rank's rows go back to their replicas' step before newcomers are sent the state
             event = w.sharded.agree(self.rank, self.world_size, self.spec.receive_state,
                                     w.progress.step, w.restore)
-            self.events += [event] if event and self.rank == 0 else []
+            if event is not None:  # the owner's acknowledgements above it are of records
+                self._went_back_to = event["step"]  # this generation trains again
+                self.events += [event] if self.rank == 0 else []
         if self.spec.broadcast:
             self._broadcast_state(self.spec.receive_state)
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
@@ -273,7 +276,7 @@ class Generation:
         under ``acknowledged``), or None when no owner writes it (a run driven by a test)."""
         if not self.control.check([ACKNOWLEDGED_KEY]):
             return None
-        return int(self.control.get(ACKNOWLEDGED_KEY))
+        return min(int(self.control.get(ACKNOWLEDGED_KEY)), self._went_back_to)
 
     def _finish_step(self, record: dict) -> None:
         """After a committed step, on every rank: its evaluation when one is due, its history

@@ -139,11 +139,40 @@ def read_state(path: str) -> dict | None:
     return _load(os.path.join(path, "manifest.pt"))["state"]
 
 
+def load_whole(path: str) -> dict:
+    """The checkpoint folder `path` as a replicated state reads: the rest of the training
+    state with ``"model"``, every parameter whole (its parts' rows, read one parameter at a
+    time) and the buffers. The optimizer's moments stay in the parts. Raises
+    CheckpointError."""
+    manifest = _load(os.path.join(path, "manifest.pt"))
+    state = dict(manifest["state"])
+    rows, _, buffers = read_rows(path, 0, 1)
+    state["model"] = {**{name: t for (name, key), t in rows.items() if key is None}, **buffers}
+    return state
+
+
 def prune(folder: str, keep: int) -> None:
     """Remove all but the newest `keep` complete sharded checkpoints in `folder`."""
     done = sorted(d for d in os.listdir(folder) if d.endswith(".shards"))
     for name in done[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def list_parts(folder: str) -> list[dict]:
+    """Complete sharded checkpoints in `folder`, oldest first, as engine.checkpoint's
+    ``list_checkpoints`` lists files: ``{"file", "path", "step", "bytes", "time"}``."""
+    out = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if name.startswith("step-") and name.endswith(".shards") and name[5:-7].isdigit():
+            path = os.path.join(folder, name)
+            try:
+                files = [os.stat(os.path.join(path, f)) for f in os.listdir(path)]
+            except OSError:  # pruned while we list
+                continue
+            out.append({"file": name, "path": path, "step": int(name[5:-7]),
+                        "bytes": sum(st.st_size for st in files),
+                        "time": max((st.st_mtime for st in files), default=0.0)})
+    return out
 
 
 def latest(folder: str) -> str | None:

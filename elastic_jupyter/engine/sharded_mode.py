@@ -122,9 +122,9 @@ class ShardedMode:
         replicas' step (Gemini, SOSP'23): `roll_back(state)` loads the rest of the state as
         it was there (progress, history, scheduler), and the lost rows come from their
         partners' copies. When a rank was lost with its partner (or at W = 1), every rank
-        goes back to the newest sharded checkpoint in ``checkpoint_dir`` instead; returns
-        the event that says so (else None). Raises ShardingError when there is none,
-        PeerFailure when a peer fails."""
+        goes back to the newest sharded checkpoint in ``checkpoint_dir`` instead. Returns
+        the event that says where the run went back to ("rollback", "fallback"), else None.
+        Raises ShardingError when there is nowhere, PeerFailure when a peer fails."""
         if newcomer:
             self.held, self.parked, self.replicas, self.replica_state = None, None, \
                 PartnerReplicas(), None
@@ -155,7 +155,9 @@ class ShardedMode:
         roll_back(state[0])
         if self.held is not None:
             self.held = (r.world_size, r.rank)
-        return None
+        back = state[0]["progress"]["step"]
+        return {"kind": "rollback", "step": back, "message": f"ranks were lost at step {step}: "
+                f"the run goes back to step {back}, where the partner replicas stand"}
 
     def _from_disk(self, path: str | None, roll_back: Callable[[dict], None],
                    why: str | None = None) -> dict | None:

@@ -12,6 +12,7 @@ import time
 
 from ..config import UsageError
 from ..engine import checkpoint as ckpt
+from ..engine import sharded_checkpoint
 from ..server.registry import kernel_id
 
 LOCK_FILE = ".lock"
@@ -87,7 +88,7 @@ def prepare_checkpoint_dir(folder: str, log_dir: str, name: str, resume: bool,
         raise UsageError(f"checkpoint folder {folder} is not writable ({e.strerror or e}); pass "
                          "--checkpoint-dir (checkpoint_dir=) with a writable folder") from None
     lock = FolderLock(folder, name, notebook)
-    latest = ckpt.latest_checkpoint(folder)
+    latest = ckpt.latest_checkpoint(folder) or sharded_checkpoint.latest(folder)
     if latest and not resume:
         lock.release()
         raise UsageError(f"run name {name!r} already has checkpoints in {folder}: pass --resume "

@@ -29,7 +29,7 @@ from ..owner import background
 from ..server.snapshot import TRAINING_STATES, RunState
 from .cellsetup import CellSetup
 from .final_state import FinalState
-from .membership import Membership
+from .membership import Membership, plan_shrink
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
 from .rendezvous import Rendezvous
 from .resume import Resume
@@ -75,7 +75,7 @@ class Driver:
         self.membership = Membership(pool, log, self.prepare)
         self.recovery = Recovery(self.membership, calls, log, sizer, pool, checkpoint_dir,
                                  config.standby, POLL)
-        self.final = FinalState(calls, log, checkpoint_dir, config.keep)
+        self.final = FinalState(calls, log, checkpoint_dir, config.keep, config.shard)
         self.rendezvous: Rendezvous | None = None
         self.state = RunState.CREATED
         self.error: str | None = None
@@ -193,7 +193,8 @@ class Driver:
         end_at = self._end_at()
         rendezvous = self.rendezvous
         assert rendezvous is not None, "generations run after the setup opened the store"
-        rendezvous.request_end(generation, end_at)
+        leavers = self._leavers(end_at)
+        rendezvous.request_end(generation, end_at, leavers)
         acknowledged = self.log.complete_upto
         rendezvous.acknowledge(generation, acknowledged)
         W = len(self.members)
@@ -227,9 +228,10 @@ class Driver:
             if first_failure is not None and time.monotonic() - first_failure > grace:
                 break  # the ranks still out are hung
             self.take_requests()
-            if (want := self._end_at()) != end_at:  # a request, or spares became ready
-                end_at = want
-                rendezvous.request_end(generation, end_at)
+            want = self._end_at()  # a request, or spares became ready
+            if want != end_at or self._leavers(want) != leavers:
+                end_at, leavers = want, self._leavers(want)
+                rendezvous.request_end(generation, end_at, leavers)
         outcome = faults.classify(self.members, [t.future for t in tasks])
         if outcome.fault:
             return {"reason": "fault", "outcome": outcome}
@@ -242,6 +244,23 @@ class Driver:
         result["drained"] = [(e, outcome.results[e.engine_id]["drained"]) for e in self.members
                              if outcome.results[e.engine_id].get("drained")]
         return result
+
+    def _leavers(self, end_at: int | None) -> list[int]:
+        """A sharded run's ranks that go when the generation ends after `end_at`: they hand
+        their rows to the others first (engine.sharded_mode). Those a shrink stops
+        (membership.plan_shrink's choice) or a swap moves off slots the arbiter wants back;
+        a rank the owner stops without naming it here is recovered from partner replicas."""
+        if not self.config.shard or end_at is None:
+            return []
+        members, target = self.members, self.sizer.target_after(end_at)
+        if target < len(members):
+            staying = plan_shrink(members, target, self._wanted(), len(self.membership.spares),
+                                  frozenset(self.membership.leaving()))[0]
+        elif self.membership.swappable():
+            staying = [m for m in members if m not in self.membership.swap_plan()]
+        else:
+            return []
+        return [rank for rank, m in enumerate(members) if m not in staying]
 
     def take_requests(self) -> None:
         """Feed the size policies' new requests to the sizer, and keep as many engines set up

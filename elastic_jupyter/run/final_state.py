@@ -11,6 +11,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from ..engine import checkpoint as ckpt
+from ..engine import sharded_checkpoint
 from .runlog import RunLog
 
 if TYPE_CHECKING:
@@ -30,8 +31,12 @@ class FinalState:
             it ended (or after an error whose rank 0 could not be read).
     """
 
-    def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int):
+    def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int,
+                 sharded: bool = False):
         self.calls, self.log, self.checkpoint_dir, self.keep = calls, log, checkpoint_dir, keep
+        # a sharded run's ranks write their parts themselves (engine.sharded_checkpoint), and
+        # its final state comes from them: rank 0 holds its rows only
+        self.sharded = sharded
         self.state: dict[str, Any] | None = None
 
     async def take(self, members: list[Engine]) -> dict:
@@ -44,6 +49,9 @@ class FinalState:
 
     async def _last_state(self, members: list[Engine]) -> dict:
         written = self.log.last_event("checkpoint")  # this run's, not an older file's
+        if self.sharded and written is not None and written.get("sharded"):
+            return await asyncio.get_running_loop().run_in_executor(
+                None, sharded_checkpoint.load_whole, written["path"])
         if written is not None and written["step"] == self.log.step:
             try:
                 return await asyncio.get_running_loop().run_in_executor(
@@ -62,6 +70,11 @@ class FinalState:
         not answer."""
         if not task.future.done():
             return
+        if self.sharded:  # its newest checkpoint: rank 0 holds its own rows only
+            written = self.log.last_event("checkpoint")
+            if written is not None and written.get("sharded"):
+                self.state = sharded_checkpoint.load_whole(written["path"])
+            return
         try:
             records = await asyncio.wait_for(self.calls.history_since(
                 rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
@@ -77,7 +90,8 @@ class FinalState:
         """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
         slow); a failed write is an event, not an error."""
         step = state["progress"]["step"]
-        if any(c["step"] == step for c in ckpt.list_checkpoints(self.checkpoint_dir)):
+        if self.sharded or any(c["step"] == step
+                               for c in ckpt.list_checkpoints(self.checkpoint_dir)):
             return
         args = (self.checkpoint_dir, state, self.keep)
         try:

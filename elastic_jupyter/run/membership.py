@@ -212,13 +212,19 @@ class Membership:
         return any(m.slot in leaving for m in self.members) and any(
             s.slot not in leaving for s in self.spares)
 
+    def swap_plan(self) -> list:
+        """The members :meth:`swap` would move off slots the arbiter wants back (as many as
+        ready spares elsewhere)."""
+        leaving = self.leaving()
+        gone = [m for m in self.members if m.slot in leaving]
+        return gone[:len([s for s in self.spares if s.slot not in leaving])]
+
     def swap(self) -> list:
         """Members on slots to give back leave for ready spares (the newcomers, youngest
         ranks); returns the newcomers. The leavers left the group already."""
         leaving = self.leaving()
-        gone = [m for m in self.members if m.slot in leaving]
+        gone = self.swap_plan()
         ready = [s for s in self.spares if s.slot not in leaving][:len(gone)]
-        gone = gone[:len(ready)]
         self.members = [m for m in self.members if m not in gone] + ready
         self.spares = [s for s in self.spares if s not in ready]
         self.pool.engine_sets.remove(gone)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import faults
 from ..engine import checkpoint as ckpt
+from ..engine import sharded_checkpoint
 from .membership import Membership
 from .runlog import RunLog
 from .sizing import Sizer
@@ -156,7 +157,8 @@ class Recovery:
             reached = max(steps)
         else:
             reached = self.log.step
-        if ckpt.latest_checkpoint(self.checkpoint_dir) is None:
+        if ckpt.latest_checkpoint(self.checkpoint_dir) is None \
+                and sharded_checkpoint.latest(self.checkpoint_dir) is None:
             raise RuntimeError("the engines that held the run's state were lost before its "
                                "first checkpoint; start the run again")
         members = self.membership.members

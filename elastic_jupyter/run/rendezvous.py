@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import datetime
 import socket
+from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ..engine.protocol import (ABORT_KEY, ACKNOWLEDGED_KEY, END_AT_KEY, VERSION_KEY,
-                               encode_end_at, generation_prefix)
+from ..engine.protocol import (ABORT_KEY, ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY,
+                               VERSION_KEY, encode_end_at, generation_prefix)
 
 LOOPBACK = "127.0.0.1"
 
@@ -46,10 +47,13 @@ class Rendezvous:
             raise RuntimeError("the rendezvous store is closed")
         return dist.PrefixStore(generation_prefix(generation), self.store)
 
-    def request_end(self, generation: int, end_at: int | None) -> None:
+    def request_end(self, generation: int, end_at: int | None,
+                    leavers: Sequence[int] = ()) -> None:
         """Ask the ranks of `generation` to leave after step `end_at` (0: after the current
-        step; None: keep training). Rank 0 reads it at its next step boundary."""
+        step; None: keep training). Rank 0 reads it at its next step boundary. `leavers`: the
+        ranks that go then (a sharded run's hand their rows over first)."""
         control = self.control(generation)
+        control.set(LEAVERS_KEY, ",".join(map(str, leavers)))
         control.set(END_AT_KEY, encode_end_at(end_at))
         control.add(VERSION_KEY, 1)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import UsageError
 from ..engine import checkpoint as ckpt
+from ..engine import sharded_checkpoint
 from ..engine.frozen import digest
 from ..engine.history import whole_history
 from .final_state import FinalState
@@ -51,7 +52,9 @@ class RunResults:
         cached = self._listing  # (stamp, list), one attribute: read by views' threads too
         if cached is not None and cached[0] == stamp:
             return list(cached[1])
-        listing = ckpt.list_checkpoints(self.checkpoint_dir)
+        listing = sorted(ckpt.list_checkpoints(self.checkpoint_dir)  # a sharded run's folders
+                         + sharded_checkpoint.list_parts(self.checkpoint_dir),
+                         key=lambda c: c["step"])
         if time.time_ns() - stamp > LISTING_SETTLED_NS:
             self._listing = (stamp, listing)
         return list(listing)
@@ -80,6 +83,11 @@ class RunResults:
         checkpoint's state). Raises UsageError when there is neither."""
         if self.final.state is not None:
             return None, self.final.state
+        if self.final.sharded and (path := sharded_checkpoint.latest(self.checkpoint_dir)):
+            try:
+                return None, sharded_checkpoint.load_whole(path)
+            except ckpt.CheckpointError as e:
+                raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
         try:
             path, state, _ = ckpt.load_latest(self.checkpoint_dir)
         except ckpt.CheckpointError as e:

@@ -31,6 +31,9 @@ class RecordSink(Protocol):
     def close(self) -> None: ...
 
 
+ROLL_BACKS = ("rollback", "fallback")  # events of ranks that went back to their `step`
+
+
 class RunLog:
     """Records (step -> dict), events (list of dicts, in order) and ``<log_dir>/run.log``.
 
@@ -129,6 +132,10 @@ class RunLog:
     def merge(self, data: dict, complete: bool = False) -> None:
         """Take records and events streamed by rank 0 (repeats are skipped, unless the data
         is `complete`: a generation's result fills any gap the live stream left)."""
+        for event in data.get("events", ()):  # a sharded run's ranks went back to a step
+            if event["kind"] in ROLL_BACKS and (event["kind"], event["step"]) \
+                    not in self._event_keys:
+                self.roll_back(event["step"])
         added = []
         for record in data.get("records", ()):
             if complete or record["step"] > self._merged_upto:

@@ -159,6 +159,13 @@ class Sizer:
         slot left out for a cooldown lowers it until the slot is back)."""
         return max(1, min(self.requested, self.usable))
 
+    def target_after(self, end_at: int) -> int:
+        """The size the run heads for once the generation ends after step `end_at` (0: the
+        current step): the last scheduled size due by then, else :attr:`target`. Changes
+        nothing (:meth:`due` applies it)."""
+        due = [size for at_step, size in self._schedule if end_at and at_step <= end_at]
+        return max(1, min(self._bounded(due[-1]), self.usable)) if due else self.target
+
     def take(self, policies: list[SizePolicy], step: int, now: float) -> list[SizeRequest]:
         """Submit every policy's new requests; returns them."""
         new = [r for p in policies for r in p.requests(step, now)]

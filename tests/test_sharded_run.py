@@ -1,0 +1,76 @@
+"""``--shard`` through the product: a real pool, the owner's generations, resizes and a resume.
+
+The same float64 cell as tests/test_sharded_step.py (FSDP2 per block, BatchNorm, dropout, a
+parameter some steps do not use) trains sharded on the test pool with a schedule 2 -> 3 -> 1 ->
+2, and replicated with the same schedule: the results are equal (the replicated mode's are
+equal to a plain loop's, tests/test_invariance.py). A sharded run stopped at step 5 and resumed
+at 3 ranks ends as the uninterrupted one.
+"""
+from __future__ import annotations
+
+import torch
+
+from elastic_jupyter import RunConfig, TrainingRun
+from test_faults import kill_in_phase
+from test_sharded_step import CELL
+
+STEPS, SCHEDULE = 10, [(3, 3), (6, 1), (8, 2)]
+
+
+def _run(pool, tmp_path, name: str, engines: int, schedule=(), resume=False,
+         **options) -> TrainingRun:
+    config = RunConfig(name=name, global_batch=16, micro_batch=4, seed=3, checkpoint_every=5,
+                       **{"steps": STEPS, **options})
+    run = TrainingRun(pool, config, source=CELL, engines=engines, schedule=list(schedule),
+                      workspace=str(tmp_path), resume=resume).start()
+    assert run.wait(timeout=240) == "finished", run.logs()
+    return run
+
+
+def _model(run: TrainingRun) -> dict:
+    return {k: v for k, v in run.state_dict().items() if not k.endswith("num_batches_tracked")}
+
+
+def test_a_sharded_run_resized_2_3_1_2_equals_the_replicated_run(idle_pool, tmp_path):
+    sharded = _run(idle_pool, tmp_path, "sharded", 2, SCHEDULE, shard=True, replica_every=2)
+    replicated = _run(idle_pool, tmp_path, "replicated", 2, SCHEDULE)
+    assert [r["world_size"] for r in sharded.history] == [2] * 3 + [3] * 3 + [1] * 2 + [2] * 2
+    expected = _model(replicated)
+    got = _model(sharded)
+    assert got.keys() == expected.keys()
+    for k, value in expected.items():
+        assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
+    kinds = [e["kind"] for e in sharded.events]
+    assert kinds.count("replicas") >= 4  # after each start, and every 2 steps
+    written = [e for e in sharded.events if e["kind"] == "checkpoint"]
+    assert [e["step"] for e in written] == [5, 10] and all(e["sharded"] for e in written)
+
+
+def test_a_sharded_run_resumes_at_another_world_size(idle_pool, tmp_path):
+    whole = _run(idle_pool, tmp_path, "whole", 2, shard=True)
+    _run(idle_pool, tmp_path, "parts", 2, shard=True, steps=5)  # its last checkpoint: step 5
+    resumed = _run(idle_pool, tmp_path, "parts", 3, shard=True, resume=True)
+    assert [r["world_size"] for r in resumed.history] == [2] * 5 + [3] * 5
+    expected, got = _model(whole), _model(resumed)
+    for k, value in expected.items():
+        assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
+
+
+def test_a_sharded_run_survives_a_sigkill_through_its_partner_replicas(idle_pool, tmp_path):
+    faults = tmp_path / "faults"
+    faults.mkdir()
+    run = TrainingRun(idle_pool, RunConfig(
+        name="killed", global_batch=16, micro_batch=4, seed=3, steps=24, checkpoint_every=0,
+        shard=True, replica_every=4, fault_dir=str(faults)), source=CELL, engines=3,
+        workspace=str(tmp_path)).start()
+    victim = run.members[1]
+    hit_step, _ = kill_in_phase(run, "forward", victim.slot, after_step=9)
+    assert run.wait(timeout=240) == "finished", run.logs()
+    back = [e for e in run.events if e["kind"] == "rollback"]
+    assert len(back) == 1 and back[0]["step"] <= hit_step, run.events
+    assert hit_step - back[0]["step"] <= 4  # at most --replica-every steps
+    assert [r["step"] for r in run.history] == list(range(1, 25))  # each step once
+    expected = _model(_run(idle_pool, tmp_path, "unharmed", 3, steps=24))
+    got = _model(run)
+    for k, value in expected.items():
+        assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
