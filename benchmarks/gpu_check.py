@@ -7,6 +7,9 @@ rewritten after every check so a run cut short keeps what it measured.
   nccl_single_rank     a world-size-1 generation (nccl, cuda) trains a float64 MLP for 8 steps:
                        parameters and losses equal a plain PyTorch loop over the same samples in
                        the same order (engine.batching's plan), rtol 1e-6
+  sharded_single_rank  the same with shard=True (engine.sharded_mode: FSDP2 on a 1-rank nccl mesh,
+                       the rows of a first generation, a partner replica refresh, --clip-grad-norm
+                       from the norm the vote summed): parameters equal a plain loop's, rtol 1e-6
   bf16, fp16           precision "bf16"/"fp16": steps run on cuda under autocast to that dtype,
                        the loss is finite and falls, parameters match a plain autocast loop
                        (fp16: with its GradScaler, whose state is in worker.capture())
@@ -375,6 +378,39 @@ def check_nccl_single_rank(ctx: Ctx) -> Outcome:
                    f"{ldev:.1e} (tol 1e-6)",
                    {"param_max_rel_dev": dev, "loss_max_rel_dev": ldev, "ours_losses": ours_losses,
                     "plain_losses": plain_losses, "reason": result["reason"], "device": on})
+
+
+def check_sharded_single_rank(ctx: Ctx) -> Outcome:
+    steps, clip = 8, 0.05
+    worker = Worker(mlp_objects(1, torch.float64), config(steps=steps, shard=True,
+                                                          clip_grad_norm=clip, replica_every=4),
+                    str(ctx.device))
+    result = train(ctx, worker, steps)
+    plain = Plain(mlp_objects(1, torch.float64), config(), ctx.device)
+    plain.optimizer.step = _clipped(plain.optimizer, plain.model, clip)  # as torch clips
+    plain_losses = [float(plain.step()) for _ in range(steps)]
+    got = {n: p.full_tensor().cpu() for n, p in worker.model.named_parameters()}
+    dev = max_rel_dev(got, params(plain.model))
+    ldev = loss_dev([r["loss"] for r in result["records"]], plain_losses)
+    on = str(next(worker.model.parameters()).to_local().device)
+    replicas = [e for e in result["events"] if e["kind"] == "replicas"]
+    ok = result["reason"] == "finished" and dev <= 1e-6 and ldev <= 1e-6 \
+        and on.startswith(ctx.device.type) and len(replicas) == 3
+    return Outcome(ok, f"param dev {dev:.1e}",
+                   f"FSDP2 on a 1-rank {ctx.backend} mesh on {on}, float64, {steps} steps, "
+                   f"clip {clip}, {len(replicas)} replica refreshes vs a plain loop; loss dev "
+                   f"{ldev:.1e}", {"param_max_rel_dev": dev, "loss_max_rel_dev": ldev,
+                                   "replicas": replicas, "device": on})
+
+
+def _clipped(optimizer, model: nn.Module, clip: float):
+    """`optimizer`'s step after torch's clip_grad_norm_ of `model`'s gradients."""
+    step = type(optimizer).step
+
+    def clipped_step(*args, **kwargs):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        return step(optimizer, *args, **kwargs)
+    return clipped_step
 
 
 def check_precision(ctx: Ctx, name: str) -> Outcome:
@@ -869,6 +905,7 @@ def check_nvml(ctx: Ctx) -> Outcome:
 
 CHECKS = {  # summary order
     "nccl_single_rank": check_nccl_single_rank,
+    "sharded_single_rank": check_sharded_single_rank,
     "bf16": lambda ctx: check_precision(ctx, "bf16"),
     "fp16": lambda ctx: check_precision(ctx, "fp16"),
     "sync_batchnorm": check_sync_batchnorm,
@@ -882,7 +919,7 @@ CHECKS = {  # summary order
     "nvml": check_nvml,
 }
 # the important figure early, the slow spawned check last: a cut-short run keeps the most
-RUN_ORDER = ["nccl_single_rank", "bf16", "fp16", "sync_batchnorm", "step_overhead",
+RUN_ORDER = ["nccl_single_rank", "sharded_single_rank", "bf16", "fp16", "sync_batchnorm", "step_overhead",
              "calibration", "state_transfer", "checkpoint", "pinned_memory", "frozen_hash", "nvml",
              "gloo_two_ranks_cuda"]
 
