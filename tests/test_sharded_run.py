@@ -8,6 +8,7 @@ at 3 ranks ends as the uninterrupted one.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
@@ -15,13 +16,20 @@ from test_faults import kill_in_phase
 from test_sharded_step import CELL
 
 STEPS, SCHEDULE = 10, [(3, 3), (6, 1), (8, 2)]
+# 10 evaluation chunks of 4: 4, 3, 3 at 3 ranks (FSDP2's forward passes padded to 4)
+EVALUATED = CELL + """
+eval_dataset = torch.utils.data.TensorDataset(x[:40], y[:40], rare[:40])
+def metric_fn(model, batch):
+    x, y, rare = batch
+    return {"mse": torch.nn.functional.mse_loss(model(x, rare), y)}
+"""
 
 
-def _run(pool, tmp_path, name: str, engines: int, schedule=(), resume=False,
+def _run(pool, tmp_path, name: str, engines: int, schedule=(), resume=False, source=CELL,
          **options) -> TrainingRun:
     config = RunConfig(name=name, global_batch=16, micro_batch=4, seed=3, checkpoint_every=5,
                        **{"steps": STEPS, **options})
-    run = TrainingRun(pool, config, source=CELL, engines=engines, schedule=list(schedule),
+    run = TrainingRun(pool, config, source=source, engines=engines, schedule=list(schedule),
                       workspace=str(tmp_path), resume=resume).start()
     assert run.wait(timeout=240) == "finished", run.logs()
     return run
@@ -32,8 +40,14 @@ def _model(run: TrainingRun) -> dict:
 
 
 def test_a_sharded_run_resized_2_3_1_2_equals_the_replicated_run(idle_pool, tmp_path):
-    sharded = _run(idle_pool, tmp_path, "sharded", 2, SCHEDULE, shard=True, replica_every=2)
-    replicated = _run(idle_pool, tmp_path, "replicated", 2, SCHEDULE)
+    sharded = _run(idle_pool, tmp_path, "sharded", 2, SCHEDULE, source=EVALUATED, eval_every=2,
+                   shard=True, replica_every=2)
+    replicated = _run(idle_pool, tmp_path, "replicated", 2, SCHEDULE, source=EVALUATED,
+                      eval_every=2)
+    evaluated = {r["step"]: r["val_mse"] for r in replicated.history if "val_mse" in r}
+    assert list(evaluated) == [2, 4, 6, 8, 10]  # at 2, 3, 3, 1 and 2 ranks
+    assert {r["step"]: r["val_mse"] for r in sharded.history if "val_mse" in r} == \
+        pytest.approx(evaluated, rel=1e-9)
     assert [r["world_size"] for r in sharded.history] == [2] * 3 + [3] * 3 + [1] * 2 + [2] * 2
     expected = _model(replicated)
     got = _model(sharded)

@@ -8,6 +8,8 @@ value x weight and weight (float64) are gathered by the commit vote (engine.vote
 rank adds them in chunk order (``math.fsum``: exactly rounded): the mean is the exact mean over
 the eval set, the same at any world size, bit for bit where each chunk's value is (the same
 chunk on the same kind of device). A name no chunk weighs (MeanOver counts all 0) gives NaN.
+Under ``--shard`` every rank runs as many forward passes as rank 0 (FSDP2 all-gathers in each):
+a rank with fewer chunks first evaluates chunk 0 again and drops what it gave.
 
 This module imports nothing from IPython or the UI.
 """
@@ -27,6 +29,7 @@ from .losses import floats, read_metrics, weighted
 from .objects import CellObjects
 from .protocol import EngineConfig
 from .randomness import micro_batch_stream
+from .sharding import reshard_all
 from .transfer import to_device
 from .vote import Vote
 
@@ -85,10 +88,16 @@ class Evaluation:
         training flag are its own again (a layer the cell froze with eval() stays frozen),
         also when a peer fails (a collective: all ranks call it)."""
         count = -(-len(self.objects.eval_dataset) // self.chunk_size())
-        mine = rank_share(count, rank, world_size)
+        mine = range(count)[rank_share(count, rank, world_size)]
+        pads = len(range(count)[rank_share(count, 0, world_size)]) - len(mine) \
+            if self.config.shard else 0
         with evaluation_mode(self.objects.model):
             self._share_buffers(world_size)
-            return self._evaluate_chunks(range(mine.start, mine.stop), step)
+            try:
+                return self._evaluate_chunks([0] * pads + list(mine), step)[pads:]
+            finally:
+                if self.config.shard:  # FSDP2 keeps the root gathered after a forward
+                    reshard_all(self.objects.model)  # that no backward follows
 
     @staticmethod
     def combine(chunks: list[Chunk], vote: Vote | None) -> dict[str, float]:
@@ -113,7 +122,7 @@ class Evaluation:
                 for buffer in self.objects.model.buffers():
                     dist.broadcast(buffer, src=0)
 
-    def _eval_batches(self, chunks: range) -> tuple[Iterator, list[int]]:
+    def _eval_batches(self, chunks: list[int]) -> tuple[Iterator, list[int]]:
         """(an iterator over the collated batches of evaluation chunks `chunks`, in order; their
         sample counts), read through the input pipeline as training's passes are
         (engine.loader): in ``--workers`` loader processes (none for a single chunk, where they
@@ -127,7 +136,7 @@ class Evaluation:
                                pin_memory=workers > 0 and self.device.type == "cuda")
         return batches, [len(k) for k in keys]
 
-    def _evaluate_chunks(self, chunks: range, step: int) -> list[Chunk]:
+    def _evaluate_chunks(self, chunks: list[int], step: int) -> list[Chunk]:
         """``metric_fn`` over evaluation chunks `chunks` (the model in evaluation mode, no
         gradients): one ``{name: (value x weight, weight)}`` per chunk, in float64 (a plain
         value weighs the chunk's samples, a MeanOver value its count; a count of 0 adds

@@ -93,9 +93,6 @@ class ShardedMode:
         if config.replica_every < 1:
             raise SetupError(f"replica_every must be a positive number of steps, got "
                              f"{config.replica_every}")
-        if objects.eval_dataset is not None:
-            raise SetupError("eval_dataset is not supported with shard=True yet: an "
-                             "evaluation's forward passes must be as many on every rank")
         self.model = ShardedModel(objects.model, objects.shard_fn)
         self.reducer = ShardedReducer()
         self.held: tuple[int, int] | None = (1, 0)

@@ -374,6 +374,14 @@ def _new_rows(n: int, layout: Layout, group_rank: int) -> int:
     return end - start
 
 
+def reshard_all(module: nn.Module) -> None:
+    """Free the gathered parameters of every FSDP2 unit of `module` (after forward passes that
+    no backward follows: FSDP2 keeps the root's gathered, expecting one)."""
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
 def _release(module: nn.Module) -> None:
     """Free the storage of `module`'s local rows (a module this rank no longer trains)."""
     with torch.no_grad():
