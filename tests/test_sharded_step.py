@@ -8,6 +8,8 @@ BatchNorm statistics and dropout as in a single process, a parameter no rank use
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_a_sharded_run_equals_a_plain_loop(tmp_path):
 
 
 @pytest.mark.parametrize("more, options, refused", [
-    ("", {"precision": "bf16"}, "--precision is not supported with shard=True yet"),
+    ("", {"precision": "fp16"}, "--precision fp16 is not supported with shard=True yet"),
     ("def after_step(model, optimizer, step): pass", {},
      "extra_state and after_step are not supported with shard=True yet"),
 ])
@@ -108,3 +110,18 @@ def test_micro_batches_without_items_take_part_in_fsdp2s_collectives(tmp_path):
     for got in train(cell, dict(options, shard=True), 2, 6, tmp_path):
         for k, value in replicated.params.items():
             assert torch.allclose(got.params[k], value, rtol=1e-9, atol=1e-12), k
+
+
+def test_bf16_trains_as_the_replicated_bf16_run(tmp_path):
+    # float32 weights, the forward under bf16 autocast as the replicated mode's: the same
+    # training to bf16 noise
+    cell = CELL.replace(".double()", "").replace("torch.float64", "torch.float32")
+    options = config(micro_batch=4, precision="bf16")
+    replicated = train(cell, options, 2, 8, tmp_path)[0]
+    for got in train(cell, dict(options, shard=True), 2, 8, tmp_path):
+        losses = [r["loss"] for r in got.history]
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+        assert losses == pytest.approx([r["loss"] for r in replicated.history], rel=0.05)
+        for k, value in replicated.params.items():
+            assert got.params[k].dtype == torch.float32
+            assert torch.allclose(got.params[k], value, rtol=0.05, atol=0.02), k

@@ -49,8 +49,6 @@ from .sharding import ShardedModel, ShardingError, Snapshot
 _NOT_YET = (
     ("sync_batchnorm", "--sync-batchnorm", "SyncBatchNorm's collectives run once per rank's "
      "share, not per padded pass"),
-    ("precision", "--precision", "mixed precision goes through FSDP2's MixedPrecisionPolicy, "
-     "not wired yet"),
 )
 
 
@@ -87,12 +85,17 @@ class ShardedMode:
         for field, option, why in _NOT_YET:
             if getattr(config, field):
                 raise SetupError(f"{option} is not supported with shard=True yet: {why}")
+        if config.precision == "fp16":
+            raise SetupError("--precision fp16 is not supported with shard=True yet (its "
+                             "GradScaler over sharded gradients is not wired): use bf16")
         if objects.extra_state or objects.after_step is not None:
             raise SetupError("extra_state and after_step are not supported with shard=True "
                              "yet: an EMA of a sharded model must be sharded alike")
         if config.replica_every < 1:
             raise SetupError(f"replica_every must be a positive number of steps, got "
                              f"{config.replica_every}")
+        # bf16: the forward under autocast, as in the replicated mode (FSDP2's bf16 gathers,
+        # MixedPrecisionPolicy(param_dtype=bf16), would meet BatchNorm's fp32 buffers)
         self.model = ShardedModel(objects.model, objects.shard_fn)
         self.reducer = ShardedReducer()
         self.held: tuple[int, int] | None = (1, 0)
