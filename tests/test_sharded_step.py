@@ -93,6 +93,10 @@ def test_a_sharded_run_equals_a_plain_loop(tmp_path):
     ("", {"precision": "fp16"}, "--precision fp16 is not supported with shard=True yet"),
     ("def after_step(model, optimizer, step): pass", {},
      "extra_state and after_step are not supported with shard=True yet"),
+    ("model.embed = torch.nn.Embedding(4, 6, sparse=True).double()", {},
+     "sparse gradients .an Embedding with sparse=True. are not supported with --shard"),
+    ("model.blocks[0] = torch.compile(model.blocks[0])", {},
+     "a torch.compile'd model is not supported with --shard yet"),
 ])
 def test_what_the_sharded_mode_does_not_do_yet_is_refused_at_setup(more, options, refused):
     with pytest.raises(SetupError, match=refused):

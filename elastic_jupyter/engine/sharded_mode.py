@@ -88,6 +88,7 @@ class ShardedMode:
         if config.precision == "fp16":
             raise SetupError("--precision fp16 is not supported with shard=True yet (its "
                              "GradScaler over sharded gradients is not wired): use bf16")
+        _check_model(objects.model)
         if objects.extra_state or objects.after_step is not None:
             raise SetupError("extra_state and after_step are not supported with shard=True "
                              "yet: an EMA of a sharded model must be sharded alike")
@@ -281,6 +282,19 @@ class ShardedMode:
         first = plan.rank_micro_batches(batch, 0, world_size)
         index, chunk = first[0]
         return [(-index - 1, chunk)] * (len(first) - len(parts)) + parts
+
+
+def _check_model(model: nn.Module) -> None:
+    """Raise SetupError for a model FSDP2 cannot shard as this mode does."""
+    if any(getattr(m, "sparse", False) for m in model.modules()
+           if isinstance(m, (nn.Embedding, nn.EmbeddingBag))):
+        raise SetupError("sparse gradients (an Embedding with sparse=True) are not supported "
+                         "with --shard: FSDP2 reduce-scatters dense gradients; use "
+                         "sparse=False")
+    if any(name.split(".")[-1] == "_orig_mod" for name, _ in model.named_modules()):
+        raise SetupError("a torch.compile'd model is not supported with --shard yet: FSDP2 "
+                         "must shard the plain module, which is then rebuilt at each resize; "
+                         "leave torch.compile out of the cell")
 
 
 @dataclass
