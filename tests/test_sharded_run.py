@@ -8,6 +8,8 @@ at 3 ranks ends as the uninterrupted one.
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,3 +90,20 @@ def test_a_sharded_run_survives_a_sigkill_through_its_partner_replicas(idle_pool
     got = _model(run)
     for k, value in expected.items():
         assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
+
+
+def test_the_pool_status_and_the_snapshot_say_the_run_is_sharded(idle_pool, tmp_path):
+    run = TrainingRun(idle_pool, RunConfig(name="mode", global_batch=16, micro_batch=4, seed=3,
+                                           steps=400, shard=True), source=CELL, engines=2,
+                      workspace=str(tmp_path)).start()
+    try:
+        deadline = time.monotonic() + 60
+        while run.step < 1:
+            assert time.monotonic() < deadline, run.logs()
+            time.sleep(0.05)
+        assert idle_pool.status()["run_mode"] == "sharded"
+        snapshot = run.snapshot()
+        assert snapshot.sharded and "world size 2 (sharded)" in snapshot.summary()
+    finally:
+        run.stop()
+        run.wait(timeout=60)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from . import drain
 from .abort import AbortableStore, AbortWatch
 from .checkpoint import CheckpointError
+from .sharded_checkpoint import folder_bytes
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
@@ -89,7 +90,8 @@ class Generation:
         self.end_at = spec.end_at
         self.events: list[dict] = []  # rank 0's, for the owner's run log
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
-        self._went_back_to = sys.maxsize  # a sharded run's roll back (engine.sharded_mode)
+        self._went_back_to: int | None = None  # a sharded run's roll back (sharded_mode)
+        self._written: int | None = None  # the step of this rank's last sharded checkpoint
 
     def run(self) -> dict:
         with drain.training():  # from here a SIGTERM waits for the next step boundary
@@ -133,6 +135,7 @@ class Generation:
                                     w.progress.step, w.restore)
             if event is not None:  # the owner's acknowledgements above it are of records
                 self._went_back_to = event["step"]  # this generation trains again
+                event["generation"] = self.spec.generation
                 self.events += [event] if self.rank == 0 else []
         if self.spec.broadcast:
             self._broadcast_state(self.spec.receive_state)
@@ -240,24 +243,22 @@ class Generation:
         w = self.worker
         assert w.sharded is not None
         if w.sharded.leave(self.rank, self.world_size, self._leaving(), w.optimizer):
-            if w.sharded.folder is not None and not self._checkpoint_written():
+            if w.sharded.folder is not None and self._written != w.progress.step:
                 self._sharded_checkpoint(w.progress.step)
             return
         w.model = w.sharded.model.skeleton
-
-    def _checkpoint_written(self) -> bool:
-        return any(e.get("kind") == "checkpoint" and e["step"] == self.worker.progress.step
-                   for e in self.events)
 
     def _sharded_checkpoint(self, step: int) -> None:
         """Every rank of a sharded run writes its part of step `step`'s checkpoint; rank 0
         logs it (a failure is an event, as the replicated mode's writer's)."""
         w, start = self.worker, time.time()
         assert w.sharded is not None
+        self._written = step  # every rank: the same decision at a leave point
         try:
             path = w.sharded.checkpoint(step, self.rank, self.world_size, w.optimizer,
                                         w.capture, w.config.keep)
             event = {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
+                     "bytes": folder_bytes(path) if self.rank == 0 else 0,
                      "seconds": round(time.time() - start, 3)}
         except CheckpointError as e:
             event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
@@ -276,7 +277,12 @@ class Generation:
         under ``acknowledged``), or None when no owner writes it (a run driven by a test)."""
         if not self.control.check([ACKNOWLEDGED_KEY]):
             return None
-        return min(int(self.control.get(ACKNOWLEDGED_KEY)), self._went_back_to)
+        acknowledged = int(self.control.get(ACKNOWLEDGED_KEY))
+        if self._went_back_to is not None:  # until the owner's log went back too
+            if acknowledged > self._went_back_to:
+                return self._went_back_to
+            self._went_back_to = None
+        return acknowledged
 
     def _finish_step(self, record: dict) -> None:
         """After a committed step, on every rank: its evaluation when one is due, its history

@@ -98,11 +98,13 @@ def write_parts(folder: str, step: int, part: Snapshot, shapes: dict[str, torch.
     return final
 
 
-def read_rows(path: str, rank: int, world_size: int) -> tuple[dict, dict, dict]:
+def read_rows(path: str, rank: int, world_size: int,
+              parameters_only: bool = False) -> tuple[dict, dict, dict]:
     """This rank's rows at world size `world_size` from the checkpoint folder `path`: (parts,
     {(name, None or key): rows}; the optimizer's replicated values; the buffers). Only the
-    parts that hold its rows are read (and their hashes checked). Raises CheckpointError
-    naming the file when one is missing, damaged or of another format."""
+    parts that hold its rows are read (and their hashes checked); `parameters_only`: not the
+    optimizer's. Raises CheckpointError naming the file when one is missing, damaged or of
+    another format."""
     manifest = _load(os.path.join(path, "manifest.pt"))
     old_size, shapes = manifest["world_size"], manifest["shapes"]
     entries = [_entry(k) for k in manifest["entries"]]
@@ -120,6 +122,8 @@ def read_rows(path: str, rank: int, world_size: int) -> tuple[dict, dict, dict]:
 
     out = {}
     for entry, dtype in zip(entries, manifest["dtypes"]):
+        if parameters_only and entry[1] is not None:
+            continue
         n = shapes[entry[0]][0]
         start, end = chunk_rows(n, world_size, rank)
         pieces = []
@@ -146,8 +150,8 @@ def load_whole(path: str) -> dict:
     CheckpointError."""
     manifest = _load(os.path.join(path, "manifest.pt"))
     state = dict(manifest["state"])
-    rows, _, buffers = read_rows(path, 0, 1)
-    state["model"] = {**{name: t for (name, key), t in rows.items() if key is None}, **buffers}
+    rows, _, buffers = read_rows(path, 0, 1, parameters_only=True)
+    state["model"] = {**{name: t for (name, _), t in rows.items()}, **buffers}
     return state
 
 
@@ -156,6 +160,11 @@ def prune(folder: str, keep: int) -> None:
     done = sorted(d for d in os.listdir(folder) if d.endswith(".shards"))
     for name in done[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+
+
+def folder_bytes(path: str) -> int:
+    """The bytes of the files in checkpoint folder `path`."""
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
 
 
 def list_parts(folder: str) -> list[dict]:

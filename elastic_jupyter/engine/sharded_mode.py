@@ -172,7 +172,8 @@ class ShardedMode:
         state = read_state(path)
         assert state is not None
         roll_back(state)
-        self._plan, self.disk, self.parked = _Plan(path=path), None, None
+        # until a start read its rows, the claim stays: a fault meanwhile comes back here
+        self._plan, self.disk, self.parked = _Plan(path=path), path, None
         if why is None:
             return None
         return {"kind": "fallback", "step": state["progress"]["step"], "path": path,
@@ -217,6 +218,7 @@ class ShardedMode:
         if plan.path is not None:
             module = self.model.load(mesh, optimizer, device,
                                      *read_rows(plan.path, rank, world_size))
+            self.disk = None
         else:
             assert plan.layout is not None
             held = plan.own if plan.own is not None else self.parked

@@ -6,11 +6,16 @@ on it (a run shows them in its events and chart).
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from ..config import RunConfig
 
 
 class Claimant(Protocol):
     """Whoever holds the pool (``EnginePool.claim``): a ``TrainingRun``."""
+
+    config: RunConfig  # its options (the pool's status says whether it runs --shard)
 
     @property
     def name(self) -> str:

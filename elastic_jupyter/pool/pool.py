@@ -280,6 +280,7 @@ class EnginePool:
                 "lent": g.get("lent", [])}
 
     def status(self) -> dict:
+        run = self.run if self.run is not None and self.run.active else None
         return {"running": self.running, "size": self.size, "start_size": self.config.n,
                 "size_note": self.size_note(), "min": self.min_size,
                 "max": self.max_size, "backend": self.backend,
@@ -288,9 +289,9 @@ class EnginePool:
                 "engines": [vars(e).copy() for e in self.engines],
                 "warm": [{"pid": e.pid, "rss_mib": rss(e.pid) / 2**20}
                          for e in self.engine_sets.warm],
-                "launcher": self.launcher.describe(),
+                "launcher": self.launcher.describe(), "run": run.name if run else None,
                 "queued": {slot: str(q) for slot, q in sorted(self.queued.items())},
-                "run": self.run.name if self.run is not None and self.run.active else None,
+                "run_mode": ("sharded" if run.config.shard else "replicated") if run else None,
                 "lease": self.lease_status()}
 
     def __repr__(self) -> str:

@@ -253,6 +253,8 @@ class Driver:
         if not self.config.shard or end_at is None:
             return []
         members, target = self.members, self.sizer.target_after(end_at)
+        if self.sizer.stop_requested:  # every rank: they write a checkpoint at the leave
+            return list(range(len(members)))
         if target < len(members):
             staying = plan_shrink(members, target, self._wanted(), len(self.membership.spares),
                                   frozenset(self.membership.leaving()))[0]

@@ -49,9 +49,8 @@ class FinalState:
 
     async def _last_state(self, members: list[Engine]) -> dict:
         written = self.log.last_event("checkpoint")  # this run's, not an older file's
-        if self.sharded and written is not None and written.get("sharded"):
-            return await asyncio.get_running_loop().run_in_executor(
-                None, sharded_checkpoint.load_whole, written["path"])
+        if self.sharded:
+            return await self._sharded_state()
         if written is not None and written["step"] == self.log.step:
             try:
                 return await asyncio.get_running_loop().run_in_executor(
@@ -70,21 +69,32 @@ class FinalState:
         not answer."""
         if not task.future.done():
             return
-        if self.sharded:  # its newest checkpoint: rank 0 holds its own rows only
-            written = self.log.last_event("checkpoint")
-            if written is not None and written.get("sharded"):
-                self.state = sharded_checkpoint.load_whole(written["path"])
-            return
         try:
             records = await asyncio.wait_for(self.calls.history_since(
                 rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
             self.log.merge({"records": records}, complete=True)
+            if self.sharded:  # rank 0 holds its own rows only
+                self.state = await self._sharded_state()
+                return
             state = await asyncio.wait_for(self.calls.training_state(rank0), STATE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
             self.log.log(f"rank 0's last records or state could not be read: {e}")
             return
         self.state = state
         await self.write_checkpoint(state)
+
+    async def _sharded_state(self) -> dict:
+        """A sharded run's final state: its newest checkpoint's parts gathered (off the owner
+        loop), with a warning when that is older than the run's last step (an error since)."""
+        written = self.log.last_event("checkpoint")
+        if written is None or not written.get("sharded"):
+            raise ckpt.CheckpointError("the sharded run wrote no checkpoint: its final state "
+                                       "is in no single place")
+        if written["step"] != self.log.step:
+            self.log.event("warning", message=f"the final state is the checkpoint of step "
+                           f"{written['step']}: a sharded run's rows after it were not written")
+        return await asyncio.get_running_loop().run_in_executor(
+            None, sharded_checkpoint.load_whole, written["path"])
 
     async def write_checkpoint(self, state: dict) -> None:
         """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be

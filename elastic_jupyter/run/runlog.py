@@ -133,9 +133,13 @@ class RunLog:
         """Take records and events streamed by rank 0 (repeats are skipped, unless the data
         is `complete`: a generation's result fills any gap the live stream left)."""
         for event in data.get("events", ()):  # a sharded run's ranks went back to a step
-            if event["kind"] in ROLL_BACKS and (event["kind"], event["step"]) \
+            if event["kind"] in ROLL_BACKS and (key := (event["kind"], event["step"],
+                                                        event.get("generation"))) \
                     not in self._event_keys:
+                self._event_keys.add(key)  # another generation's may go back to the same step
                 self.roll_back(event["step"])
+                fields = dict(event)
+                self.event(fields.pop("kind"), **fields)
         added = []
         for record in data.get("records", ()):
             if complete or record["step"] > self._merged_upto:
@@ -222,7 +226,7 @@ def describe_event(event: dict) -> str | None:
     if kind == "checkpoint_failed":
         return f"[step {step}] WARNING checkpoint not written: {event['message']}"
     if kind in ("error", "warning", "finished", "stopped", "start", "micro_batches", "slot",
-                "drain", "frozen"):
+                "drain", "frozen", *ROLL_BACKS):
         extra = event.get("message") or f"world size {event.get('world_size')}"
         return f"[step {step}] {kind}: {extra}"
     return None

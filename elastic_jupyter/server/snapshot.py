@@ -108,6 +108,7 @@ class RunSnapshot:
     resize: dict | None = None
     kernel_id: str | None = None
     started: float | None = None
+    sharded: bool = False  # --shard: each rank holds its rows of the training state
 
     @property
     def active(self) -> bool:
@@ -125,7 +126,8 @@ class RunSnapshot:
         """One-line text summary (plus the error), for plain-text front ends."""
         loss = f"{self.loss:.4f}" if self.loss is not None else "-"
         text = (f"run {self.name!r}: {self.state}, step {self.step}/{self.total_steps}, "
-                f"world size {self.world_size}, loss {loss}")
+                f"world size {self.world_size}{' (sharded)' if self.sharded else ''}, "
+                f"loss {loss}")
         return text + (f"\n{self.error}" if self.error else "")
 
 
@@ -154,7 +156,8 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
         log_dir=run.log_dir, slots=[m.device for m in run.members],
         lease=run.pool.lease_status(), resize=log.resize,
         queued=[f"slot {slot}: {job}" for slot, job in sorted(run.pool.queued.items())],
-        excluded=[{"slot": slot, **vars(x)} for slot, x in sorted(run.pool.excluded_slots.items())])
+        excluded=[{"slot": slot, **vars(x)} for slot, x in sorted(run.pool.excluded_slots.items())],
+        sharded=run.config.shard)
 
 
 def last_snapshot(entry: dict) -> dict:

@@ -51,7 +51,8 @@ def _status_table(status: dict) -> str:
     """The pool's status as lines of text: size and bounds, the engines, excluded slots."""
     lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
              f"backend {status['backend']}, on {status['launcher']}, "
-             f"run: {status['run'] or 'none'}"]
+             f"run: {status['run'] or 'none'}"
+             + (f" ({status['run_mode']})" if status.get("run_mode") else "")]
     jobs = any(e["job_id"] for e in status["engines"])  # a scheduler's jobs: their ids too
     lines += _columns([("slot", "host", "device", "pid", "engine id") + ("job",) * jobs] + [
         (str(e["slot"]), e["host"], e["device"], str(e["pid"]), str(e["engine_id"]))
