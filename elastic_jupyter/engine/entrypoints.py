@@ -381,7 +381,7 @@ def _load_sharded(w: Worker, folder: str) -> dict:
     w.restore(state)
     w.sharded.resume(path)
     return {"path": path, "warnings": [], "progress": w.progress.as_dict(),
-            "config": state["config"], "history": state["history"],
+            "config": state["config"], "history": history.whole_history(folder, state),
             "pending": w.pending is not None}
 
 

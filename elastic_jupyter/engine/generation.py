@@ -48,9 +48,10 @@ def run_generation(worker: Worker, spec: GenerationSpec, store: dist.Store) -> d
         spec: this rank's part in the generation (engine.protocol.GenerationSpec).
         store: the rendezvous store; keys are read under the generation's prefix.
     Returns:
-        {"reason": "finished" | "left", "progress", "records", "events", "drained"};
-        records and events are complete only on rank 0; "drained" is the wall time of the
-        SIGTERM this rank left for (engine.drain), else None.
+        {"reason": "finished" | "left", "progress", "records", "events", "drained",
+        "handed_over"}; records and events are complete only on rank 0; "drained" is the wall
+        time of the SIGTERM this rank left for (engine.drain), else None; "handed_over": the
+        ranks of a sharded run that left with their rows handed over (engine.sharded_mode).
     """
     return Generation(worker, spec, store).run()
 
@@ -92,6 +93,7 @@ class Generation:
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
         self._went_back_to: int | None = None  # a sharded run's roll back (sharded_mode)
         self._written: int | None = None  # the step of this rank's last sharded checkpoint
+        self.handed_over: list[int] = []  # ranks that left with their rows handed over
 
     def run(self) -> dict:
         with drain.training():  # from here a SIGTERM waits for the next step boundary
@@ -223,7 +225,7 @@ class Generation:
         acknowledged = self._acknowledged()
         return {"reason": reason, "progress": p.as_dict(),
                 "records": w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],
-                "events": events, "drained": drain.served()}
+                "events": events, "drained": drain.served(), "handed_over": self.handed_over}
 
     def _refresh_replicas(self) -> None:
         """Every rank of a sharded run: its part and the rest of the state copied, the part
@@ -242,11 +244,15 @@ class Generation:
         next generation builds it; when every rank leaves (each told to go), a checkpoint."""
         w = self.worker
         assert w.sharded is not None
-        if w.sharded.leave(self.rank, self.world_size, self._leaving(), w.optimizer):
-            if w.sharded.folder is not None and self._written != w.progress.step:
-                self._sharded_checkpoint(w.progress.step)
-            return
-        w.model = w.sharded.model.skeleton
+        named = None
+        if self.rank == 0 and self.control.check([LEAVERS_KEY]):  # read once, for all ranks
+            named = [int(r) for r in self.control.get(LEAVERS_KEY).decode().split(",") if r]
+        self.handed_over = w.sharded.leave(self.rank, self.world_size, drain.requested(), named,
+                                           w.optimizer)
+        if len(self.handed_over) < self.world_size:
+            w.model = w.sharded.model.skeleton
+        elif w.sharded.folder is not None and self._written != w.progress.step:
+            self._sharded_checkpoint(w.progress.step)
 
     def _sharded_checkpoint(self, step: int) -> None:
         """Every rank of a sharded run writes its part of step `step`'s checkpoint; rank 0
@@ -264,13 +270,6 @@ class Generation:
             event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
         if self.rank == 0:
             self.events.append(event)
-
-    def _leaving(self) -> bool:
-        """Whether this rank leaves when the generation ends: its scheduler told it to go
-        (engine.drain), or the owner named it (a shrink)."""
-        named = (self.control.get(LEAVERS_KEY).decode().split(",")
-                 if self.control.check([LEAVERS_KEY]) else [])
-        return drain.requested() or str(self.rank) in named
 
     def _acknowledged(self) -> int | None:
         """The newest step up to which the owner's run log holds every record (it writes it

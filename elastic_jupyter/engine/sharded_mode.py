@@ -27,6 +27,8 @@ This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import history
 from .batching import BatchPlan
 from .collective import collective
 from .objects import CellObjects, SetupError
@@ -105,6 +108,7 @@ class ShardedMode:
         self.replica_state: dict | None = None  # the rest of the state at the replicas' step
         self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
         self.folder = config.checkpoint_dir  # sharded checkpoints go there
+        self.saved_step: int | None = None  # of the last one (its history is on disk)
         self._plan = _Plan()  # agreed at the generation's start
 
     def resume(self, path: str) -> None:
@@ -238,8 +242,16 @@ class ShardedMode:
         ``checkpoint_dir`` (engine.sharded_checkpoint), keeping the newest `keep`. Returns
         its path. Raises CheckpointError, PeerFailure."""
         assert self.folder is not None
+        state = capture() if rank == 0 else None
+        if state is not None:  # the run's history file gets the records it lacks first
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                history.append(self.folder, state.get("history") or [])
+            except OSError as e:  # the parts are still written: every rank takes part
+                print(f"the run's history file was not appended: {e}", file=sys.stderr)
         path = write_parts(self.folder, step, self.model.snapshot(optimizer), self.model.shapes,
-                           rank, world_size, capture() if rank == 0 else None)
+                           rank, world_size, state)
+        self.saved_step = step
         if rank == 0:
             prune(self.folder, keep)
         return path
@@ -255,25 +267,27 @@ class ShardedMode:
         self.replica_state = capture()
         return sent
 
-    def leave(self, rank: int, world_size: int, leaving: bool,
-              optimizer: torch.optim.Optimizer) -> bool:
-        """At the generation's end, on every rank (a collective): when some rank leaves
-        (`leaving`: this one does), every rank hands its rows to the layout of those that
-        stay, in rank order; a leaver then holds nothing. Returns whether every rank leaves
-        (their rows stay where they are: the caller writes a checkpoint). Raises
-        PeerFailure."""
+    def leave(self, rank: int, world_size: int, drained: bool, named: list[int] | None,
+              optimizer: torch.optim.Optimizer) -> list[int]:
+        """At the generation's end, on every rank (a collective): the ranks that go are those
+        told to go (`drained`: this one) and those the owner named (`named`, as rank 0 read
+        them: one list for every rank). When some go, every rank hands its rows to the layout
+        of those that stay, in rank order; a leaver then holds nothing. Returns the ranks that
+        go; when all of them do, their rows stay where they are (the caller writes a
+        checkpoint). Raises PeerFailure."""
         box: list = [None] * world_size
         with collective("the ranks that leave"):
-            dist.all_gather_object(box, leaving)
-        if not any(box) or all(box):
-            return all(box)
-        stay = [r for r in range(world_size) if not box[r]]
+            dist.all_gather_object(box, (drained, named))
+        going = sorted({r for r, (told, _) in enumerate(box) if told} | set(box[0][1] or ()))
+        if not going or len(going) == world_size:
+            return going
+        stay = [r for r in range(world_size) if r not in going]
         new = tuple(stay.index(r) if r in stay else None for r in range(world_size))
         layout = Layout(tuple(range(world_size)), new)
         self.parked = self.model.hand_over(layout, rank, optimizer)
         self.reducer.close()
-        self.held = None if leaving else (len(stay), stay.index(rank))
-        return False
+        self.held = None if rank in going else (len(stay), stay.index(rank))
+        return going
 
     @staticmethod
     def padded(plan: BatchPlan, batch: torch.Tensor, parts: list[tuple[int, torch.Tensor]],

@@ -95,6 +95,8 @@ def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
         keep_after = min(keep_after, max(0, (step // every - 1) * every) if every else 0)
         if worker.writer.saved_step is not None:
             keep_after = min(keep_after, worker.writer.saved_step)
+    if worker.sharded is not None and worker.sharded.folder:  # every rank writes its part
+        keep_after = min(keep_after, worker.sharded.saved_step or 0)
     if isinstance(worker.lr_scheduler, ReduceLROnPlateau) and not worker.config.plateau_metric:
         start = worker.history.epoch_start(worker.progress.epoch)
         if start is not None:

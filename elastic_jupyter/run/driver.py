@@ -29,7 +29,7 @@ from ..owner import background
 from ..server.snapshot import TRAINING_STATES, RunState
 from .cellsetup import CellSetup
 from .final_state import FinalState
-from .membership import Membership, plan_shrink
+from .membership import Membership
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
 from .rendezvous import Rendezvous
 from .resume import Resume
@@ -51,6 +51,18 @@ class GenerationError(Exception):
     def __init__(self, engine, error):
         super().__init__(str(error))
         self.engine, self.error = engine, error
+
+
+def _let_go(membership: Membership, log: RunLog, step: int, change, handed_over: list,
+            wanted: int) -> None:
+    """A sharded run's members that handed their rows over after `step` leave; where the
+    size `change` adds none back, that was the resize."""
+    membership.let_go(handed_over, wanted)
+    W = len(membership.members)
+    if change.target <= W:
+        log.resize_started(step, W + len(handed_over), W, change.requested_time or time.time(),
+                           change.scheduled)
+        log.resize_settled(W)
 
 
 class Driver:
@@ -165,7 +177,8 @@ class Driver:
                             RunState.FINISHED if result["reason"] == "finished"
                             else RunState.STOPPED)
                     newcomers = await (self._after_drain() if result["drained"] else
-                                       self._change_membership(result["progress"]["step"]))
+                                       self._change_membership(result["progress"]["step"],
+                                                               result["handed_over"]))
                 broadcast = bool(newcomers)
         except BelowMinimum as e:
             await self._end_safely(self._stop_below_minimum(str(e)))
@@ -243,26 +256,18 @@ class Driver:
         # (engine, wall time of its SIGTERM) for the ranks that left because they were told to
         result["drained"] = [(e, outcome.results[e.engine_id]["drained"]) for e in self.members
                              if outcome.results[e.engine_id].get("drained")]
+        result["handed_over"] = [self.members[r] for r in result.get("handed_over", ())]
         return result
 
     def _leavers(self, end_at: int | None) -> list[int]:
         """A sharded run's ranks that go when the generation ends after `end_at`: they hand
-        their rows to the others first (engine.sharded_mode). Those a shrink stops
-        (membership.plan_shrink's choice) or a swap moves off slots the arbiter wants back;
-        a rank the owner stops without naming it here is recovered from partner replicas."""
+        their rows to the others first (engine.sharded_mode), and exactly those leave
+        (:meth:`_change_membership`); on a stop every rank (their checkpoint is the end)."""
         if not self.config.shard or end_at is None:
             return []
-        members, target = self.members, self.sizer.target_after(end_at)
-        if self.sizer.stop_requested:  # every rank: they write a checkpoint at the leave
-            return list(range(len(members)))
-        if target < len(members):
-            staying = plan_shrink(members, target, self._wanted(), len(self.membership.spares),
-                                  frozenset(self.membership.leaving()))[0]
-        elif self.membership.swappable():
-            staying = [m for m in members if m not in self.membership.swap_plan()]
-        else:
-            return []
-        return [rank for rank, m in enumerate(members) if m not in staying]
+        if self.sizer.stop_requested:
+            return list(range(len(self.members)))
+        return self.membership.leavers(self.sizer.target_after(end_at), self._wanted())
 
     def take_requests(self) -> None:
         """Feed the size policies' new requests to the sizer, and keep as many engines set up
@@ -298,16 +303,22 @@ class Driver:
         grows = len(self.members) < self.pool.max_size and self.state in TRAINING_STATES
         return self.config.warm if auto and grows else 0
 
-    async def _change_membership(self, step: int) -> set:
-        """Apply the size due after `step`; returns the engine ids that join."""
+    async def _change_membership(self, step: int, handed_over: list) -> set:
+        """Apply the size due after `step`; returns the engine ids that join. A sharded run's
+        members that `handed_over` their rows leave, and no other: the rest of a shrink (a
+        request since) goes at the next step boundary, where the driver names them."""
         self.take_requests()
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
+        if handed_over:  # exactly they leave, and a shrink is done where nothing joins
+            _let_go(self.membership, self.log, step, change, handed_over, self._wanted())
         W, target = len(self.members), change.target
+        if self.config.shard:  # the rest of a shrink goes after the next step, named
+            target = max(target, W)
         # a scheduled resize is exact (after its step, the ranks wait for its engines)
         if self.sizer.grow_in_parts and not change.scheduled and target > W:
             target = min(target, W + len(self.membership.spares))  # the rest when they are up
-        if target == W:
-            newcomers = self.membership.swap()  # off slots the arbiter wants back
+        if target == W:  # off slots the arbiter wants back (sharded: handed over above)
+            newcomers = [] if self.config.shard else self.membership.swap()
             if newcomers:
                 self.log.event("slot", message=f"moved {len(newcomers)} rank(s) off slot(s) "
                                "the machine's arbiter wants back")

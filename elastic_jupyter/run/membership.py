@@ -212,6 +212,30 @@ class Membership:
         return any(m.slot in leaving for m in self.members) and any(
             s.slot not in leaving for s in self.spares)
 
+    def leavers(self, target: int, wanted: int) -> list[int]:
+        """The ranks that go at a change to `target` members (a sharded run names them to its
+        ranks, which hand their rows over first): :func:`plan_shrink`'s choice, or those
+        :meth:`swap` moves off slots the arbiter wants back."""
+        if target < len(self.members):
+            staying = plan_shrink(self.members, target, wanted, len(self.spares),
+                                  frozenset(self.leaving()))[0]
+        elif self.swappable():
+            staying = [m for m in self.members if m not in self.swap_plan()]
+        else:
+            return []
+        return [rank for rank, m in enumerate(self.members) if m not in staying]
+
+    def let_go(self, gone: list, wanted: int) -> None:
+        """Members that handed their rows over (a sharded run's shrink or swap) leave: kept as
+        spares while the run wants more engines set up (not those on slots the arbiter wants
+        back), else stopped."""
+        leaving = self.leaving()
+        self.members = [m for m in self.members if m not in gone]
+        room = max(0, wanted - len(self.members) - len(self.spares))
+        kept = [m for m in gone if m.slot not in leaving][:room]
+        self.spares += kept
+        self.pool.engine_sets.remove([m for m in gone if m not in kept])
+
     def swap_plan(self) -> list:
         """The members :meth:`swap` would move off slots the arbiter wants back (as many as
         ready spares elsewhere)."""
