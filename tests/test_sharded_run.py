@@ -109,3 +109,12 @@ def test_the_pool_status_and_the_snapshot_say_the_run_is_sharded(idle_pool, tmp_
     finally:
         run.stop()
         run.wait(timeout=60)
+
+
+def test_a_resume_in_the_other_mode_says_which_mode_wrote_the_checkpoints(idle_pool, tmp_path):
+    _run(idle_pool, tmp_path, "sharded-parts", 2, shard=True, steps=5)
+    with pytest.raises(Exception, match="written with --shard; resume with --shard"):
+        _run(idle_pool, tmp_path, "sharded-parts", 2, resume=True)
+    _run(idle_pool, tmp_path, "plain-files", 2, steps=5)
+    with pytest.raises(Exception, match="written without --shard; resume without it"):
+        _run(idle_pool, tmp_path, "plain-files", 2, shard=True, resume=True)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from . import drain, history, publish, schedulers, sharded_checkpoint
 from . import state as state_mod
 from . import workdir as workdir_mod
-from .checkpoint import CheckpointError, load_latest, unloadable
+from .checkpoint import CheckpointError, latest_checkpoint, load_latest, unloadable
 from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .interface import use_interface_towards
@@ -357,6 +357,9 @@ def load_state(folder: str) -> dict:
     try:
         path, state, warnings = load_latest(folder, log=details.append)
     except CheckpointError as e:
+        if sharded_checkpoint.latest(folder):
+            raise CheckpointError(f"{e}: its checkpoints were written with --shard; resume "
+                                  "with --shard") from None
         if details and _state.log_path:
             raise CheckpointError(f"{e}\n(torch's full errors: {_state.log_path})") from None
         raise
@@ -375,7 +378,9 @@ def _load_sharded(w: Worker, folder: str) -> dict:
     the state restored here; every rank reads its rows at the next generation's start)."""
     path = sharded_checkpoint.latest(folder)
     if path is None:
-        raise CheckpointError(f"no sharded checkpoint (step-*.shards) in {folder}")
+        hint = (": its checkpoints were written without --shard; resume without it"
+                if latest_checkpoint(folder) else "")
+        raise CheckpointError(f"no sharded checkpoint (step-*.shards) in {folder}{hint}")
     state = sharded_checkpoint.read_state(path)
     assert state is not None and w.sharded is not None
     w.restore(state)
