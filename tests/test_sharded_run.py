@@ -60,6 +60,8 @@ def test_a_sharded_run_resized_2_3_1_2_equals_the_replicated_run(idle_pool, tmp_
     assert kinds.count("replicas") >= 4  # after each start, and every 2 steps
     written = [e for e in sharded.events if e["kind"] == "checkpoint"]
     assert [e["step"] for e in written] == [5, 10] and all(e["sharded"] for e in written)
+    assert [(c["step"], c["file"]) for c in sharded.checkpoints] == [
+        (5, "step-00000005.shards"), (10, "step-00000010.shards")]
 
 
 def test_a_sharded_run_resumes_at_another_world_size(idle_pool, tmp_path):

@@ -52,9 +52,8 @@ class RunResults:
         cached = self._listing  # (stamp, list), one attribute: read by views' threads too
         if cached is not None and cached[0] == stamp:
             return list(cached[1])
-        listing = sorted(ckpt.list_checkpoints(self.checkpoint_dir)  # a sharded run's folders
-                         + sharded_checkpoint.list_parts(self.checkpoint_dir),
-                         key=lambda c: c["step"])
+        listing = (sharded_checkpoint.list_parts(self.checkpoint_dir) if self.final.sharded
+                   else ckpt.list_checkpoints(self.checkpoint_dir))
         if time.time_ns() - stamp > LISTING_SETTLED_NS:
             self._listing = (stamp, listing)
         return list(listing)
