@@ -77,7 +77,7 @@ def _kill_when_it_holds(folder, processes, victims: list[int]) -> None:
     """SIGKILL the `victims` once the first of them holds at its armed fault point
     (engine.faultpoints)."""
     deadline = time.monotonic() + 120
-    while not (hits := [f for f in os.listdir(folder) if f.startswith("hit.forward.")]):
+    while not any(f.startswith("hit.forward.") for f in os.listdir(folder)):
         assert time.monotonic() < deadline and all(p.exitcode in (None, 0) for p in processes)
         time.sleep(0.05)
     for victim in victims:

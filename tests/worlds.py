@@ -85,7 +85,7 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
         # options the setup refuses on CPU
         worker.config = dataclasses.replace(worker.config, **cfg.get("late", {}))
         if worker.sharded is not None:  # as a generation does: the others are sent rank 0's
-            worker.sharded.agree(rank, world_size, rank > 0, 0, worker.restore)
+            worker.sharded.agree(world_size, rank > 0, 0, worker.restore)
         worker.start_generation(rank, world_size)
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, vote)[0])

@@ -133,8 +133,8 @@ class Generation:
         fault_point("resize", w)
         if w.sharded is not None:  # where each rank's rows come from; survivors of a lost
             # rank's rows go back to their replicas' step before newcomers are sent the state
-            event = w.sharded.agree(self.rank, self.world_size, self.spec.receive_state,
-                                    w.progress.step, w.restore)
+            event = w.sharded.agree(self.world_size, self.spec.receive_state, w.progress.step,
+                                    w.restore)
             if event is not None:  # the owner's acknowledgements above it are of records
                 self._went_back_to = event["step"]  # this generation trains again
                 event["generation"] = self.spec.generation

@@ -116,7 +116,7 @@ class ShardedMode:
         next generation, at its world size, whatever the world size that wrote it."""
         self.disk = path
 
-    def agree(self, rank: int, world_size: int, newcomer: bool, step: int,
+    def agree(self, world_size: int, newcomer: bool, step: int,
               roll_back: Callable[[dict], None]) -> dict | None:
         """At a generation's start, before the rest of the state is broadcast, on every rank
         (a collective): the ranks say which rows they hold and agree where each new rank's

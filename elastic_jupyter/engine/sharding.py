@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import gc
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 import torch.distributed as dist
