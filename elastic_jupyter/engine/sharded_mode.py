@@ -186,8 +186,8 @@ class ShardedMode:
 
     def _recovery(self, box: list, world_size: int) -> list[int] | None:
         """Plan the layout from the partner replicas, once every rank said what it holds
-        (`box`); returns the lost ranks when some rows are nowhere in memory (else None).
-        Raises ShardingError when the survivors hold no replicas of one step."""
+        (`box`); returns the lost ranks when some rows are nowhere in memory (else None):
+        lost with their partner's copy, or the survivors hold no replicas of one step."""
         infos = [b[2] for b in box if b[0] is not None]  # the survivors' replicas
         if not infos or None in infos or len({info[:2] for info in infos}) != 1:
             # none, or of different steps (a refresh a fault cut short): rows to find on disk
