@@ -120,3 +120,17 @@ def test_a_resume_in_the_other_mode_says_which_mode_wrote_the_checkpoints(idle_p
     _run(idle_pool, tmp_path, "plain-files", 2, steps=5)
     with pytest.raises(Exception, match="written without --shard; resume without it"):
         _run(idle_pool, tmp_path, "plain-files", 2, shard=True, resume=True)
+
+
+def test_a_damaged_newest_sharded_checkpoint_is_skipped_for_the_one_before(idle_pool, tmp_path):
+    first = _run(idle_pool, tmp_path, "damaged", 2, shard=True)  # checkpoints at 5 and 10
+    newest = first.checkpoints[-1]["path"]
+    with open(f"{newest}/part-00001.pt", "r+b") as f:  # a bit flipped on disk
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    resumed = _run(idle_pool, tmp_path, "damaged", 3, shard=True, resume=True, steps=12)
+    assert [r["world_size"] for r in resumed.history] == [2] * 5 + [3] * 7
+    skipped = [e for e in resumed.events if e["kind"] == "warning" and "skipped" in e["message"]]
+    assert skipped and "part-00001.pt is missing or damaged" in skipped[0]["message"]

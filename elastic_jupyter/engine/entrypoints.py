@@ -376,16 +376,17 @@ def load_state(folder: str) -> dict:
 def _load_sharded(w: Worker, folder: str) -> dict:
     """load_state for a sharded run: the newest sharded checkpoint in `folder` (its rest of
     the state restored here; every rank reads its rows at the next generation's start)."""
-    path = sharded_checkpoint.latest(folder)
+    path, warnings = sharded_checkpoint.usable_latest(folder)
     if path is None:
         hint = (": its checkpoints were written without --shard; resume without it"
                 if latest_checkpoint(folder) else "")
-        raise CheckpointError(f"no sharded checkpoint (step-*.shards) in {folder}{hint}")
+        raise CheckpointError(f"no usable sharded checkpoint (step-*.shards) in {folder}{hint}"
+                              + "".join(f"\n  {line}" for line in warnings))
     state = sharded_checkpoint.read_state(path)
     assert state is not None and w.sharded is not None
     w.restore(state)
     w.sharded.resume(path)
-    return {"path": path, "warnings": [], "progress": w.progress.as_dict(),
+    return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
             "config": state["config"], "history": history.whole_history(folder, state),
             "pending": w.pending is not None}
 

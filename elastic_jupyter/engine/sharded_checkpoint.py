@@ -91,8 +91,11 @@ def write_parts(folder: str, step: int, part: Snapshot, shapes: dict[str, torch.
                     "dtypes": [str(t.dtype).removeprefix("torch.") for t in part.parts.values()],
                     "files": gathered, "state": state}
         atomic_write(os.path.join(tmp, "manifest.pt"), lambda f: torch.save(manifest, f))
+        if os.path.isdir(final):  # this step written before (a run that went back to an
+            os.replace(final, final + ".old")  # older checkpoint): ours replaces it
         os.replace(tmp, final)
         _fsync_dir(folder)
+        shutil.rmtree(final + ".old", ignore_errors=True)
     with collective("sharded checkpoint"):
         dist.barrier()
     return final
@@ -182,6 +185,28 @@ def list_parts(folder: str) -> list[dict]:
                         "bytes": sum(st.st_size for st in files),
                         "time": max((st.st_mtime for st in files), default=0.0)})
     return out
+
+
+def usable_latest(folder: str) -> tuple[str | None, list[str]]:
+    """The newest complete sharded checkpoint in `folder` whose manifest reads and whose
+    parts' SHA-256 match it (every part read once), newest first: (its path or None, one
+    line per newer one skipped, saying why), as engine.checkpoint's ``load_latest`` does for
+    replicated files."""
+    skipped = []
+    for listed in reversed(list_parts(folder)):
+        path = listed["path"]
+        try:
+            manifest = _load(os.path.join(path, "manifest.pt"))
+            for file in manifest["files"]:
+                where = os.path.join(path, file["file"])
+                if not os.path.exists(where) or _sha256(where) != file["sha256"]:
+                    raise CheckpointError(f"{file['file']} is missing or damaged (its SHA-256 "
+                                          "differs from the manifest's)")
+        except CheckpointError as e:
+            skipped.append(f"skipped checkpoint {path}: {e}")
+            continue
+        return path, skipped
+    return None, skipped
 
 
 def latest(folder: str) -> str | None:
