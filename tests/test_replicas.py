@@ -8,18 +8,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from elastic_jupyter.engine.replicas import PartnerReplicas
-from elastic_jupyter.engine.sharding import ShardedModel
-from test_sharding import build, train_step, whole
+from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
 
 def _rank(rank: int, folder: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", 3), rank=rank,
                             world_size=3)
-    cell = build()
-    optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)
-    sharded = ShardedModel(cell)
-    sharded.shard(init_device_mesh("cpu", (3,)), optimizer)
+    sharded, optimizer = sharded_cell(3)
     replicas = PartnerReplicas()
     for step in range(3):
         if step == 2:  # a committed step: every rank refreshes
@@ -52,26 +48,9 @@ def _rank(rank: int, folder: str) -> None:
         dist.destroy_process_group()
 
 
-def _fixed(rank: int, folder: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/fixed", 2), rank=rank,
-                            world_size=2)
-    try:
-        cell = build()
-        optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)
-        sharded = ShardedModel(cell)
-        sharded.shard(init_device_mesh("cpu", (2,)), optimizer)
-        for step in range(5):
-            train_step(sharded.module, optimizer, step, rank, 2)
-        result = whole(sharded.module)
-        if rank == 0:
-            torch.save(result, f"{folder}/fixed.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_survivors_recover_a_lost_ranks_rows_from_its_partner_and_train_on(tmp_path):
     spawn(_rank, (str(tmp_path),), 3)
-    spawn(_fixed, (str(tmp_path),), 2)
+    spawn(fixed_at_2, (str(tmp_path), 5), 2)
     fixed = torch.load(tmp_path / "fixed.pt", weights_only=True)
     recovered = torch.load(tmp_path / "recovered.pt", weights_only=True)
     for key, want in fixed.items():

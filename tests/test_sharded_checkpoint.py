@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from elastic_jupyter.engine.checkpoint import CheckpointError
 from elastic_jupyter.engine.sharded_checkpoint import latest, read_rows, write_parts
 from elastic_jupyter.engine.sharding import ShardedModel
-from test_sharding import build, train_step, whole
+from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
 
@@ -20,10 +20,7 @@ def _write(rank: int, folder: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store-w", 2), rank=rank,
                             world_size=2)
     try:
-        cell = build()
-        optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)
-        sharded = ShardedModel(cell)
-        sharded.shard(init_device_mesh("cpu", (2,)), optimizer)
+        sharded, optimizer = sharded_cell(2)
         for step in range(3):
             train_step(sharded.module, optimizer, step, rank, 2)
         write_parts(f"{folder}/ckpt", 3, sharded.snapshot(optimizer), sharded.shapes, rank, 2)
@@ -52,30 +49,13 @@ def _read(rank: int, folder: str, world_size: int, steps: int) -> None:
         dist.destroy_process_group()
 
 
-def _fixed(rank: int, folder: str) -> None:
-    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store-f", 2), rank=rank,
-                            world_size=2)
-    try:
-        cell = build()
-        optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)
-        sharded = ShardedModel(cell)
-        sharded.shard(init_device_mesh("cpu", (2,)), optimizer)
-        for step in range(6):
-            train_step(sharded.module, optimizer, step, rank, 2)
-        result = whole(sharded.module)
-        if rank == 0:
-            torch.save(result, f"{folder}/fixed.pt")
-    finally:
-        dist.destroy_process_group()
-
-
 def test_written_at_2_read_at_3_and_trained_on_equals_fixed_at_2(tmp_path):
     (tmp_path / "ckpt").mkdir()
     spawn(_write, (str(tmp_path),), 2)
     os.makedirs(tmp_path / "ckpt" / "step-00000009.shards.tmp")  # a crash's leftover
     assert latest(str(tmp_path / "ckpt")).endswith("step-00000003.shards")
     spawn(_read, (str(tmp_path), 3, 6), 3)
-    spawn(_fixed, (str(tmp_path),), 2)
+    spawn(fixed_at_2, (str(tmp_path), 6), 2)
     fixed = torch.load(tmp_path / "fixed.pt", weights_only=True)
     read = torch.load(tmp_path / "read3.pt", weights_only=True)
     for key, want in fixed.items():

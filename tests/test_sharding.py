@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from elastic_jupyter.engine.reshard import Layout
@@ -48,6 +48,31 @@ def whole(model) -> dict:
 
 # world sizes by step pair, and the process group ranks each generation holds
 GENERATIONS = [(0, [0, 1]), (2, [0, 1, 2]), (4, [2]), (6, [2, 3])]
+
+
+def sharded_cell(world_size: int) -> tuple[ShardedModel, torch.optim.Optimizer]:
+    """The test cell and its AdamW, sharded over `world_size` ranks (the process group's)."""
+    cell = build()
+    optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)
+    sharded = ShardedModel(cell)
+    sharded.shard(init_device_mesh("cpu", (world_size,)), optimizer)
+    return sharded, optimizer
+
+
+def fixed_at_2(rank: int, folder: str, steps: int) -> None:
+    """Rank `rank` of the run fixed at 2 ranks for `steps` steps; rank 0 saves its whole
+    parameters to ``folder/fixed.pt`` (the right answer of the resized runs)."""
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store-fixed", 2),
+                            rank=rank, world_size=2)
+    try:
+        sharded, optimizer = sharded_cell(2)
+        for step in range(steps):
+            train_step(sharded.module, optimizer, step, rank, 2)
+        result = whole(sharded.module)
+        if rank == 0:
+            torch.save(result, f"{folder}/fixed.pt")
+    finally:
+        dist.destroy_process_group()
 
 
 def _rank(rank: int, store: str, out: str) -> None:
