@@ -124,6 +124,24 @@ def samples_or_measure(text: str) -> float | str:
                                          f"{text!r}") from None
 
 
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def byte_size(text: str) -> int:
+    """A size's text in bytes: a number with K, M, G or T (binary units, as Slurm's --mem:
+    ``24G`` is 24 GiB; ``GiB``, ``GB`` and ``B`` suffixes read alike), or plain bytes."""
+    spelled = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    unit = spelled[-1:] if spelled[-1:] in _UNITS else ""
+    try:
+        value = float(spelled[:len(spelled) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size like 24G, 800M or a number of bytes,"
+                                         f" got {text!r}")
+    return int(value)
+
+
 # ---------------------------------------------------------------------- pools
 
 def _gpu_ids(gpus: str) -> list[int]:
@@ -340,6 +358,11 @@ class RunConfig:
         "--replica-every", "with --shard: steps between two copies of each rank's part on its "
         "partner rank's host memory, the most a fault loses (default 10; also after each "
         "resize)", parse=positive_int, metavar="K"))
+    memory_per_rank: int | None = field(default=None, metadata=flag(
+        "--memory-per-rank", "with --shard: the training memory a rank may use, like 24G "
+        "(default: a GPU slot's memory; none on CPU slots). The run refuses a pool's --min, "
+        "and a resize, below the smallest world size that fits (activations not counted)",
+        parse=byte_size, metavar="SIZE"))
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
 
@@ -392,6 +415,13 @@ class RunConfig:
         if not isinstance(self.tensorboard, (bool, str)) or self.tensorboard == "":
             raise UsageError(f"tensorboard takes True (the run's folder) or a folder, got "
                              f"{self.tensorboard!r}")
+        if self.memory_per_rank is not None and (isinstance(self.memory_per_rank, bool) or
+                not isinstance(self.memory_per_rank, int) or self.memory_per_rank < 1):
+            raise UsageError(f"--memory-per-rank is a number of bytes (the magic reads 24G), "
+                             f"got {self.memory_per_rank!r}")
+        if self.memory_per_rank is not None and not self.shard:
+            raise UsageError("--memory-per-rank bounds a sharded run (each rank of a "
+                             "replicated one holds the whole state): add --shard")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
             raise UsageError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
 

@@ -41,6 +41,7 @@ class Result:
     losses: list = field(default_factory=list)  # the reference's loss per step
     scaler: dict | None = None
     pass_cost: float | None = None  # the rank's (engine.calibration), as its steps were cut
+    per_pass: bool = False  # a sharded rank reduce-scattered after each pass (memory bound)
 
 
 def config(**options) -> dict:
@@ -84,13 +85,16 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
         # options the setup refuses on CPU
         worker.config = dataclasses.replace(worker.config, **cfg.get("late", {}))
-        if worker.sharded is not None:  # as a generation does: the others are sent rank 0's
+        if worker.sharded is not None:  # as the setup, then a generation, do
+            worker.sharded.count_memory(worker.optimizer, worker.plan.micro_batch_count(
+                worker.plan.global_batch), worker.device)
             worker.sharded.agree(world_size, rank > 0, 0, worker.restore)
         worker.start_generation(rank, world_size)
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, vote)[0])
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
         result.pass_cost = worker.progress.pass_cost
+        result.per_pass = worker.sharded is not None and worker.sharded.reducer.per_pass
     finally:
         if world_size > 1:
             dist.destroy_process_group()

@@ -248,7 +248,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     `config`: the run's options as plain data (``RunConfig.as_dict()``; engine.protocol's
     EngineConfig reads it).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "frozen",
-    "workdir", "imported"}: "frozen" is the frozen weights' manifest (engine.frozen: their
+    "workdir", "memory", "imported"}: "memory" is a sharded run's memory need per rank and
+    budget (engine.sharded_mode's ``count_memory``; None when replicated); "frozen" is the frozen weights' manifest (engine.frozen: their
     digests, bytes and hashing time), which the owner compares across engines; "imported"
     names the installed modules the setup loaded, in order (for pool.zygote; not the
     notebook's own, see engine.workdir);
@@ -293,6 +294,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
             "parameters": sum(p.numel() for p in w.model.parameters()),
             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
             "dataset": dataset, "frozen": w.frozen.manifest(), "workdir": workdir,
+            "memory": w.sharded.count_memory(w.optimizer, w.plan.micro_batch_count(min(
+                w.plan.global_batch, w.plan.n)), w.device) if w.sharded else None,
             "imported": [m for m, module in list(sys.modules.items()) if m not in loaded
                          and workdir_mod.installed_file(getattr(module, "__file__", None))]}
 

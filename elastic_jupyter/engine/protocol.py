@@ -124,6 +124,7 @@ class EngineConfig:
     move_frozen: bool = False
     shard: bool = False
     replica_every: int = 10
+    memory_per_rank: int | None = None
     fault_dir: str | None = None
     total_steps: int = 0
 

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import history
 from .batching import BatchPlan
 from .collective import collective
+from .memory_need import MemoryNeed
 from .objects import CellObjects, SetupError
 from .protocol import EngineConfig
 from .replicas import PartnerReplicas
@@ -109,7 +110,21 @@ class ShardedMode:
         self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
         self.folder = config.checkpoint_dir  # sharded checkpoints go there
         self.saved_step: int | None = None  # of the last one (its history is on disk)
+        self.need: MemoryNeed | None = None  # what a rank needs (:meth:`count_memory`)
+        self.budget = config.memory_per_rank  # what it may use (bytes; None: no bound)
         self._plan = _Plan()  # agreed at the generation's start
+
+    def count_memory(self, optimizer: torch.optim.Optimizer | None, micro_batches: int | None,
+                     device: torch.device) -> dict:
+        """At setup, before the first generation: count the memory a rank needs at each world
+        size (engine.memory_need; `micro_batches` in a full step). The budget is
+        ``memory_per_rank``, else a GPU's memory. Returns {"need", "budget", "given"} for
+        the owner (run.memory_bound)."""
+        self.need = self.model.memory_need(optimizer, micro_batches)
+        given = self.budget is not None
+        if not given and device.type == "cuda":
+            self.budget = torch.cuda.get_device_properties(device).total_memory
+        return {"need": self.need.as_dict(), "budget": self.budget, "given": given}
 
     def resume(self, path: str) -> None:
         """Start from the sharded checkpoint folder `path` (engine.sharded_checkpoint) at the
@@ -137,10 +152,13 @@ class ShardedMode:
         if self.parked is None and not self.model.holds_rows:
             self.held = None  # its rows went elsewhere (or a start failed after a hand-over)
         mine = (self.held, step, None if r.step is None else (r.step, r.world_size, r.rank),
-                self.disk)
+                self.disk, self.budget)
         box: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(box, mine)
+        budgets = [b[4] for b in box if b[4] is not None]  # one decision on every rank
+        self.reducer.per_pass = self.need is not None and self.need.per_pass(
+            world_size, min(budgets) if budgets else None)
         held, disks = [b[0] for b in box], {b[3] for b in box} - {None}
         if disks:  # a resume: every rank reads its rows
             return self._from_disk(disks.pop() if len(disks) == 1 else None, roll_back)

@@ -8,6 +8,8 @@ Worker makes on engine.reduce's GradReducer, so the step loop is the same in bot
 
 - a rank's micro-batches before its last are accumulated unsharded, without a reduction
   (``set_requires_gradient_sync(False)``), and the last one's backward reduce-scatters once;
+  where a whole unsharded gradient does not fit the rank's memory (engine.memory_need),
+  ``per_pass`` makes every backward reduce-scatter, into the sharded gradient's sum;
 - every rank runs the same number of passes (FSDP2's all-gathers and reduce-scatters are
   collectives): a rank with fewer micro-batches first runs zero-weight passes
   (engine.sharded_mode pads them);
@@ -61,6 +63,7 @@ class ShardedReducer:
         self._padding = False
         self._handles: list = []
         self._norm_sq = 0.0  # the gradients' squared norm over every rank, once voted
+        self.per_pass = False  # each pass reduce-scatters (set for each generation)
 
     def attach(self, module: nn.Module) -> None:
         """Reduce `module`'s gradients from now on (a module engine.sharding built on a mesh):
@@ -110,12 +113,13 @@ class ShardedReducer:
         """Nothing to align: FSDP2's units reduce in the order backward reaches them."""
 
     def begin_step(self) -> None:
-        """Start a step: no gradients; passes accumulate without a reduction until the last."""
+        """Start a step: no gradients; passes accumulate without a reduction until the last
+        (unless ``per_pass``)."""
         for p in self.params:
             p.grad = None
         self._used.clear()
         for unit in self._units:
-            unit.set_requires_gradient_sync(False, recurse=False)
+            unit.set_requires_gradient_sync(self.per_pass, recurse=False)
 
     def padding(self, on: bool) -> None:
         """A zero-weight pass (`on`) runs, or ended: its gradients are zeros, and its

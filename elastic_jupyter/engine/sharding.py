@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .collective import collective
+from .memory_need import MemoryNeed, measure
 from .reshard import Layout, chunk_rows, reshard
 
 BULK = 0.5  # the share of the parameters a module list must hold for its children to be units
@@ -114,6 +115,17 @@ class ShardedModel:
                 unit.set_gradient_divide_factor(1.0)
                 unit.set_force_sum_reduction_for_comms(True)
         return module
+
+    def memory_need(self, optimizer: torch.optim.Optimizer | None,
+                    micro_batches: int | None) -> MemoryNeed:
+        """The memory a rank needs at each world size (engine.memory_need), counted on the
+        skeleton: before the first generation, while `optimizer` holds the cell's model's
+        parameters; `micro_batches`: in a full step. With a ``shard_fn`` the gather buffers
+        are counted over the default units (its own are only known on a mesh)."""
+        optimized = [[self._held_ids[id(p)] for p in group["params"] if id(p) in self._held_ids]
+                     for group in (optimizer.param_groups if optimizer else [])]
+        return measure(self.skeleton, default_units(self.skeleton), optimizer, optimized,
+                       micro_batches)
 
     def shard(self, mesh: DeviceMesh, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """The first generation: shard the cell's model itself over `mesh` (each rank keeps

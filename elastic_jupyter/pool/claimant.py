@@ -6,16 +6,25 @@ on it (a run shows them in its events and chart).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ..config import RunConfig
+
+class RunMode(Protocol):
+    """How a claimant trains (run.memory_bound's MemoryBound)."""
+
+    @property
+    def mode(self) -> str:
+        """"replicated", or "sharded" and its memory bound: the pool's status shows it."""
+        ...
 
 
 class Claimant(Protocol):
     """Whoever holds the pool (``EnginePool.claim``): a ``TrainingRun``."""
 
-    config: RunConfig  # its options (the pool's status says whether it runs --shard)
+    @property
+    def memory(self) -> RunMode:
+        """Its mode and memory bound."""
+        ...
 
     @property
     def name(self) -> str:

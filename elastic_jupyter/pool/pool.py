@@ -291,7 +291,7 @@ class EnginePool:
                          for e in self.engine_sets.warm],
                 "launcher": self.launcher.describe(), "run": run.name if run else None,
                 "queued": {slot: str(q) for slot, q in sorted(self.queued.items())},
-                "run_mode": ("sharded" if run.config.shard else "replicated") if run else None,
+                "run_mode": run.memory.mode if run else None,
                 "lease": self.lease_status()}
 
     def __repr__(self) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 from ..pool.engine_calls import remote_message, remote_summary
+from .memory_bound import MemoryBound
 from .runlog import RunLog
 
 if TYPE_CHECKING:
@@ -33,6 +34,8 @@ class CellSetup:
             (on a host without that folder, in their own: a warning says so, once a host).
         preload: told the modules the first engines' setup imported (the launcher's
             :meth:`~..pool.launchers.Launcher.preload`: later engines start with them).
+        memory: the run's memory bound (run.memory_bound), set up by the first engines'
+            counts; a pool whose --min is below it fails the setup with UsageError.
 
     Attributes:
         total_steps: the run's length in steps, fixed by the first engines' setup.
@@ -44,8 +47,10 @@ class CellSetup:
 
     def __init__(self, calls: EngineCalls, log: RunLog, config: dict, source: str | None,
                  setup_bytes: bytes | None, push: dict, workdir: str,
-                 preload: Callable[[list[str]], None] = lambda modules: None):
+                 preload: Callable[[list[str]], None] = lambda modules: None,
+                 memory: MemoryBound | None = None):
         self.calls, self.log, self.config, self.preload = calls, log, config, preload
+        self.memory = memory or MemoryBound(bool(config.get("shard")))
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
         self.workdir = workdir
         self._elsewhere: set[str] = set()  # hosts that run the cell outside `workdir`
@@ -77,6 +82,9 @@ class CellSetup:
         self._check_datasets(engines, [r["dataset"] for r in results])
         self._check_frozen(engines, [r["frozen"]["tensors"] for r in results])
         if self.dataset is None:
+            self.memory.set_up([r["memory"] for r in results if r["memory"]],
+                               self.config.get("pool_min_size", 1),
+                               self.config.get("pool_max_size", 1))
             self.dataset, self.total_steps = results[0]["dataset"], results[0]["total_steps"]
             self.frozen = results[0]["frozen"]["tensors"]
             self.preload(results[0]["imported"])

@@ -64,13 +64,13 @@ class TrainingRun:
             called before training starts.
 
     With ``config.tensorboard`` the run also logs to TensorBoard (tensorboard.py), in
-    ``tensorboard_dir``: ``<checkpoint folder>/tensorboard/``, or ``<folder>/<name>/`` for a
-    folder given.
+    ``tensorboard_dir``: ``<checkpoint folder>/tensorboard/``, or ``<folder>/<name>/``.
 
     Attributes:
         state: a RunState (a str): "created", "starting", "training", "resizing",
             "finished", "failed" or "stopped".
         world_size: current number of ranks; requested_size: the newest requested size.
+        memory: a sharded run's memory bound (run.memory_bound), which resizes respect.
 
     Raises:
         UsageError: both or neither of source and setup, push not a dict, a bad config.
@@ -106,6 +106,7 @@ class TrainingRun:
         self._cell = CellSetup(pool.calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
                                dict(push or {}), self.workdir, pool.launcher.preload)
+        self.memory = self._cell.memory
         self._driver = Driver(pool, pool.calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
                               self._cell, config, self.checkpoint_dir, on_end=self._on_end)
@@ -180,7 +181,7 @@ class TrainingRun:
     @property
     def checkpoints(self) -> list[dict]:
         """Checkpoint files of this run, oldest first: file, path, step, bytes, time (read
-        again only when the folder changed: views ask several times a second)."""
+        again only when the folder changed)."""
         return self._results.checkpoints()
 
     def summary(self) -> str:
@@ -215,10 +216,11 @@ class TrainingRun:
         arbiter (and ends auto mode); the run resizes once the slots are granted.
 
         Raises UsageError if `n` is outside the pool's bounds (or beyond what the arbiter can
-        grant), or the run is not training, or `at_step` has already passed (or is given on
-        a pool in lease mode, whose size the arbiter decides).
+        grant, or below a sharded run's memory bound), or the run is not training, or
+        `at_step` has already passed (or is given on a pool in lease mode).
         """
         n = self.pool.check_size(n)  # the one validation of a resize, whoever asks
+        self.memory.check(n)  # and a sharded run's memory bound
         if self.state not in TRAINING_STATES:
             hint = ("resize once it trains" if self.state in (RunState.CREATED,
                                                               RunState.STARTING) else
@@ -239,8 +241,8 @@ class TrainingRun:
     def auto(self, on: bool = True, weight: float | None = None) -> None:
         """Turn auto mode on or off: in auto mode the machine's arbiter sizes the run between
         the pool's --min and --max by weighted fair share (docs/arbiter.md); off, the run keeps
-        its slots and changes size only when asked. Returns at once. Raises UsageError when the
-        pool does not take its slots from the arbiter, or for a weight outside (0, 1e6]."""
+        its slots and changes size only when asked. Returns at once. Raises UsageError without
+        the arbiter, or for a weight outside (0, 1e6]."""
         self.pool.set_auto(on, weight)
 
     def _ask_arbiter(self, n: int) -> None:
@@ -281,9 +283,8 @@ class TrainingRun:
 
         With progress=True, prints the loss about twice a second and every resize and
         checkpoint as it happens. Interrupting the wait (the kernel's stop button) only stops
-        waiting: the run keeps training. The first wait that sees the run failed shows why:
-        its error (``run.error``, with the engine's traceback) on stderr, or with progress=True
-        in the printed events.
+        waiting: the run keeps training. The first wait that sees the run failed shows its
+        error (``run.error``, with the engine's traceback) on stderr, or in the events printed.
         """
         if self.state == RunState.CREATED:
             raise UsageError(f"run {self.name!r} was not started: call run.start() first")
@@ -311,11 +312,8 @@ class TrainingRun:
 
     def plot(self, save: str | None = None, smoothing: float = 0.6, log: bool = False,
              metric: str | None = None) -> Any:
-        """The dashboard's picture drawn with matplotlib; see :func:`elastic_jupyter.ui.plot.plot_run`.
-
-        Returns the matplotlib Figure; with ``save="loss.png"`` also writes it (PNG, SVG or PDF
-        by the file's extension) and returns the Figure.
-        """
+        """The dashboard's picture drawn with matplotlib (:func:`elastic_jupyter.ui.plot.plot_run`):
+        a Figure; ``save="loss.png"`` also writes it (PNG, SVG or PDF by the file's extension)."""
         from ..ui.plot import plot_run
         return plot_run(self.history, self.events, title=f"run {self.name!r}", save=save,
                         smoothing=smoothing, log=log, metric=metric)
