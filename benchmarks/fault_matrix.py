@@ -13,7 +13,14 @@ are compared with those of a fault-free run of N steps on the same pool (float64
 rtol 1e-7, atol 1e-9). Printed per phase: kills, recoveries, median seconds from the kill until the
 run was back at the step it had reached, median steps lost, and whether the result matched.
 
-    .venv/bin/python benchmarks/fault_matrix.py [--kills 20]
+With ``--shard`` the runs are sharded (FSDP2 per layer, partner replicas every REPLICA_EVERY
+steps) and the phases are the sharded mode's: forward, backward, reduce_scatter (as a gradient
+lands in the backward that reduce-scatters), vote, optimizer, refresh (the partner replicas'
+exchange) and handover (a shrink's hand-over of rows; armed, then a shrink requested). The
+survivors go back to their replicas' step, so a kill loses up to REPLICA_EVERY steps (the
+rollback events say how many; a fault event's own count says 0-1).
+
+    .venv/bin/python benchmarks/fault_matrix.py [--kills 20] [--shard]
 """
 from __future__ import annotations
 
@@ -47,18 +54,21 @@ def loss_fn(model, batch):
 # The fault-free reference: the sleep only paces the steps, so N steps of it give the same result.
 UNPACED = CELL.replace("PACE = 0.004", "PACE = 0")
 PHASES = ("forward", "backward", "allreduce", "vote", "optimizer", "checkpoint", "resize", "join")
-FORMING = ("resize", "join")  # kills that land while a generation forms after a shrink
+SHARDED_PHASES = ("forward", "backward", "reduce_scatter", "vote", "optimizer", "refresh",
+                  "handover")
+FORMING = ("resize", "join", "handover")  # kills that land as a generation ends in a shrink
+REPLICA_EVERY = 5
 SIZE = 3
 STEPS = 10**7  # a run is stopped after its last kill
 
 
-def config(name: str, workspace: str, steps: int) -> RunConfig:
+def config(name: str, workspace: str, steps: int, shard: bool = False) -> RunConfig:
     fault_dir = os.path.join(workspace, "faults")
     os.makedirs(fault_dir, exist_ok=True)
     # one standby engine: the lost rank is replaced at once, the standby in the background
     return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=25,
                      collective_timeout=5, seed=3, fault_dir=fault_dir,
-                     standby=1)
+                     standby=1, shard=shard, replica_every=REPLICA_EVERY)
 
 
 def wait_for(predicate, timeout: float = 120.0, what: str = ""):
@@ -85,6 +95,7 @@ def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
              f"{run.summary()}, members {[e.slot for e in run.members]})")
     marker = glob.glob(pattern)[0]
     waited = time.monotonic() - began
+    seen = len(run.events)
     os.kill(int(open(marker).read()), signal.SIGKILL)
     killed = time.monotonic()
     os.rename(marker, os.path.join(os.path.dirname(marker), f"done{kills_so_far}." +
@@ -92,17 +103,22 @@ def kill_once(run, phase: str, kills_so_far: int) -> tuple[float, int]:
     faults = lambda: [e for e in run.events if e["kind"] == "fault"]  # noqa: E731
     wait_for(lambda: len(faults()) > kills_so_far or not run.active)
     fault = faults()[kills_so_far]
+    # a sharded run goes back to its replicas' step (or a checkpoint): back there first
+    back = lambda: [e for e in run.events[seen:]  # noqa: E731
+                    if e["kind"] in ("rollback", "fallback")]
+    wait_for(lambda: back() or not run.config.shard or not run.active)
     wait_for(lambda: run.step >= fault["step"] or not run.active)
     recovered = time.monotonic() - killed
+    lost = fault["step"] - min(e["step"] for e in back()) if back() else fault["lost_steps"]
     if phase in FORMING:
         run.resize(SIZE)
     print(f"  {phase} kill {kills_so_far + 1}: {waited:.1f} s until armed and hit, recovered in "
-          f"{recovered:.2f} s, {fault['lost_steps']} steps lost", file=sys.stderr, flush=True)
-    return recovered, fault["lost_steps"]
+          f"{recovered:.2f} s, {lost} steps lost", file=sys.stderr, flush=True)
+    return recovered, lost
 
 
-def matrix_row(pool, phase: str, kills: int, workspace: str) -> dict:
-    run = TrainingRun(pool, config(phase, workspace, STEPS), source=CELL, engines=SIZE,
+def matrix_row(pool, phase: str, kills: int, workspace: str, shard: bool) -> dict:
+    run = TrainingRun(pool, config(phase, workspace, STEPS, shard), source=CELL, engines=SIZE,
                       workspace=workspace).start()
     costs, lost = [], []
     for k in range(kills):
@@ -113,7 +129,7 @@ def matrix_row(pool, phase: str, kills: int, workspace: str) -> dict:
         lost.append(steps_lost)
     run.stop()
     run.wait(timeout=600)
-    got, expected = run.state_dict(), reference(pool, workspace, run.step)
+    got, expected = run.state_dict(), reference(pool, workspace, phase, run.step, shard)
     same = all(torch.allclose(got[k], expected[k], rtol=1e-7, atol=1e-9) for k in expected)
     return {"phase": phase, "kills": len(costs), "state": run.state, "steps": run.step,
             "recoveries": sum(e["kind"] == "fault" for e in run.events),
@@ -123,8 +139,8 @@ def matrix_row(pool, phase: str, kills: int, workspace: str) -> dict:
             "lost": statistics.median(lost or [0]), "max_lost": max(lost or [0]), "same": same}
 
 
-def reference(pool, workspace: str, steps: int) -> dict:
-    run = TrainingRun(pool, config(f"clean-{steps}", workspace, steps), source=UNPACED,
+def reference(pool, workspace: str, phase: str, steps: int, shard: bool) -> dict:
+    run = TrainingRun(pool, config(f"clean-{phase}", workspace, steps, shard), source=UNPACED,
                       engines=SIZE, workspace=workspace).start()
     assert run.wait(timeout=600) == "finished", run.logs()
     return run.state_dict()
@@ -133,15 +149,17 @@ def reference(pool, workspace: str, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20, help="kills per phase (default 20)")
-    parser.add_argument("--phases", default=",".join(PHASES))
+    parser.add_argument("--phases", help="comma-separated (default: every phase of the mode)")
+    parser.add_argument("--shard", action="store_true", help="sharded runs, the sharded phases")
     args = parser.parse_args()
+    phases = args.phases or ",".join(SHARDED_PHASES if args.shard else PHASES)
     t0 = time.perf_counter()
     pool = EnginePool(n=SIZE, max_size=SIZE + 1, gpus="none").start()
     rows = []
     try:
         with tempfile.TemporaryDirectory() as workspace:
-            for phase in args.phases.split(","):
-                row = matrix_row(pool, phase, args.kills, workspace)
+            for phase in phases.split(","):
+                row = matrix_row(pool, phase, args.kills, workspace, args.shard)
                 rows.append(row)
                 print(row, flush=True)
     finally:

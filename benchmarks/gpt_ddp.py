@@ -1,4 +1,4 @@
-"""torchrun worker for the DDP side of benchmarks/gpt_throughput.py.
+"""torchrun worker for the DDP (or FSDP2) side of benchmarks/gpt_throughput.py.
 
 Launched as ``python -m torch.distributed.run --standalone --nproc_per_node 2 gpt_ddp.py
 --size 50M --seq-len 64 --global-batch 8 --warmup 3 --steps 20 [--transform-ms 0] [--workers 0]``.
@@ -8,11 +8,14 @@ each step through a DistributedSampler and a DataLoader with ``--workers`` proce
 0: in the training process). After the timed steps rank 0 writes a final checkpoint (model and
 optimizer, fsynced, into a temporary folder), as the elastic run does. Rank 0 prints one JSON
 line: samples/s over the timed steps, and every rank's peak resident memory (VmHWM, bytes), the
-checkpoint's included.
+checkpoint's included. With ``--fsdp2`` the model is sharded with FSDP2 as ``--shard`` shards
+it (``fully_shard`` on each block, then the root; the optimizer made again over the sharded
+parameters) instead of wrapped in DDP, and each rank writes its own part of the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import resource
@@ -21,6 +24,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -37,6 +41,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--transform-ms", type=float, default=0.0)
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--fsdp2", action="store_true", help="FSDP2 per block instead of DDP")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))  # as the engines do
     dist.init_process_group("gloo")
@@ -45,13 +50,22 @@ def main() -> None:
     objects = {"__name__": "__ddp_cell__"}
     source = gpt.cell(args.size, args.seq_len, transform_ms=args.transform_ms)
     exec(compile(source, "<gpt cell>", "exec"), objects)
-    model = DistributedDataParallel(objects["model"])
+    model, optimizer = objects["model"], objects["optimizer"]
+    if args.fsdp2:
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        accepted = inspect.signature(type(optimizer)).parameters  # `defaults` may hold more
+        optimizer = type(optimizer)(model.parameters(), **{
+            k: v for k, v in optimizer.defaults.items() if k in accepted})
+    else:
+        model = DistributedDataParallel(model)
     sampler = DistributedSampler(objects["dataset"], num_replicas=world, rank=rank,
                                  seed=args.seed)
     loader = iter(DataLoader(objects["dataset"], batch_size=args.global_batch // world,
                              sampler=sampler, num_workers=args.workers,
                              persistent_workers=args.workers > 0))
-    optimizer, loss_fn = objects["optimizer"], objects["loss_fn"]
+    loss_fn = objects["loss_fn"]
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
@@ -61,10 +75,10 @@ def main() -> None:
         optimizer.step()
     dist.barrier()
     seconds = time.perf_counter() - start
-    if rank == 0:  # the final checkpoint, as the elastic run's rank 0 writes one
+    if rank == 0 or args.fsdp2:  # the final checkpoint, as the elastic run writes one
         with tempfile.TemporaryDirectory() as folder, \
                 open(os.path.join(folder, "final.pt"), "wb") as f:
-            torch.save({"model": model.module.state_dict(),
+            torch.save({"model": (model if args.fsdp2 else model.module).state_dict(),
                         "optimizer": optimizer.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())

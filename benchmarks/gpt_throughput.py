@@ -17,8 +17,13 @@ memory per rank (VmHWM) is read from the engines after their run and reported by
 ranks themselves; both sides' rank 0 writes a final checkpoint, so the table gives the ratio
 for rank 0 and rank 1 apart.
 
+With ``--shard`` our run is sharded (``RunConfig(shard=True)``: FSDP2 per block, the partner
+replicas refreshed every 10 steps, the default) and the baseline is torchrun + FSDP2 with the
+same wrapping (gpt_ddp.py ``--fsdp2``); a third side, ours with ``--replica-every`` beyond the
+run's length (replicas only after the start), gives the replicas' cost.
+
 Usage: ``.venv/bin/python benchmarks/gpt_throughput.py [--sizes 5M 50M] [--pairs 5]
-[--transform-ms MS --workers N]``
+[--transform-ms MS --workers N] [--shard]``
 """
 from __future__ import annotations
 
@@ -45,7 +50,7 @@ def _vm_hwm(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
-def ours(size: str, args) -> dict:
+def ours(size: str, args, replica_every: int = 10) -> dict:
     from elastic_jupyter import EnginePool, RunConfig, TrainingRun
     pool = EnginePool(n=args.world_size, min_size=1, max_size=args.pool_max or args.world_size,
                       gpus="none").start()
@@ -54,7 +59,8 @@ def ours(size: str, args) -> dict:
             config = RunConfig(name=f"gpt-{size}", global_batch=args.global_batch,
                                steps=args.warmup + args.steps, checkpoint_every=0,
                                seed=args.seed, workers=args.workers,
-                               pass_cost="measure" if args.cut == "measured" else None)
+                               pass_cost="measure" if args.cut == "measured" else None,
+                               shard=args.shard, replica_every=replica_every)
             source = gpt.cell(size, args.seq_len, transform_ms=args.transform_ms)
             run = TrainingRun(pool, config, source=source, workspace=workspace).start()
             ranks = run.members  # rank order (no resizes here): rank 0 writes the checkpoint
@@ -78,7 +84,8 @@ def ddp(size: str, args) -> dict:
            os.path.join(HERE, "gpt_ddp.py"), "--size", size, "--seq-len", str(args.seq_len),
            "--global-batch", str(args.global_batch), "--warmup", str(args.warmup),
            "--steps", str(args.steps), "--seed", str(args.seed),
-           "--transform-ms", str(args.transform_ms), "--workers", str(args.workers)]
+           "--transform-ms", str(args.transform_ms), "--workers", str(args.workers)] + \
+        ["--fsdp2"] * args.shard
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
     printed = [line for line in out.stdout.splitlines() if line.startswith("{")]
     # a gloo process sometimes aborts at interpreter teardown, after its work is done
@@ -109,6 +116,8 @@ def main() -> None:
                              "default cut: one micro-batch per slot")
     parser.add_argument("--cut", choices=("default", "measured"), default="default",
                         help="ours: the default cut, or the tuned one (--pass-cost measure)")
+    parser.add_argument("--shard", action="store_true",
+                        help="ours sharded against torchrun + FSDP2 (and ours without refreshes)")
     args = parser.parse_args()
     print(f"world size {args.world_size}, our pool's --max {args.pool_max or args.world_size}, "
           f"{args.cut} cut; "
@@ -118,6 +127,8 @@ def main() -> None:
     print("| model | ours samples/s | DDP samples/s | ours / DDP (median, range) | "
           "peak RSS ours / DDP (median) |")
     print("|---|---|---|---|---|")
+    if args.shard:
+        return sharded(args)
     for size in args.sizes:
         pairs = [(ours(size, args), ddp(size, args)) for _ in range(args.pairs)]
         ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]
@@ -129,6 +140,27 @@ def main() -> None:
               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
               f"rank0 {rss[0]:.2f} / rank1 {rss[1]:.2f} |", flush=True)
         print(f"  ours: {pairs[0][0]['cut']}", flush=True)
+
+
+def sharded(args) -> None:
+    """The --shard table: ours, FSDP2 and ours without replica refreshes, interleaved."""
+    print("| model | ours samples/s | FSDP2 samples/s | ours / FSDP2 (median, range) | "
+          "without refreshes / with (median, range) | peak RSS ours / FSDP2 (median) |")
+    print("|---|---|---|---|---|---|")
+    never = args.warmup + args.steps + 1  # replicas only after the start
+    for size in args.sizes:
+        rows = [(ours(size, args), ddp(size, args), ours(size, args, never))
+                for _ in range(args.pairs)]
+        ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b, _ in rows]
+        costs = [c["samples_per_s"] / a["samples_per_s"] for a, _, c in rows]
+        rss = [statistics.median(a["peak_rss"][r] / b["peak_rss"][r] for a, b, _ in rows)
+               for r in range(2)]
+        print(f"| {size} ({gpt.parameters(size) / 1e6:.1f} M) | "
+              f"{statistics.median(a['samples_per_s'] for a, _, _ in rows):.2f} | "
+              f"{statistics.median(b['samples_per_s'] for _, b, _ in rows):.2f} | "
+              f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+              f"{statistics.median(costs):.3f} ({min(costs):.3f}-{max(costs):.3f}) | "
+              f"rank0 {rss[0]:.2f} / rank1 {rss[1]:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

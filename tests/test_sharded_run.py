@@ -76,7 +76,11 @@ def test_a_sharded_run_resumes_at_another_world_size(idle_pool, tmp_path):
         assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
 
 
-def test_a_sharded_run_survives_a_sigkill_through_its_partner_replicas(idle_pool, tmp_path):
+@pytest.mark.parametrize("phase", ["forward", "reduce_scatter", "refresh"])
+def test_a_sharded_run_survives_a_sigkill_through_its_partner_replicas(idle_pool, tmp_path,
+                                                                       phase):
+    # in a pass; in the backward that reduce-scatters; before the replicas' exchange, whose
+    # copies of the step before stand
     faults = tmp_path / "faults"
     faults.mkdir()
     run = TrainingRun(idle_pool, RunConfig(
@@ -84,7 +88,7 @@ def test_a_sharded_run_survives_a_sigkill_through_its_partner_replicas(idle_pool
         shard=True, replica_every=4, fault_dir=str(faults)), source=CELL, engines=3,
         workspace=str(tmp_path)).start()
     victim = run.members[1]
-    hit_step, _ = kill_in_phase(run, "forward", victim.slot, after_step=9)
+    hit_step, _ = kill_in_phase(run, phase, victim.slot, after_step=9)
     assert run.wait(timeout=240) == "finished", run.logs()
     back = [e for e in run.events if e["kind"] == "rollback"]
     assert len(back) == 1 and back[0]["step"] <= hit_step, run.events
@@ -105,7 +109,7 @@ def test_the_pool_status_and_the_snapshot_say_the_run_is_sharded(idle_pool, tmp_
         while run.step < 1:
             assert time.monotonic() < deadline, run.logs()
             time.sleep(0.05)
-        assert idle_pool.status()["run_mode"] == "sharded"
+        assert idle_pool.status()["run_mode"] == "sharded, no memory bound (no --memory-per-rank)"
         snapshot = run.snapshot()
         assert snapshot.sharded and "world size 2 (sharded)" in snapshot.summary()
     finally:

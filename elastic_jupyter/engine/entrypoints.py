@@ -249,8 +249,9 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     EngineConfig reads it).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "frozen",
     "workdir", "memory", "imported"}: "memory" is a sharded run's memory need per rank and
-    budget (engine.sharded_mode's ``count_memory``; None when replicated); "frozen" is the frozen weights' manifest (engine.frozen: their
-    digests, bytes and hashing time), which the owner compares across engines; "imported"
+    budget (engine.sharded_mode's ``count_memory``; None when replicated); "frozen" is the
+    frozen weights' manifest (engine.frozen: their digests, bytes and hashing time), which
+    the owner compares across engines; "imported"
     names the installed modules the setup loaded, in order (for pool.zygote; not the
     notebook's own, see engine.workdir);
     "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares

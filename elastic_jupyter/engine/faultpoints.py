@@ -33,8 +33,11 @@ def fault_point(phase: str, worker: Engine | None) -> None:
     until it is killed (or for ``FAULT_HOLD`` seconds).
 
     Args:
-        phase: "join" (before the process group forms), "resize" (just after), "broadcast", "forward", "backward", "allreduce", "vote", "optimizer",
-            "evaluate" or "checkpoint".
+        phase: "join" (before the process group forms), "resize" (just after), "broadcast",
+            "forward", "backward", "allreduce", "vote", "optimizer", "evaluate" or
+            "checkpoint"; under --shard also "reduce_scatter" (as a gradient lands in the
+            backward that reduce-scatters), "refresh" (before the partner replicas' exchange)
+            and "handover" (at a generation's end, before the rows go to the ranks that stay).
         worker: the engine's Worker (its config, slot and progress), or None.
     """
     folder = worker.config.fault_dir if worker is not None else None

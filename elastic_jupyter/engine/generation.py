@@ -232,6 +232,7 @@ class Generation:
         sent to its partner (engine.sharded_mode); rank 0 logs the bytes and seconds."""
         w, start = self.worker, time.perf_counter()
         assert w.sharded is not None
+        fault_point("refresh", w)
         sent = w.sharded.refresh(w.progress.step, self.rank, self.world_size, w.optimizer,
                                  w.capture)
         if self.rank == 0:
@@ -244,6 +245,7 @@ class Generation:
         next generation builds it; when every rank leaves (each told to go), a checkpoint."""
         w = self.worker
         assert w.sharded is not None
+        fault_point("handover", w)
         named = None
         if self.rank == 0 and self.control.check([LEAVERS_KEY]):  # read once, for all ranks
             named = [int(r) for r in self.control.get(LEAVERS_KEY).decode().split(",") if r]

@@ -32,7 +32,7 @@ This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
-from typing import cast
+from typing import Callable, cast
 
 import torch
 from torch import nn
@@ -64,6 +64,9 @@ class ShardedReducer:
         self._handles: list = []
         self._norm_sq = 0.0  # the gradients' squared norm over every rank, once voted
         self.per_pass = False  # each pass reduce-scatters (set for each generation)
+        self._syncing = False  # this pass's backward reduce-scatters
+        # called as a gradient lands while the pass reduce-scatters (engine.faultpoints)
+        self.fault: Callable[[], None] = lambda: None
 
     def attach(self, module: nn.Module) -> None:
         """Reduce `module`'s gradients from now on (a module engine.sharding built on a mesh):
@@ -95,6 +98,8 @@ class ShardedReducer:
     def _on_gradient(self, p: torch.Tensor) -> None:
         if not self._padding:
             self._used.add(self._index[id(p)])
+        if self._syncing:
+            self.fault()
 
     def close(self) -> None:
         """Remove the hooks (a module that is left behind must not keep this reducer)."""
@@ -118,6 +123,7 @@ class ShardedReducer:
         for p in self.params:
             p.grad = None
         self._used.clear()
+        self._syncing = self.per_pass
         for unit in self._units:
             unit.set_requires_gradient_sync(self.per_pass, recurse=False)
 
@@ -128,6 +134,7 @@ class ShardedReducer:
 
     def last_pass(self, overlap: bool) -> None:  # pylint: disable=unused-argument
         """The rank's last backward of the step comes next: it reduce-scatters."""
+        self._syncing = True
         for unit in self._units:
             unit.set_requires_gradient_sync(True, recurse=False)
 

@@ -22,6 +22,7 @@ This module imports nothing from IPython or the UI: it runs the same way from a 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -145,6 +146,8 @@ class Worker:
                 obj.to(self.device)
         # shard=True: the model sharded over each generation (engine.sharded_mode)
         self.sharded = ShardedMode(cell, config) if config.shard else None
+        if self.sharded is not None:  # a fault point in backward, between reduce-scatters
+            self.sharded.reducer.fault = functools.partial(fault_point, "reduce_scatter", self)
         try:
             self.reducer = (self.sharded.reducer if self.sharded is not None
                             else GradReducer(self.model, self.device))

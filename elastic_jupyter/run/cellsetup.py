@@ -34,23 +34,22 @@ class CellSetup:
             (on a host without that folder, in their own: a warning says so, once a host).
         preload: told the modules the first engines' setup imported (the launcher's
             :meth:`~..pool.launchers.Launcher.preload`: later engines start with them).
-        memory: the run's memory bound (run.memory_bound), set up by the first engines'
-            counts; a pool whose --min is below it fails the setup with UsageError.
 
     Attributes:
         total_steps: the run's length in steps, fixed by the first engines' setup.
         dataset: their dataset's fingerprint ({"samples", "hash"}); an engine that builds
             another dataset later is refused (the run's steps never change mid-run).
+        memory: the run's memory bound (run.memory_bound), set up by the first engines'
+            counts; a pool whose --min is below it fails the setup with UsageError.
         frozen: the digests of their frozen weights ({key: digest}, engine.frozen); an engine
             that builds other ones is refused (they are never sent: each keeps its own).
     """
 
     def __init__(self, calls: EngineCalls, log: RunLog, config: dict, source: str | None,
                  setup_bytes: bytes | None, push: dict, workdir: str,
-                 preload: Callable[[list[str]], None] = lambda modules: None,
-                 memory: MemoryBound | None = None):
+                 preload: Callable[[list[str]], None] = lambda modules: None):
         self.calls, self.log, self.config, self.preload = calls, log, config, preload
-        self.memory = memory or MemoryBound(bool(config.get("shard")))
+        self.memory = MemoryBound(bool(config.get("shard")))
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
         self.workdir = workdir
         self._elsewhere: set[str] = set()  # hosts that run the cell outside `workdir`
