@@ -5,6 +5,9 @@ checkpoints and resumes moving only the adapter and its optimizer state, and end
 fixed at two ranks ends (float64). Then the bad inputs: engines that build other frozen weights,
 a resume on another base model, a frozen tensor that changes during training.
 """
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -217,3 +220,37 @@ def test_a_frozen_tensor_that_changes_fails_the_run_at_its_checkpoint(idle_pool,
     moved.start()
     assert moved.wait(timeout=120) == "finished", moved.error
     assert {"0.weight", "0.bias", "2.weight"} <= set(moved.state_dict())
+
+
+def test_a_sharded_lora_fine_tune_keeps_its_base_where_each_cell_built_it(idle_pool, tmp_path):
+    # --shard: FSDP2 leaves the frozen base whole on every rank (ignored_params), so the
+    # rows that move, the partner replicas and the checkpoint parts are the adapter's alone
+    for seed, folder in ((0, "base"), (1, "other")):  # apart: tests/kernels.py is not HF's
+        subprocess.run([sys.executable, "-c", BASE.format(seed=seed, folder=str(
+            tmp_path / folder))], check=True, cwd=tmp_path)
+    cell = CELL.format(folder=str(tmp_path / "base"))
+
+    def run(name: str, engines: int, steps: int, source: str = cell, **options) -> TrainingRun:
+        config = RunConfig(name=name, global_batch=16, seed=3, steps=steps, checkpoint_every=4,
+                           shard=True, replica_every=2)
+        run = TrainingRun(idle_pool, config, source=source, engines=engines,
+                          workspace=str(tmp_path), **options).start()
+        assert run.wait(timeout=240) == "finished", run.logs()
+        return run
+    fixed = run("fixed", 2, 8)
+    first = run("lora", 2, 6, schedule=[(3, 3)])  # grows at step 3: the adapter's rows move
+    resumed = run("lora", 3, 8, resume=True)
+    assert [r["world_size"] for r in resumed.history] == [2] * 3 + [3] * 5
+    expected, got = fixed.state_dict(), resumed.state_dict()
+    assert sorted({k.split(".")[-3] for k in got}) == ["lora_A", "lora_B"]
+    for k, value in expected.items():
+        assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
+    trained_state = 3 * sum(v.numel() * v.element_size() for v in got.values())  # + AdamW's
+    frozen = [e for e in first.events if e["kind"] == "frozen"]
+    assert frozen and "21 frozen tensors" in frozen[0]["message"]
+    copies = [e["bytes"] for e in first.events + resumed.events if e["kind"] == "replicas"]
+    parts = [e["bytes"] for e in first.events + resumed.events if e["kind"] == "checkpoint"]
+    assert copies and max(copies) <= 1.2 * trained_state / 2  # a rank's part: half or less
+    assert parts and max(parts) <= 1.2 * trained_state
+    with pytest.raises(Exception, match="other frozen weights"):
+        run("lora", 2, 10, source=CELL.format(folder=str(tmp_path / "other")), resume=True)

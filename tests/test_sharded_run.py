@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from elastic_jupyter import RunConfig, TrainingRun
+from elastic_jupyter import RunConfig, RunSetupError, TrainingRun
 from test_faults import kill_in_phase
 from test_sharded_step import CELL
 
@@ -138,3 +138,18 @@ def test_a_damaged_newest_sharded_checkpoint_is_skipped_for_the_one_before(idle_
     assert [r["world_size"] for r in resumed.history] == [2] * 5 + [3] * 7
     skipped = [e for e in resumed.events if e["kind"] == "warning" and "skipped" in e["message"]]
     assert skipped and "part-00001.pt is missing or damaged" in skipped[0]["message"]
+
+
+@pytest.mark.parametrize("more, refused", [
+    ("model.scale = torch.nn.Parameter(torch.tensor(1.0, dtype=torch.float64))",
+     "FSDP2 could not shard the model: ValueError: fully_shard doesn't support scalar "
+     "parameters"),
+    ("def shard_fn(model, mesh):\n    torch.distributed.fsdp.fully_shard(model.blocks[7])",
+     r"the cell's shard_fn\(model, mesh\) raised IndexError: index 7 is out of range"),
+])
+def test_a_model_fsdp2_cannot_shard_is_refused_at_setup(idle_pool, tmp_path, more, refused):
+    # tried at setup on a copy without storage, before any rank trains or writes
+    with pytest.raises(RunSetupError, match=refused):
+        _run(idle_pool, tmp_path, "unshardable", 2, source=CELL + more, shard=True)
+    assert not list(tmp_path.glob("elastic-checkpoints/unshardable/step-*"))
+    _run(idle_pool, tmp_path, "after", 2, shard=True, steps=2)  # the pool trains on

@@ -140,3 +140,8 @@ def test_the_default_units_are_the_blocks_and_a_failing_shard_fn_says_what_to_do
         ShardedModel(build(), shard_fn=shard_fn).shard(None, None)
     with pytest.raises(ShardingError, match="FSDP2 could not shard.*train without --shard"):
         ShardedModel(build()).shard(None, None)  # no mesh: no process group either
+    # at setup, on a copy without storage over a one-rank group of its own
+    with pytest.raises(ShardingError, match="shard_fn.*raised RuntimeError: no such layer"):
+        ShardedModel(build(), shard_fn=shard_fn).check()
+    ShardedModel(build()).check()
+    assert not torch.distributed.is_initialized()

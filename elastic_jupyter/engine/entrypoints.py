@@ -388,6 +388,7 @@ def _load_sharded(w: Worker, folder: str) -> dict:
                               + "".join(f"\n  {line}" for line in warnings))
     state = sharded_checkpoint.read_state(path)
     assert state is not None and w.sharded is not None
+    w.frozen.check(state)  # the frozen weights it was trained with: this cell's?
     w.restore(state)
     w.sharded.resume(path)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),

@@ -262,6 +262,7 @@ class Generation:
         w, start = self.worker, time.time()
         assert w.sharded is not None
         self._written = step  # every rank: the same decision at a leave point
+        w.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
         try:
             path = w.sharded.checkpoint(step, self.rank, self.world_size, w.optimizer,
                                         w.capture, w.config.keep)
@@ -306,8 +307,10 @@ class Generation:
         w.history.append(record)
         step_lr_scheduler(w, record)
         w.pending = None
-        if w.sharded is not None and step % w.config.replica_every == 0:
-            self._refresh_replicas()
+        if w.sharded is not None:  # every rank finished the last refresh: older copies go
+            w.sharded.settle()
+            if step % w.config.replica_every == 0:
+                self._refresh_replicas()
         if step % ACKNOWLEDGED_EVERY == 0 or self._acknowledged_step is None:
             self._acknowledged_step = self._acknowledged()
         w.forget_history(self._acknowledged_step)

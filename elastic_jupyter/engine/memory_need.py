@@ -35,7 +35,10 @@ class MemoryNeed:
     """The memory a sharded run's rank needs, in bytes, split by how it scales.
 
     Attributes:
-        parameters: every parameter, divided over the ranks (FSDP2 shards frozen ones too).
+        parameters: the parameters divided over the ranks (frozen ones too with
+            ``--move-frozen``).
+        frozen: the frozen parameters every rank holds whole (they stay where the cell
+            built them).
         gradients: the trainable parameters' gradients, divided over the ranks.
         optimizer: the optimizer's state, divided over the ranks.
         gathers: what every rank holds whatever the world size: two units gathered whole
@@ -53,6 +56,7 @@ class MemoryNeed:
     accumulation: int
     micro_batches: int | None
     optimizer_estimated: bool = False
+    frozen: int = 0
 
     def passes(self, world_size: int) -> int:
         """Passes per rank in a full step at `world_size` (every rank runs rank 0's)."""
@@ -62,7 +66,8 @@ class MemoryNeed:
         """Bytes per rank at `world_size`; `per_pass`: passes reduce-scatter one by one."""
         sharded = self.parameters + self.gradients + self.optimizer
         accumulates = self.passes(world_size) > 1 and not per_pass
-        return -(-sharded // world_size) + self.gathers + self.accumulation * accumulates
+        return (-(-sharded // world_size) + self.frozen + self.gathers
+                + self.accumulation * accumulates)
 
     def fits(self, world_size: int, budget: int | None) -> bool:
         """Whether a rank fits `budget` bytes at `world_size`, reduce-scattering per pass
@@ -84,7 +89,8 @@ class MemoryNeed:
                  f"{self.gradients / GiB / world_size:.2f} gradients, "
                  f"{self.optimizer / GiB / world_size:.2f} optimizer state"
                  f"{' (estimated as AdamW)' if self.optimizer_estimated else ''}, "
-                 f"{self.gathers / GiB:.2f} gather buffers")
+                 f"{self.gathers / GiB:.2f} gather buffers"
+                 + (f", {self.frozen / GiB:.2f} frozen" if self.frozen else ""))
         return (f"{self.at(world_size, per_pass=True) / GiB:.2f} GiB per rank at world size "
                 f"{world_size} ({parts}; activations not counted)")
 
@@ -93,16 +99,21 @@ class MemoryNeed:
 
 
 def measure(skeleton: nn.Module, units: list[nn.Module], optimizer: torch.optim.Optimizer |
-            None, optimized: list[list[str]], micro_batches: int | None) -> MemoryNeed:
+            None, optimized: list[list[str]], micro_batches: int | None,
+            frozen_stay: bool = False) -> MemoryNeed:
     """Count the need of `skeleton` (the cell's model on the meta device, engine.sharding's
     ``skeleton_of``) sharded in `units` (the root holds the rest) and trained by a copy of
     `optimizer`, whose parameter groups hold the parameters named `optimized`;
-    `micro_batches`: in a full step (None: not known yet)."""
+    `micro_batches`: in a full step (None: not known yet); `frozen_stay`: the frozen
+    parameters stay whole on every rank, gathered by no unit."""
     params = list(skeleton.parameters())
+    frozen = [p for p in params if not p.requires_grad] if frozen_stay else []
+    params = [p for p in params if p.requires_grad or not frozen_stay]
     trainable = [p for p in params if p.requires_grad]
     inside = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in params if id(p) not in inside]
-    gathered = [list(unit.parameters()) for unit in units] + [root]
+    kept = {id(p) for p in params}  # what FSDP2 gathers: not the frozen ones that stay
+    gathered = [[p for p in unit.parameters() if id(p) in kept] for unit in units] + [root]
     largest = max((_bytes(ps) for ps in gathered), default=0)
     largest_grad = max((_bytes([p for p in ps if p.requires_grad]) for ps in gathered),
                        default=0)
@@ -110,7 +121,8 @@ def measure(skeleton: nn.Module, units: list[nn.Module], optimizer: torch.optim.
     state, estimated = _optimizer_state(optimizer, [[named[n] for n in g] for g in optimized])
     return MemoryNeed(parameters=_bytes(params), gradients=_bytes(trainable), optimizer=state,
                       gathers=2 * largest + largest_grad, accumulation=_bytes(trainable),
-                      micro_batches=micro_batches, optimizer_estimated=estimated)
+                      micro_batches=micro_batches, optimizer_estimated=estimated,
+                      frozen=_bytes(frozen))
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:

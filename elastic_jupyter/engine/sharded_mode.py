@@ -101,12 +101,21 @@ class ShardedMode:
                              f"{config.replica_every}")
         # bf16: the forward under autocast, as in the replicated mode (FSDP2's bf16 gathers,
         # MixedPrecisionPolicy(param_dtype=bf16), would meet BatchNorm's fp32 buffers)
-        self.model = ShardedModel(objects.model, objects.shard_fn)
+        self.model = ShardedModel(objects.model, objects.shard_fn,
+                                  frozen_stay=not config.move_frozen)
+        try:
+            self.model.check()
+        except ShardingError as e:
+            raise SetupError(str(e)) from None
         self.reducer = ShardedReducer()
         self.held: tuple[int, int] | None = (1, 0)
         self.parked: Snapshot | None = None
         self.replicas = PartnerReplicas()  # this rank's and its partner's parts, host memory
         self.replica_state: dict | None = None  # the rest of the state at the replicas' step
+        # the copies before the last refresh and their state, until a step commits after it
+        # (every rank then finished that refresh): a fault in between may find a rank with
+        # the new copies and one without them, and both hold these
+        self.previous: tuple[PartnerReplicas, dict | None] | None = None
         self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
         self.folder = config.checkpoint_dir  # sharded checkpoints go there
         self.saved_step: int | None = None  # of the last one (its history is on disk)
@@ -148,10 +157,12 @@ class ShardedMode:
         if newcomer:
             self.held, self.parked, self.replicas, self.replica_state = None, None, \
                 PartnerReplicas(), None
-        r = self.replicas
+            self.previous = None
         if self.parked is None and not self.model.holds_rows:
             self.held = None  # its rows went elsewhere (or a start failed after a hand-over)
-        mine = (self.held, step, None if r.step is None else (r.step, r.world_size, r.rank),
+        copies = [c for c in (self.replicas, self.previous and self.previous[0])
+                  if c is not None and c.step is not None]
+        mine = (self.held, step, [(c.step, c.world_size, c.rank) for c in copies],
                 self.disk, self.budget)
         box: list = [None] * world_size
         with collective("the sharded layout"):
@@ -177,7 +188,7 @@ class ShardedMode:
         assert state[0] is not None, "the holders keep the rest of the state with replicas"
         roll_back(state[0])
         if self.held is not None:
-            self.held = (r.world_size, r.rank)
+            self.held = (self.replicas.world_size, self.replicas.rank)
         back = state[0]["progress"]["step"]
         return {"kind": "rollback", "step": back, "message": f"ranks were lost at step {step}: "
                 f"the run goes back to step {back}, where the partner replicas stand"}
@@ -206,21 +217,28 @@ class ShardedMode:
         """Plan the layout from the partner replicas, once every rank said what it holds
         (`box`); returns the lost ranks when some rows are nowhere in memory (else None):
         lost with their partner's copy, or the survivors hold no replicas of one step."""
-        infos = [b[2] for b in box if b[0] is not None]  # the survivors' replicas
-        if not infos or None in infos or len({info[:2] for info in infos}) != 1:
-            # none, or of different steps (a refresh a fault cut short): rows to find on disk
+        held = [b[2] for b in box if b[0] is not None]  # each survivor's copies
+        common = set.intersection(*({c[:2] for c in copies} for copies in held)) if held \
+            else set()
+        if not common:  # none, or none of one step on every survivor: rows to find on disk
             sizes = {h[0] for h in (b[0] for b in box) if h is not None}
             return sorted(set(range(max(sizes, default=1))) - {
                 b[0][1] for b in box if b[0] is not None})
-        size = infos[0][1]
-        lost = set(range(size)) - {info[2] for info in infos}  # ranks of the replicas' layout
+        # the newest every survivor holds (after a refresh cut short: the one before)
+        chosen = max(common)
+        rank_in = {i: next(c[2] for c in b[2] if c[:2] == chosen)
+                   for i, b in enumerate(box) if b[0] is not None}
+        if self.held is not None and (self.replicas.step, self.replicas.world_size) != chosen:
+            assert self.previous is not None
+            self.replicas, self.replica_state = self.previous
+        lost = set(range(chosen[1])) - set(rank_in.values())  # ranks of the replicas' layout
         found = self.replicas.recovery(lost) if self.held is not None else ((), {})
         gathered: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(gathered, None if found is None else found[0])
         if any(g is None for g, b in zip(gathered, box) if b[0] is not None):
             return sorted(lost)
-        old = tuple(b[2][2] if b[0] is not None else None for b in box)
+        old = tuple(rank_in.get(i) for i in range(world_size))
         self._plan = _Plan(Layout(old, tuple(range(world_size)), tuple(g or () for g in gathered)),
                            self.replicas.own, found[1] if found else {})
         return None
@@ -280,10 +298,18 @@ class ShardedMode:
         to host memory and sent to its partner (engine.replicas), with `capture()`, the rest
         of the state (engine.state's capture without rows). Returns the bytes sent."""
         part = self.model.snapshot(optimizer)
-        sent = self.replicas.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
-                                     rank, world_size)
-        self.replica_state = capture()
+        fresh = PartnerReplicas()  # the copies held stay as they are until these are whole
+        sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
+                             rank, world_size)
+        self.previous = (self.replicas, self.replica_state) if self.replicas.step is not None \
+            else None
+        self.replicas, self.replica_state = fresh, capture()
         return sent
+
+    def settle(self) -> None:
+        """After a step committed (every rank finished the refresh before it): the copies
+        from before that refresh are dropped."""
+        self.previous = None
 
     def leave(self, rank: int, world_size: int, drained: bool, named: list[int] | None,
               optimizer: torch.optim.Optimizer) -> list[int]:

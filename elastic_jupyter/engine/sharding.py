@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .collective import collective
+from .frozen import frozen_keys
 from .memory_need import MemoryNeed, measure
 from .reshard import Layout, chunk_rows, reshard
 
@@ -83,11 +84,21 @@ class ShardedModel:
     """
 
     def __init__(self, model: nn.Module, shard_fn: Callable | None = None,
-                 mp_policy: MixedPrecisionPolicy | None = None):
+                 mp_policy: MixedPrecisionPolicy | None = None, frozen_stay: bool = True):
         self.skeleton = skeleton_of(model)
         self.shard_fn, self.mp_policy = shard_fn, mp_policy or MixedPrecisionPolicy()
-        self.names = [n for n, _ in model.named_parameters()]
-        self.shapes = {n: p.shape for n, p in model.named_parameters()}
+        # frozen parameters stay whole where the cell built them (FSDP2's ignored_params)
+        self.frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad} \
+            if frozen_stay else {}
+        # buffers each rank keeps as its cell built them: non-persistent ones (a rotary
+        # embedding's inv_freq, out of every state dict) and, with the frozen parameters,
+        # the buffers of frozen modules (engine.frozen)
+        persistent = model.state_dict(keep_vars=True).keys()
+        stay = set(frozen_keys(model)) if frozen_stay else set()
+        self.own_buffers = {n: b for n, b in model.named_buffers()
+                            if n not in persistent or n in stay}
+        self.names = [n for n, _ in model.named_parameters() if n not in self.frozen]
+        self.shapes = {n: p.shape for n, p in model.named_parameters() if n not in self.frozen}
         self.module: nn.Module | None = None
         self._cell_model: nn.Module | None = model  # sharded in place by the first shard()
         # the parameters the optimizer holds, by id: the cell's until the first mesh
@@ -100,12 +111,15 @@ class ShardedModel:
             except Exception as e:
                 raise ShardingError(f"the cell's shard_fn(model, mesh) raised {type(e).__name__}:"
                                     f" {e}. Fix it, or leave it out to shard each block") from e
+        ignored = {p for p in module.parameters() if not p.requires_grad} \
+            if self.frozen else None
         try:
             if self.shard_fn is None:
                 for unit in default_units(module):
-                    fully_shard(unit, mesh=mesh, mp_policy=self.mp_policy)
+                    fully_shard(unit, mesh=mesh, mp_policy=self.mp_policy,
+                                ignored_params=ignored)
             if not isinstance(module, FSDPModule):
-                fully_shard(module, mesh=mesh, mp_policy=self.mp_policy)
+                fully_shard(module, mesh=mesh, mp_policy=self.mp_policy, ignored_params=ignored)
         except Exception as e:
             raise ShardingError(f"FSDP2 could not shard the model: {type(e).__name__}: {e}. "
                                 "Define shard_fn(model, mesh) in the cell to choose the "
@@ -116,6 +130,20 @@ class ShardedModel:
                 unit.set_force_sum_reduction_for_comms(True)
         return module
 
+    def check(self) -> None:
+        """At setup: shard a copy of the skeleton (no storage) over a one-rank group of its own,
+        so that a ``shard_fn`` that raises, or a model FSDP2 cannot shard, is refused before
+        training starts (ShardingError). Skipped inside a process group (none at setup)."""
+        if dist.is_initialized():
+            return
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            group = dist.group.WORLD
+            assert group is not None
+            self._wrap(copy.deepcopy(self.skeleton), DeviceMesh.from_group(group, "cpu"))
+        finally:
+            dist.destroy_process_group()
+
     def memory_need(self, optimizer: torch.optim.Optimizer | None,
                     micro_batches: int | None) -> MemoryNeed:
         """The memory a rank needs at each world size (engine.memory_need), counted on the
@@ -125,7 +153,7 @@ class ShardedModel:
         optimized = [[self._held_ids[id(p)] for p in group["params"] if id(p) in self._held_ids]
                      for group in (optimizer.param_groups if optimizer else [])]
         return measure(self.skeleton, default_units(self.skeleton), optimizer, optimized,
-                       micro_batches)
+                       micro_batches, frozen_stay=bool(self.frozen))
 
     def shard(self, mesh: DeviceMesh, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """The first generation: shard the cell's model itself over `mesh` (each rank keeps
@@ -160,7 +188,7 @@ class ShardedModel:
                 if isinstance(value, DTensor):
                     parts[n, key] = _dim0_local(value, f"{n} ({key})", params[n])
             replicated[n] = {k: v for k, v in held.items() if not isinstance(v, DTensor)}
-        return Snapshot(parts, replicated, dict(self.module.named_buffers()))
+        return Snapshot(parts, replicated, self._carried(self.module))
 
     def _whole_snapshot(self, optimizer: torch.optim.Optimizer | None) -> Snapshot:
         """The cell's model before its first mesh as the part of rank 0 of one rank: whole
@@ -170,12 +198,19 @@ class ShardedModel:
         parts: dict[tuple[str, str | None], torch.Tensor] = {}
         replicated: dict = {}
         for n, p in self._cell_model.named_parameters():
+            if n in self.frozen:
+                continue
             parts[n, None] = p.detach()
             held = optimizer.state.get(p, {}) if optimizer is not None else {}
             rows = {k: v for k, v in held.items() if torch.is_tensor(v) and v.shape == p.shape}
             parts.update({(n, k): v for k, v in rows.items()})
             replicated[n] = {k: v for k, v in held.items() if k not in rows}
-        return Snapshot(parts, replicated, dict(self._cell_model.named_buffers()))
+        return Snapshot(parts, replicated, self._carried(self._cell_model))
+
+    def _carried(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The buffers that travel with a part (BatchNorm's statistics): not those each rank
+        keeps (``own_buffers``)."""
+        return {n: b for n, b in module.named_buffers() if n not in self.own_buffers}
 
     def _sources(self, held: Snapshot, layout: Layout, group_rank: int, device: torch.device,
                  copies: dict | None) -> tuple:
@@ -311,6 +346,11 @@ class ShardedModel:
         module.to_empty(device=device)
         for name, buffer in buffers.items():  # whole on every rank
             _set_buffer(module, name, buffer.to(device))
+        for name, buffer in self.own_buffers.items():
+            _set_buffer(module, name, buffer.to(device))
+        for name, frozen in self.frozen.items():  # the cell's own, never moved
+            owner, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(owner) if owner else module, leaf, frozen)
         return module, dict(module.named_parameters())
 
     def _repoint(self, optimizer, old_ids: dict[int, str], params: dict, moments: dict, mesh,

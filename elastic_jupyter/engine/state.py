@@ -299,7 +299,7 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     numpy_types: list = []
     weights = model.state_dict() if rows else {}  # a new dict each call (its _metadata kept)
     for key in frozen or ():
-        del weights[key]
+        weights.pop(key, None)  # (no rows at all: a sharded model's)
     optimizer_state = optimizer.state_dict()
     if not rows:
         optimizer_state["state"] = {}

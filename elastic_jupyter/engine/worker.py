@@ -137,9 +137,7 @@ class Worker:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
         self.model.to(self.device)
-        # under shard=True frozen rows travel like the others (not wired: issue 36)
-        self.frozen = FrozenWeights(self.model, not (config.move_frozen or config.shard),
-                                    frozen_digests)
+        self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
         for obj in self.extra_state.values():  # an EMA updates from the model where it is,
             # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
             if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
