@@ -17,6 +17,7 @@ import signal
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -36,8 +37,8 @@ STEPS = 10
 # generation 4 as a new engine (a fresh Worker from the cell), as a replacement does
 SCHEDULE = [([0, 1], 3, ""), ([0, 1, 2], None, ""), ([0, 1], 6, "1"), ([0], 8, ""),
             ([0, 1], None, "")]
-# Engines 2 and 1 (rank 1 and its partner) killed at engine 2's first forward pass (step
-# 6): engine 0 goes back to the checkpoint of step 4, at 1 rank; engine 3 joins at the end
+# Engines 2 and 1 (rank 1 and its partner) killed in generation 1 (at 3 ranks): engine 0 goes
+# back to step 4 at 1 rank; engine 3 joins at the end
 FALLBACK = [([0, 1], 5, ""), ([0, 1, 2], None, ""), ([0], 8, ""), ([0, 3], None, "")]
 
 
@@ -73,23 +74,25 @@ def _engine(engine: int, port: int, cfg: dict, out: str, schedule: list) -> None
     os._exit(0)  # gloo's teardown sometimes aborts after the work is done (tests/worlds.spawn)
 
 
-def _kill_when_it_holds(folder, processes, victims: list[int]) -> None:
+def _kill_when_it_holds(folder, processes, victims: list[int], phase: str) -> None:
     """SIGKILL the `victims` once the first of them holds at its armed fault point
     (engine.faultpoints)."""
     deadline = time.monotonic() + 120
-    while not any(f.startswith("hit.forward.") for f in os.listdir(folder)):
+    while not any(f.startswith(f"hit.{phase}.") for f in os.listdir(folder)):
         assert time.monotonic() < deadline and all(p.exitcode in (None, 0) for p in processes)
         time.sleep(0.05)
     for victim in victims:
         os.kill(processes[victim].pid, signal.SIGKILL)
 
 
-def _run(tmp_path, schedule: list, victims: list[int], **options) -> list[dict]:
+def _run(tmp_path, schedule: list, victims: list[int], phase: str = "forward",
+         **options) -> list[dict]:
     """Engines 0..N-1 through `schedule`, the `victims` killed in generation 1 (the first
-    armed at its first forward pass); returns what the last generation's ranks hold."""
+    armed at `phase`, the first time it gets there); returns what the last generation's ranks
+    hold."""
     faults, out = tmp_path / "faults", tmp_path / "out"
     faults.mkdir(), out.mkdir()
-    (faults / "arm.forward").write_text(str(victims[0]))
+    (faults / f"arm.{phase}").write_text(str(victims[0]))
     cfg = config(micro_batch=4, shard=True, steps=STEPS, fault_dir=str(faults), **options)
     rendezvous = Rendezvous(timeout=60.0)  # the owner's store, as run/driver.py serves it
     for generation, (_, end_at, leavers) in enumerate(schedule):
@@ -101,7 +104,7 @@ def _run(tmp_path, schedule: list, victims: list[int], **options) -> list[dict]:
                  for e in range(engines)]
     for p in processes:
         p.start()
-    _kill_when_it_holds(faults, processes, victims)
+    _kill_when_it_holds(faults, processes, victims, phase)
     for p in processes:
         p.join(180)
     assert [p.exitcode for p in processes] == [
@@ -126,12 +129,18 @@ def test_a_sharded_run_resized_with_a_fault_equals_the_run_fixed_at_2(tmp_path):
     _equal_to_fixed_at_2(ends, tmp_path, {})
 
 
-def test_a_rank_lost_with_its_partner_goes_back_to_the_checkpoint(tmp_path):
-    ends = _run(tmp_path, FALLBACK, [2, 1], replica_every=2, checkpoint_every=4,
+@pytest.mark.parametrize("phase, kind", [("optimizer", "fallback"), ("forward", "rollback")])
+def test_a_rank_lost_with_its_partner_goes_back_to_the_checkpoint(tmp_path, phase, kind):
+    # killed once step 6 committed: the copies of the start at 3 ranks do not cover the lost
+    # ranks, and those at 2 ranks were dropped then (engine 0 fails in the refresh after):
+    # the checkpoint of step 4, written at 2 ranks, read at 1. Killed in step 6's first pass,
+    # before any step committed at 3: engine 0 still holds the copies of step 4 at 2 ranks
+    # (its own and rank 1's), kept until then, and goes back to them in memory
+    ends = _run(tmp_path, FALLBACK, [2, 1], phase, replica_every=2, checkpoint_every=4,
                 checkpoint_dir=str(tmp_path / "checkpoints"))
-    # the checkpoint of step 4, written at 2 ranks, read at 1; then 2 again with a newcomer
     assert [r["world_size"] for r in ends[0]["history"]] == [2] * 4 + [1] * 4 + [2] * 2
-    fallback = [e for e in ends[0]["events"] if e["kind"] == "fallback"]
-    assert len(fallback) == 1 and fallback[0]["step"] == 4, ends[0]["events"]
-    assert "rank(s) [1, 2] were lost with their partner's copy" in fallback[0]["message"]
+    back = [e for e in ends[0]["events"] if e["kind"] in ("fallback", "rollback")]
+    assert [(e["kind"], e["step"]) for e in back] == [(kind, 4)], ends[0]["events"]
+    if kind == "fallback":
+        assert "rank(s) [1, 2] were lost with their partner's copy" in back[0]["message"]
     _equal_to_fixed_at_2(ends, tmp_path, {})

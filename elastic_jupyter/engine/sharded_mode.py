@@ -180,15 +180,15 @@ class ShardedMode:
         if lost is not None:  # rows nowhere in memory
             return self._from_disk(latest(self.folder) if self.folder else None, roll_back,
                                    f"rank(s) {lost} were lost with their partner's copy")
-        # back to the replicas' step, every rank: a rank that holds no rows but was sent the
-        # state before (a newcomer of a generation that failed) takes the holders' copy
-        state = [self.replica_state if self.held is not None else None]
+        # back to the replicas' step, every rank: a rank that holds none of those copies (a
+        # newcomer whose first refresh a fault cut short) takes their holders' state and rows
+        holder = self._plan.holds
+        state = [self.replica_state if holder else None]
         with collective("the sharded layout"):
-            dist.broadcast_object_list(state, src=held.index(next(h for h in held if h)))
+            dist.broadcast_object_list(state, src=self._plan.source)
         assert state[0] is not None, "the holders keep the rest of the state with replicas"
         roll_back(state[0])
-        if self.held is not None:
-            self.held = (self.replicas.world_size, self.replicas.rank)
+        self.held = (self.replicas.world_size, self.replicas.rank) if holder else None
         back = state[0]["progress"]["step"]
         return {"kind": "rollback", "step": back, "message": f"ranks were lost at step {step}: "
                 f"the run goes back to step {back}, where the partner replicas stand"}
@@ -217,30 +217,29 @@ class ShardedMode:
         """Plan the layout from the partner replicas, once every rank said what it holds
         (`box`); returns the lost ranks when some rows are nowhere in memory (else None):
         lost with their partner's copy, or the survivors hold no replicas of one step."""
-        held = [b[2] for b in box if b[0] is not None]  # each survivor's copies
-        common = set.intersection(*({c[:2] for c in copies} for copies in held)) if held \
-            else set()
-        if not common:  # none, or none of one step on every survivor: rows to find on disk
+        chosen, rank_in = _newest_whole(box)
+        if chosen is None:  # no copies of one step cover every rank: rows to find on disk
             sizes = {h[0] for h in (b[0] for b in box) if h is not None}
             return sorted(set(range(max(sizes, default=1))) - {
                 b[0][1] for b in box if b[0] is not None})
-        # the newest every survivor holds (after a refresh cut short: the one before)
-        chosen = max(common)
-        rank_in = {i: next(c[2] for c in b[2] if c[:2] == chosen)
-                   for i, b in enumerate(box) if b[0] is not None}
-        if self.held is not None and (self.replicas.step, self.replicas.world_size) != chosen:
-            assert self.previous is not None
+        me = dist.get_rank()
+        if me in rank_in and (self.replicas.step, self.replicas.world_size) != chosen:
+            assert self.previous is not None  # a refresh cut short: the copies before it
             self.replicas, self.replica_state = self.previous
+        if me not in rank_in:  # its rows (and any handed over) are not of that step
+            self.parked = None
         lost = set(range(chosen[1])) - set(rank_in.values())  # ranks of the replicas' layout
-        found = self.replicas.recovery(lost) if self.held is not None else ((), {})
+        found = self.replicas.recovery(lost) if me in rank_in else ((), {})
         gathered: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(gathered, None if found is None else found[0])
-        if any(g is None for g, b in zip(gathered, box) if b[0] is not None):
+        if any(gathered[i] is None for i in rank_in):
             return sorted(lost)
         old = tuple(rank_in.get(i) for i in range(world_size))
         self._plan = _Plan(Layout(old, tuple(range(world_size)), tuple(g or () for g in gathered)),
-                           self.replicas.own, found[1] if found else {})
+                           self.replicas.own if me in rank_in else Snapshot({}, {}, {}),
+                           found[1] if found else {}, source=min(rank_in),
+                           holds=me in rank_in)
         return None
 
     def start(self, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
@@ -366,6 +365,23 @@ class _Plan:
     own: Snapshot | None = None
     copies: dict | None = None
     path: str | None = None
+    source: int = 0  # after a fault: a group rank that holds the replicas' state
+    holds: bool = True  # after a fault: this rank holds copies of that step
+
+
+def _newest_whole(box: list) -> tuple[tuple[int, int] | None, dict[int, int]]:
+    """After a fault, from what every rank said it holds (`box`): the newest replicas'
+    (step, world size) whose copies on the survivors cover every rank of that layout (each
+    rank's own, else its partner's), and {group rank: its rank there} of their holders; (None,
+    {}) when none does. A survivor without them (a newcomer whose first refresh a fault cut
+    short) is sent their rows and state as a newcomer is."""
+    survivors = [i for i, b in enumerate(box) if b[0] is not None]
+    for chosen in sorted({c[:2] for i in survivors for c in box[i][2]}, reverse=True):
+        rank_in = {i: c[2] for i in survivors for c in box[i][2] if c[:2] == chosen}
+        lost = set(range(chosen[1])) - set(rank_in.values())
+        if chosen[1] > 1 and not any((r + 1) % chosen[1] in lost for r in lost):
+            return chosen, rank_in
+    return None, {}
 
 
 def _complete(held: list) -> bool:
