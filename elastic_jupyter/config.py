@@ -136,7 +136,7 @@ def byte_size(text: str) -> int:
         value = float(spelled[:len(spelled) - len(unit)]) * _UNITS[unit]
     except ValueError:
         value = 0
-    if value < 1:
+    if not 1 <= value < 2**63:  # NaN and infinity too
         raise argparse.ArgumentTypeError(f"expected a size like 24G, 800M or a number of bytes,"
                                          f" got {text!r}")
     return int(value)

@@ -33,7 +33,7 @@ def test_sizes_read_in_binary_units(text, expected):
     assert byte_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "G", "abc", "0", "-1G", "0.1", "12X"])
+@pytest.mark.parametrize("text", ["", "G", "abc", "0", "-1G", "0.1", "12X", "nan", "inf"])
 def test_a_size_that_is_no_size_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError, match="expected a size like 24G"):
         byte_size(text)

@@ -145,3 +145,45 @@ def test_the_default_units_are_the_blocks_and_a_failing_shard_fn_says_what_to_do
         ShardedModel(build(), shard_fn=shard_fn).check()
     ShardedModel(build()).check()
     assert not torch.distributed.is_initialized()
+
+
+class _Tied(nn.Module):
+    """A frozen embedding tied to the output layer, a non-persistent buffer, trained blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.out = nn.Linear(8, 11, bias=False)
+        self.out.weight = self.embed.weight
+        self.embed.weight.requires_grad_(False)
+        self.register_buffer("scale", torch.tensor([0.5]), persistent=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.out(x * self.scale)
+
+
+def test_frozen_weights_and_kept_buffers_are_each_ranks_own_in_every_new_module(tmp_path):
+    torch.manual_seed(0)
+    model = _Tied().double()
+    tokens = torch.arange(11).view(1, 11)
+    expected = model(tokens).detach()
+    frozen, scale = model.embed.weight, model.scale
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        sharded = ShardedModel(model)
+        assert list(sharded.frozen) == ["embed.weight", "out.weight"]  # both names of the tie
+        assert sharded.names == [f"blocks.{i}.{k}" for i in range(3) for k in ("weight", "bias")]
+        mesh = init_device_mesh("cpu", (1,))
+        sharded.shard(mesh, None)
+        new = sharded.reshard_to(mesh, Layout((0,), (0,)), 0, None, torch.device("cpu"))
+        assert new is not None and new is not model
+        assert new.embed.weight is frozen and new.out.weight is frozen and new.scale is scale
+        assert not sharded.snapshot(None).buffers  # they never travel
+        assert torch.allclose(new(tokens), expected, rtol=1e-12, atol=0)
+    finally:
+        dist.destroy_process_group()

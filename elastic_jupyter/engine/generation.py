@@ -234,7 +234,7 @@ class Generation:
         assert w.sharded is not None
         fault_point("refresh", w)
         sent = w.sharded.refresh(w.progress.step, self.rank, self.world_size, w.optimizer,
-                                 w.capture)
+                                 w.capture, self.spec.generation)
         if self.rank == 0:
             self.events.append({"kind": "replicas", "step": w.progress.step, "bytes": sent,
                                 "seconds": round(time.perf_counter() - start, 3)})

@@ -41,8 +41,9 @@ class MemoryNeed:
             built them).
         gradients: the trainable parameters' gradients, divided over the ranks.
         optimizer: the optimizer's state, divided over the ranks.
-        gathers: what every rank holds whatever the world size: two units gathered whole
-            and the largest unit's unsharded gradient.
+        gathers: what every rank holds whatever the world size: the root unit gathered
+            whole (from the forward through the backward), two other units gathered whole and
+            the largest unit's unsharded gradient; and the buffers (whole on every rank).
         accumulation: the whole trainable model's unsharded gradient, held by a rank that
             accumulates more than one pass before it reduce-scatters.
         micro_batches: micro-batches in a full step (None: the cut is measured at the start).
@@ -113,14 +114,15 @@ def measure(skeleton: nn.Module, units: list[nn.Module], optimizer: torch.optim.
     inside = {id(p) for unit in units for p in unit.parameters()}
     root = [p for p in params if id(p) not in inside]
     kept = {id(p) for p in params}  # what FSDP2 gathers: not the frozen ones that stay
-    gathered = [[p for p in unit.parameters() if id(p) in kept] for unit in units] + [root]
+    gathered = [[p for p in unit.parameters() if id(p) in kept] for unit in units]
     largest = max((_bytes(ps) for ps in gathered), default=0)
-    largest_grad = max((_bytes([p for p in ps if p.requires_grad]) for ps in gathered),
+    largest_grad = max((_bytes([p for p in ps if p.requires_grad]) for ps in gathered + [root]),
                        default=0)
     named = dict(skeleton.named_parameters())
     state, estimated = _optimizer_state(optimizer, [[named[n] for n in g] for g in optimized])
     return MemoryNeed(parameters=_bytes(params), gradients=_bytes(trainable), optimizer=state,
-                      gathers=2 * largest + largest_grad, accumulation=_bytes(trainable),
+                      gathers=_bytes(root) + 2 * largest + largest_grad
+                      + _bytes(skeleton.buffers()), accumulation=_bytes(trainable),
                       micro_batches=micro_batches, optimizer_estimated=estimated,
                       frozen=_bytes(frozen))
 

@@ -34,7 +34,8 @@ class PartnerReplicas:
 
     Attributes:
         step: the step they hold (None before the first refresh).
-        world_size, rank: the layout they were taken in.
+        world_size, rank: the layout they were taken in; generation: the generation that
+            took them (two refreshes of one step and size may map its ranks differently).
         own: this rank's part (a Snapshot of host tensors).
         partner: rank ``(rank - 1) mod world_size``'s parts (host), None at W = 1.
     """
@@ -42,12 +43,13 @@ class PartnerReplicas:
     def __init__(self):
         self.step: int | None = None
         self.world_size = 0
+        self.generation = -1
         self.rank = 0
         self.own: Snapshot | None = None
         self.partner: dict[tuple[str, str | None], torch.Tensor] | None = None
 
     def refresh(self, step: int, part: Snapshot, rows: dict[str, int], rank: int,
-                world_size: int) -> int:
+                world_size: int, generation: int = 0) -> int:
         """Every rank of the generation, at committed step `step`: copy `part` (this rank's
         Snapshot; `rows`: each parameter's dim-0 size, engine.sharding's ``shapes``) to host
         memory, send it to ``(rank + 1) mod W`` and take ``(rank - 1) mod W``'s. A fault
@@ -83,6 +85,7 @@ class PartnerReplicas:
                     p.copy_(landing[e])
         self.own, self.partner = own, partner
         self.step, self.rank, self.world_size = step, rank, world_size
+        self.generation = generation
         return sent
 
     def recovery(self, lost: set[int]) -> tuple[tuple[int, ...], dict[int, dict]] | None:

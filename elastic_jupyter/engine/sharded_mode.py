@@ -162,13 +162,14 @@ class ShardedMode:
             self.held = None  # its rows went elsewhere (or a start failed after a hand-over)
         copies = [c for c in (self.replicas, self.previous and self.previous[0])
                   if c is not None and c.step is not None]
-        mine = (self.held, step, [(c.step, c.world_size, c.rank) for c in copies],
-                self.disk, self.budget)
+        # each copy as (step, world size, generation, rank); the count of rank 0 decides
+        mine = (self.held, step, [(c.step, c.world_size, c.generation, c.rank) for c in copies],
+                self.disk, self.budget, self.need)
         box: list = [None] * world_size
         with collective("the sharded layout"):
             dist.all_gather_object(box, mine)
         budgets = [b[4] for b in box if b[4] is not None]  # one decision on every rank
-        self.reducer.per_pass = self.need is not None and self.need.per_pass(
+        self.reducer.per_pass = box[0][5] is not None and box[0][5].per_pass(
             world_size, min(budgets) if budgets else None)
         held, disks = [b[0] for b in box], {b[3] for b in box} - {None}
         if disks:  # a resume: every rank reads its rows
@@ -222,12 +223,13 @@ class ShardedMode:
             sizes = {h[0] for h in (b[0] for b in box) if h is not None}
             return sorted(set(range(max(sizes, default=1))) - {
                 b[0][1] for b in box if b[0] is not None})
-        me = dist.get_rank()
-        if me in rank_in and (self.replicas.step, self.replicas.world_size) != chosen:
+        me, r = dist.get_rank(), self.replicas
+        if me in rank_in and (r.step, r.world_size, r.generation) != chosen:
             assert self.previous is not None  # a refresh cut short: the copies before it
             self.replicas, self.replica_state = self.previous
-        if me not in rank_in:  # its rows (and any handed over) are not of that step
-            self.parked = None
+        if me not in rank_in:  # its rows, copies and any rows handed over are of no use now
+            self.parked, self.replicas, self.replica_state = None, PartnerReplicas(), None
+            self.previous = None
         lost = set(range(chosen[1])) - set(rank_in.values())  # ranks of the replicas' layout
         found = self.replicas.recovery(lost) if me in rank_in else ((), {})
         gathered: list = [None] * world_size
@@ -291,15 +293,15 @@ class ShardedMode:
             prune(self.folder, keep)
         return path
 
-    def refresh(self, step: int, rank: int, world_size: int,
-                optimizer: torch.optim.Optimizer, capture: Callable[[], dict]) -> int:
+    def refresh(self, step: int, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
+                capture: Callable[[], dict], generation: int = 0) -> int:
         """At committed step `step`, on every rank (a collective): this rank's part copied
         to host memory and sent to its partner (engine.replicas), with `capture()`, the rest
         of the state (engine.state's capture without rows). Returns the bytes sent."""
         part = self.model.snapshot(optimizer)
         fresh = PartnerReplicas()  # the copies held stay as they are until these are whole
         sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
-                             rank, world_size)
+                             rank, world_size, generation)
         self.previous = (self.replicas, self.replica_state) if self.replicas.step is not None \
             else None
         self.replicas, self.replica_state = fresh, capture()
@@ -369,15 +371,15 @@ class _Plan:
     holds: bool = True  # after a fault: this rank holds copies of that step
 
 
-def _newest_whole(box: list) -> tuple[tuple[int, int] | None, dict[int, int]]:
+def _newest_whole(box: list) -> tuple[tuple[int, int, int] | None, dict[int, int]]:
     """After a fault, from what every rank said it holds (`box`): the newest replicas'
-    (step, world size) whose copies on the survivors cover every rank of that layout (each
-    rank's own, else its partner's), and {group rank: its rank there} of their holders; (None,
-    {}) when none does. A survivor without them (a newcomer whose first refresh a fault cut
-    short) is sent their rows and state as a newcomer is."""
+    (step, world size, generation) whose copies on the survivors cover every rank of that
+    layout (each rank's own, else its partner's), and {group rank: its rank there} of their
+    holders; (None, {}) when none does. A survivor without them (a newcomer whose first
+    refresh a fault cut short) is sent their rows and state as a newcomer is."""
     survivors = [i for i, b in enumerate(box) if b[0] is not None]
-    for chosen in sorted({c[:2] for i in survivors for c in box[i][2]}, reverse=True):
-        rank_in = {i: c[2] for i in survivors for c in box[i][2] if c[:2] == chosen}
+    for chosen in sorted({c[:3] for i in survivors for c in box[i][2]}, reverse=True):
+        rank_in = {i: c[3] for i in survivors for c in box[i][2] if c[:3] == chosen}
         lost = set(range(chosen[1])) - set(rank_in.values())
         if chosen[1] > 1 and not any((r + 1) % chosen[1] in lost for r in lost):
             return chosen, rank_in

@@ -88,8 +88,9 @@ class ShardedModel:
         self.skeleton = skeleton_of(model)
         self.shard_fn, self.mp_policy = shard_fn, mp_policy or MixedPrecisionPolicy()
         # frozen parameters stay whole where the cell built them (FSDP2's ignored_params)
-        self.frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad} \
-            if frozen_stay else {}
+        # (every name of a tied one: each is set in a new module)
+        self.frozen = {n: p for n, p in model.named_parameters(remove_duplicate=False)
+                       if not p.requires_grad} if frozen_stay else {}
         # buffers each rank keeps as its cell built them: non-persistent ones (a rotary
         # embedding's inv_freq, out of every state dict) and, with the frozen parameters,
         # the buffers of frozen modules (engine.frozen)
@@ -136,11 +137,17 @@ class ShardedModel:
         training starts (ShardingError). Skipped inside a process group (none at setup)."""
         if dist.is_initialized():
             return
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        except Exception:  # pylint: disable=broad-except  # no group here: the first mesh tries
+            return
         try:
             group = dist.group.WORLD
             assert group is not None
             self._wrap(copy.deepcopy(self.skeleton), DeviceMesh.from_group(group, "cpu"))
+        except ShardingError as e:
+            raise ShardingError(f"{e} (tried at setup on a copy without storage, on a CPU mesh "
+                                "of one rank)") from e
         finally:
             dist.destroy_process_group()
 
@@ -150,7 +157,8 @@ class ShardedModel:
         skeleton: before the first generation, while `optimizer` holds the cell's model's
         parameters; `micro_batches`: in a full step. With a ``shard_fn`` the gather buffers
         are counted over the default units (its own are only known on a mesh)."""
-        optimized = [[self._held_ids[id(p)] for p in group["params"] if id(p) in self._held_ids]
+        optimized = [[self._held_ids[id(p)] for p in group["params"]
+                      if id(p) in self._held_ids and p.requires_grad]
                      for group in (optimizer.param_groups if optimizer else [])]
         return measure(self.skeleton, default_units(self.skeleton), optimizer, optimized,
                        micro_batches, frozen_stay=bool(self.frozen))
@@ -343,15 +351,25 @@ class ShardedModel:
         on `device` (their values still to write) and `buffers` set; with its parameters."""
         module = copy.deepcopy(self.skeleton)
         self._wrap(module, mesh)
-        module.to_empty(device=device)
+        for name in (*self.frozen, *self.own_buffers):  # no storage for them: the rank's own
+            owner, _, leaf = name.rpartition(".")  # come after (a frozen base is not
+            target = module.get_submodule(owner) if owner else module  # allocated again)
+            if hasattr(target, leaf):
+                delattr(target, leaf)
+        module.to_empty(device=device)  # (to_empty would write into the tensors it finds)
+        self._keep_own(module, device)
         for name, buffer in buffers.items():  # whole on every rank
             _set_buffer(module, name, buffer.to(device))
+        return module, dict(module.named_parameters())
+
+    def _keep_own(self, module: nn.Module, device: torch.device) -> None:
+        """Put this rank's own tensors in `module`: the frozen parameters, never moved, and
+        the buffers it keeps (``own_buffers``)."""
         for name, buffer in self.own_buffers.items():
             _set_buffer(module, name, buffer.to(device))
-        for name, frozen in self.frozen.items():  # the cell's own, never moved
+        for name, frozen in self.frozen.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, frozen)
-        return module, dict(module.named_parameters())
 
     def _repoint(self, optimizer, old_ids: dict[int, str], params: dict, moments: dict, mesh,
                  replicated: dict) -> None:

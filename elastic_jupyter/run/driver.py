@@ -171,10 +171,10 @@ class Driver:
                 if result.get("reason") == "fault":
                     newcomers = await self.recovery.recover(result["outcome"])
                 else:
-                    await self._drain(result["drained"])
                     # a sharded run's rows are saved once every rank left: else one more to stop
                     saved = not self.config.shard or len(result["handed_over"]) == len(self.members)
-                    if result["reason"] == "finished" or self.sizer.stop_requested and saved:
+                    await self._drain(result["drained"])  # (drained members leave the list)
+                    if result["reason"] == "finished" or (self.sizer.stop_requested and saved):
                         return await self._finish(
                             RunState.FINISHED if result["reason"] == "finished"
                             else RunState.STOPPED)
