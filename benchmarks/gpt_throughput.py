@@ -18,7 +18,7 @@ ranks themselves; both sides' rank 0 writes a final checkpoint, so the table giv
 for rank 0 and rank 1 apart.
 
 With ``--shard`` our run is sharded (``RunConfig(shard=True)``: FSDP2 per block, the partner
-replicas refreshed every 10 steps, the default) and the baseline is torchrun + FSDP2 with the
+replicas refreshed every 20 steps, the default) and the baseline is torchrun + FSDP2 with the
 same wrapping (gpt_ddp.py ``--fsdp2``); a third side, ours with ``--replica-every`` beyond the
 run's length (replicas only after the start), gives the replicas' cost.
 
@@ -50,7 +50,7 @@ def _vm_hwm(pid: int) -> int:
     raise RuntimeError(f"no VmHWM for process {pid}")
 
 
-def ours(size: str, args, replica_every: int = 10) -> dict:
+def ours(size: str, args, replica_every: int | None = None) -> dict:
     from elastic_jupyter import EnginePool, RunConfig, TrainingRun
     pool = EnginePool(n=args.world_size, min_size=1, max_size=args.pool_max or args.world_size,
                       gpus="none").start()
@@ -60,7 +60,8 @@ def ours(size: str, args, replica_every: int = 10) -> dict:
                                steps=args.warmup + args.steps, checkpoint_every=0,
                                seed=args.seed, workers=args.workers,
                                pass_cost="measure" if args.cut == "measured" else None,
-                               shard=args.shard, replica_every=replica_every)
+                               shard=args.shard,
+                               **({"replica_every": replica_every} if replica_every else {}))
             source = gpt.cell(size, args.seq_len, transform_ms=args.transform_ms)
             run = TrainingRun(pool, config, source=source, workspace=workspace).start()
             ranks = run.members  # rank order (no resizes here): rank 0 writes the checkpoint
@@ -124,11 +125,11 @@ def main() -> None:
           f"seq-len {args.seq_len}, global batch {args.global_batch}, {args.warmup} warm-up + "
           f"{args.steps} timed steps, {args.pairs} pairs; per-sample transform "
           f"{args.transform_ms:g} ms CPU, {args.workers} loader workers per rank")
+    if args.shard:
+        return sharded(args)
     print("| model | ours samples/s | DDP samples/s | ours / DDP (median, range) | "
           "peak RSS ours / DDP (median) |")
     print("|---|---|---|---|---|")
-    if args.shard:
-        return sharded(args)
     for size in args.sizes:
         pairs = [(ours(size, args), ddp(size, args)) for _ in range(args.pairs)]
         ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in pairs]

@@ -354,9 +354,9 @@ class RunConfig:
         "--shard", "shard the model's parameters, gradients and optimizer state over the ranks "
         "with FSDP2 (each block; the cell's shard_fn(model, mesh) may choose), resized in "
         "memory"))
-    replica_every: int = field(default=10, metadata=flag(
+    replica_every: int = field(default=20, metadata=flag(
         "--replica-every", "with --shard: steps between two copies of each rank's part on its "
-        "partner rank's host memory, the most a fault loses (default 10; also after each "
+        "partner rank's host memory, the most a fault loses (default 20; also after each "
         "resize)", parse=positive_int, metavar="K"))
     memory_per_rank: int | None = field(default=None, metadata=flag(
         "--memory-per-rank", "with --shard: the training memory a rank may use, like 24G "

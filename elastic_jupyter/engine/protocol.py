@@ -123,7 +123,7 @@ class EngineConfig:
     tensorboard: bool | str = False
     move_frozen: bool = False
     shard: bool = False
-    replica_every: int = 10
+    replica_every: int = 20
     memory_per_rank: int | None = None
     fault_dir: str | None = None
     total_steps: int = 0

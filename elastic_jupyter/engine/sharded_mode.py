@@ -20,8 +20,9 @@ its partner in host memory every ``replica_every`` steps and after each resize
 (engine.replicas): after a fault the survivors go back to that step and take the lost rows from
 the copies. Checkpoints are written one part per rank (engine.sharded_checkpoint); a run
 resumes from one at any world size, and goes back to the newest when a rank was lost with its
-partner. Not yet wired (issue 36): the owner, which does not offer ``shard`` as a run option
-yet, and its final state (``run.export()``) from the parts.
+partner. At setup each rank counts the memory it needs at every world size (engine.memory_need):
+the owner derives the run's memory bound from it, and each generation whether its passes must
+reduce-scatter one by one.
 
 This module imports nothing from IPython or the UI.
 """
@@ -107,7 +108,7 @@ class ShardedMode:
             self.model.check()
         except ShardingError as e:
             raise SetupError(str(e)) from None
-        self.reducer = ShardedReducer()
+        self.reducer = ShardedReducer(clips=config.clip_grad_norm is not None)
         self.held: tuple[int, int] | None = (1, 0)
         self.parked: Snapshot | None = None
         self.replicas = PartnerReplicas()  # this rank's and its partner's parts, host memory

@@ -54,7 +54,8 @@ class ShardedReducer:
     Attach it to each new sharded module with :meth:`attach` before its first forward.
     """
 
-    def __init__(self):
+    def __init__(self, clips: bool = True):
+        self.clips = clips  # the vote carries the squared norm (a pass over the gradients)
         self.params: list[nn.Parameter] = []  # the sharded trainable parameters (DTensors)
         self._names: list[str] = []
         self._units: list[FSDPModule] = []
@@ -147,11 +148,12 @@ class ShardedReducer:
 
     def finish(self, world_size: int) -> list[float]:
         """This rank's "has a gradient" flag (1.0 or 0.0) per trainable parameter, in
-        ``self.params`` order, then the sum of squares of its gradient rows: the step's vote
-        sums them."""
+        ``self.params`` order, then the sum of squares of its gradient rows (0 unless it
+        ``clips``): the step's vote sums them."""
         with torch.no_grad():
-            norm_sq = sum(float(_local(p.grad).double().square().sum())
-                          for p in self.params if p.grad is not None)
+            norm_sq = sum(float(torch.linalg.vector_norm(_local(p.grad), dtype=torch.float64)
+                                ** 2) for p in self.params if p.grad is not None) \
+                if self.clips else 0.0
         return [float(i in self._used) for i in range(len(self.params))] + [norm_sq]
 
     def drop_unused(self, counts: list[float]) -> None:
