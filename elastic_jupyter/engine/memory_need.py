@@ -1,8 +1,10 @@
 """A sharded run's memory per rank at each world size, counted from the model before training.
 
 Under ``--shard`` each rank holds 1/W of the parameters, of their gradients and of the
-optimizer's state, plus what no world size divides: the units FSDP2 gathers whole (the one
-running and the one prefetched) and the unsharded gradient of the unit whose backward ends.
+optimizer's state, plus what no world size divides: the units FSDP2 gathers whole (the root,
+from the forward through the backward, the one running and the one prefetched), the unsharded
+gradient of the unit whose backward ends, the buffers and the frozen parameters (they stay
+whole where each cell built them).
 A rank that runs more than one pass in a step accumulates an unsharded gradient of the whole
 trainable model unless it reduce-scatters after each pass (engine.sharded_reduce's
 ``per_pass``). :class:`MemoryNeed` holds these counts; the owner derives the smallest world
