@@ -357,7 +357,7 @@ class RunConfig:
     replica_every: int = field(default=20, metadata=flag(
         "--replica-every", "with --shard: steps between two copies of each rank's part on its "
         "partner rank's host memory, the most a fault loses (default 20; also after each "
-        "resize)", parse=positive_int, metavar="K"))
+        "resize and at each checkpoint, which is written from that copy)", parse=positive_int, metavar="K"))
     memory_per_rank: int | None = field(default=None, metadata=flag(
         "--memory-per-rank", "with --shard: the training memory a rank may use, like 24G "
         "(default: a GPU slot's memory; none on CPU slots). The run refuses a pool's --min, "

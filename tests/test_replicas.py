@@ -2,12 +2,15 @@
 ranks with partner replicas refreshed after step 2; rank 1 dies after step 3; the survivors
 form a new group of 2, roll back to step 2 from their own copies and take rank 1's rows from
 its partner's copy, train on, and end where a run fixed at 2 ends (rtol 1e-9) — no disk. A
-rank lost with its partner, or a fault at one rank, cannot be recovered in memory."""
+rank lost with its partner, or a fault at one rank, cannot be recovered in memory. A refresh
+packs parts of several dtypes into one host buffer a side, reused once its copies settled."""
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from elastic_jupyter.engine.replicas import PartnerReplicas
+from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
+from elastic_jupyter.engine.reshard import chunk_rows
+from elastic_jupyter.engine.sharding import Snapshot
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
@@ -71,3 +74,40 @@ def test_a_rank_lost_with_its_partner_or_alone_is_not_recoverable():
     assert replicas.recovery({0, 1}) is None  # 1 held 0's copy
     replicas.world_size, replicas.rank = 1, 0
     assert replicas.recovery({0}) is None
+
+
+def _parts(rank: int, rows: dict[str, int], scale: float) -> dict:
+    """Rank `rank`'s rows (of 2) of three dtypes, odd row counts included."""
+    dtypes = {"w": torch.float32, "b": torch.bfloat16, "v": torch.float64}
+    parts = {}
+    for name, n in rows.items():
+        start, end = chunk_rows(n, 2, rank)
+        whole = torch.arange(n * 3, dtype=torch.float64).view(n, 3) * scale
+        parts[name, None] = whole[start:end].to(dtypes[name])
+        parts[name, "exp_avg"] = (whole[start:end] + 0.5).to(dtypes[name])
+    return parts
+
+
+def _refresh_twice(rank: int, folder: str) -> None:
+    dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store", 2), rank=rank,
+                            world_size=2)
+    rows = {"w": 5, "b": 3, "v": 1}  # rank 1 holds no row of "v"
+    spare = HostBuffers()
+    first = PartnerReplicas()
+    first.refresh(1, Snapshot(_parts(rank, rows, 1.0), {}, {}), rows, rank, 2, spare=spare)
+    assert all(torch.equal(first.partner[e], t)
+               for e, t in _parts(1 - rank, rows, 1.0).items())
+    pointers = sorted(b.data_ptr() for b in first.buffers)
+    spare.keep(first)  # settled: nothing reads the first copies any longer
+    second = PartnerReplicas()
+    second.refresh(2, Snapshot(_parts(rank, rows, 2.0), {}, {}), rows, rank, 2, spare=spare)
+    assert sorted(b.data_ptr() for b in second.buffers) == pointers  # no new host memory
+    assert all(torch.equal(second.partner[e], t)
+               for e, t in _parts(1 - rank, rows, 2.0).items())
+    assert all(torch.equal(second.own.parts[e], t)
+               for e, t in _parts(rank, rows, 2.0).items())
+    dist.destroy_process_group()
+
+
+def test_a_refresh_packs_every_dtype_and_reuses_the_settled_copies_buffers(tmp_path):
+    spawn(_refresh_twice, (str(tmp_path),), 2)

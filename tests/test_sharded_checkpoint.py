@@ -1,8 +1,10 @@
 """A sharded checkpoint (issue 36): two ranks each write their part of an FSDP2-sharded float64
 model and its AdamW state; three new processes read it back at 3 ranks (each reading only the
 parts that hold its rows, weights_only), train on, and end where a run fixed at 2 ends (rtol
-1e-9). A damaged part is refused naming the file; an unfinished folder is never read."""
+1e-9). A damaged part is refused naming the file; an unfinished folder is never read. Rank 0
+commits a checkpoint once every rank's marker is there, and says which did not come."""
 import os
+import threading
 
 import pytest
 import torch
@@ -10,8 +12,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from elastic_jupyter.engine.checkpoint import CheckpointError
-from elastic_jupyter.engine.sharded_checkpoint import latest, read_rows, write_parts
-from elastic_jupyter.engine.sharding import ShardedModel
+from elastic_jupyter.engine.sharded_checkpoint import commit, latest, read_rows, write_part
+from elastic_jupyter.engine.sharding import ShardedModel, Snapshot
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
@@ -23,7 +25,10 @@ def _write(rank: int, folder: str) -> None:
         sharded, optimizer = sharded_cell(2)
         for step in range(3):
             train_step(sharded.module, optimizer, step, rank, 2)
-        write_parts(f"{folder}/ckpt", 3, sharded.snapshot(optimizer), sharded.shapes, rank, 2)
+        part = sharded.snapshot(optimizer)
+        write_part(f"{folder}/ckpt", 3, 7, part, rank, 2)  # attempt 7: the generation
+        if rank == 0:
+            commit(f"{folder}/ckpt", 3, 7, 2, part, sharded.shapes, None, threading.Event(), 60)
     finally:
         dist.destroy_process_group()
 
@@ -68,3 +73,31 @@ def test_written_at_2_read_at_3_and_trained_on_equals_fixed_at_2(tmp_path):
     with pytest.raises(CheckpointError, match="part-00001.pt is missing or damaged"):
         read_rows(path, 0, 1)
     read_rows(path, 0, 2)  # rank 0 at 2 ranks reads its own part only
+
+
+def _tiny(rank: int) -> Snapshot:
+    return Snapshot({("w", None): torch.full((2, 3), float(rank))}, {"w": {}}, {})
+
+
+def test_a_commit_waits_for_every_part_and_says_which_did_not_come(tmp_path):
+    folder, shapes = str(tmp_path), {"w": torch.Size([4, 3])}
+    os.makedirs(tmp_path / "step-00000002.shards.4.tmp")  # a fault's leftover, older
+    write_part(folder, 5, 6, _tiny(0), 0, 2)
+    with pytest.raises(CheckpointError, match="part-00001.done did not come within 0 s"):
+        commit(folder, 5, 6, 2, _tiny(0), shapes, None, threading.Event(), 0.2)
+    aborted = threading.Event()
+    aborted.set()  # the generation ended in a fault
+    with pytest.raises(CheckpointError, match="the generation ended first"):
+        commit(folder, 5, 6, 2, _tiny(0), shapes, None, aborted, 60)
+    assert latest(folder) is None  # never half a checkpoint
+    os.makedirs(tmp_path / "step-00000005.shards.6.tmp" / "part-00001.pt")  # cannot be written
+    write_part(folder, 5, 6, _tiny(1), 1, 2)
+    with pytest.raises(CheckpointError, match="part-00001.pt"):
+        commit(folder, 5, 6, 2, _tiny(0), shapes, None, threading.Event(), 60)
+    os.rmdir(tmp_path / "step-00000005.shards.6.tmp" / "part-00001.pt")
+    write_part(folder, 5, 6, _tiny(1), 1, 2)  # written again: its marker says so
+    path = commit(folder, 5, 6, 2, _tiny(0), shapes, {"note": 1}, threading.Event(), 60)
+    assert sorted(os.listdir(path)) == ["manifest.pt", "part-00000.pt", "part-00001.pt"]
+    assert sorted(os.listdir(folder)) == ["step-00000005.shards"]  # the leftover went
+    parts, _, _ = read_rows(path, 0, 1)
+    assert torch.equal(parts[("w", None)], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))

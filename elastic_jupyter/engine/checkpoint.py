@@ -117,6 +117,19 @@ class _Hashing:
         self._file.flush()
 
 
+def save_hashed(path: str, obj) -> str:
+    """``torch.save(obj)`` to `path` atomically (:func:`atomic_write`), past the page cache,
+    hashed as it is written: returns its SHA-256 (no CRC32, no second read of the file).
+    Raises OSError, RuntimeError."""
+    import torch  # here, not at the top: the server lists checkpoints without torch
+    digest = hashlib.sha256()
+    with _without_crc32():
+        # torch.save needs only a file's write(): _Hashing is one
+        atomic_write(path, lambda f: torch.save(obj, cast(IO[bytes], _Hashing(f, digest))),
+                     direct=True)
+    return digest.hexdigest()
+
+
 def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
@@ -136,13 +149,8 @@ def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
     try:
         # the records the folder's history file lacks, before the file that needs them lands
         history.append(folder, state.get("history") or [])
-        import torch  # here, not at the top: the server lists checkpoints without torch
-        digest = hashlib.sha256()
-        with _without_crc32():
-            # torch.save needs only a file's write(): _Hashing is one
-            atomic_write(path, lambda f: torch.save(state, cast(IO[bytes], _Hashing(f, digest))),
-                         direct=True)
-        record = {"file": os.path.basename(path), "step": step, "sha256": digest.hexdigest(),
+        sha256 = save_hashed(path, state)
+        record = {"file": os.path.basename(path), "step": step, "sha256": sha256,
                   "bytes": os.path.getsize(path), "time": time.time()}
         data = json.dumps(record).encode()
         atomic_write(path[:-3] + ".json", lambda f: f.write(data))

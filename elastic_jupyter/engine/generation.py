@@ -22,8 +22,6 @@ import torch.distributed as dist
 
 from . import drain
 from .abort import AbortableStore, AbortWatch
-from .checkpoint import CheckpointError
-from .sharded_checkpoint import folder_bytes
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
@@ -200,6 +198,7 @@ class Generation:
             flag = max(self._leave_flag(), float(drain.requested()))
             record, leave = w.train_step(rank, world_size, self.vote, flag)
             self._finish_step(record)
+            events += self._writes(wait=False)
             if rank == 0:
                 if w.writer:
                     events += w.writer.take_events()
@@ -219,6 +218,7 @@ class Generation:
                 break
         else:
             reason = "finished"
+        events += self._writes(wait=True)  # the generation's checkpoints end with it
         if rank == 0 and w.writer:
             events += w.writer.drain()
             w.writer.raise_fatal()
@@ -257,22 +257,31 @@ class Generation:
             self._sharded_checkpoint(w.progress.step)
 
     def _sharded_checkpoint(self, step: int) -> None:
-        """Every rank of a sharded run writes its part of step `step`'s checkpoint; rank 0
-        logs it (a failure is an event, as the replicated mode's writer's)."""
-        w, start = self.worker, time.time()
+        """Every rank of a sharded run starts writing its part of step `step`'s checkpoint
+        beside training, from the host copy of a refresh at that step (one more when the last
+        was of another step); rank 0's events come when the writes end (:meth:`_writes`)."""
+        w = self.worker
         assert w.sharded is not None
         self._written = step  # every rank: the same decision at a leave point
         w.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
-        try:
-            path = w.sharded.checkpoint(step, self.rank, self.world_size, w.optimizer,
-                                        w.capture, w.config.keep)
-            event = {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
-                     "bytes": folder_bytes(path) if self.rank == 0 else 0,
-                     "seconds": round(time.time() - start, 3)}
-        except CheckpointError as e:
-            event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
-        if self.rank == 0:
-            self.events.append(event)
+        if w.sharded.replicas.step != step or \
+                w.sharded.replicas.generation != self.spec.generation:
+            self._refresh_replicas()
+        w.sharded.checkpoint(step, self.rank, self.world_size, w.capture, w.config.keep,
+                             self.spec.generation, self.spec.timeout)
+
+    def _writes(self, wait: bool) -> list[dict]:
+        """The events of the checkpoint writes that ended (every one, with `wait`): rank 0
+        keeps them, a failure included; another rank's failure is in its log."""
+        w = self.worker
+        if w.sharded is None:
+            return []
+        if wait:
+            w.sharded.writer.wait()
+        events = w.sharded.writer.take_events()
+        for e in events if self.rank != 0 else []:
+            print(f"elastic-jupyter: {e.get('message', e)}", file=sys.stderr)
+        return events if self.rank == 0 else []
 
     def _acknowledged(self) -> int | None:
         """The newest step up to which the owner's run log holds every record (it writes it

@@ -19,6 +19,7 @@ This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Sequence
 
 import torch
@@ -47,43 +48,44 @@ class PartnerReplicas:
         self.rank = 0
         self.own: Snapshot | None = None
         self.partner: dict[tuple[str, str | None], torch.Tensor] | None = None
+        self.buffers: list[torch.Tensor] = []  # the flat host buffers `own` and `partner` view
 
     def refresh(self, step: int, part: Snapshot, rows: dict[str, int], rank: int,
-                world_size: int, generation: int = 0) -> int:
+                world_size: int, generation: int = 0, spare: HostBuffers | None = None
+                ) -> int:
         """Every rank of the generation, at committed step `step`: copy `part` (this rank's
         Snapshot; `rows`: each parameter's dim-0 size, engine.sharding's ``shapes``) to host
         memory, send it to ``(rank + 1) mod W`` and take ``(rank - 1) mod W``'s. A fault
         during the exchange leaves the previous copies (a rank uses the new ones only once
-        both are complete). Returns the bytes this rank sent. Raises PeerFailure."""
-        # new host copies, not the last ones overwritten: those stay usable until these are
-        own = Snapshot({e: t.detach().to("cpu", copy=True) for e, t in part.parts.items()},
-                       copy.deepcopy(part.replicated),
+        both are complete). `spare`: buffers of copies no longer needed, reused where their size
+        fits. Returns the bytes this rank sent. Raises PeerFailure."""
+        # new host copies, not the last ones overwritten: those stay usable until these are.
+        # Each side is one flat buffer, reused from `spare`: first touching new memory (its
+        # page faults) made a refresh 13 x slower than one into buffers touched before
+        # (BENCHMARKS.md)
+        spare = spare or HostBuffers()
+        own_flat, parts = _packed(part.parts, {e: t.shape for e, t in part.parts.items()},
+                                  spare)
+        with torch.no_grad():
+            for e, t in part.parts.items():
+                parts[e].copy_(t.detach(), non_blocking=own_flat.is_pinned())
+        if own_flat.is_pinned():
+            torch.cuda.synchronize()  # the device-to-host copies landed
+        own = Snapshot(parts, copy.deepcopy(part.replicated),
                        {n: b.detach().to("cpu", copy=True) for n, b in part.buffers.items()})
         partner = None
         sent = 0
         if world_size > 1:
             source, target = (rank - 1) % world_size, (rank + 1) % world_size
-            partner = {e: t.new_empty((_rows(rows[e[0]], world_size, source), *t.shape[1:]))
-                       for e, t in own.parts.items()}
-            # nccl sends device memory only: the part itself goes, the partner's arrives on
-            # the device and is copied to the host after (gloo sends host copies as they are)
-            nccl = dist.get_backend() == "nccl"
-            landing = {e: torch.empty_like(p, device=part.parts[e].device) if nccl else p
-                       for e, p in partner.items()}
-            ops = []
-            for e, mine in own.parts.items():  # the same order on every rank
-                if mine.numel():
-                    ops.append(dist.P2POp(dist.isend, part.parts[e] if nccl else mine, target))
-                    sent += mine.numel() * mine.element_size()
-                if landing[e].numel():
-                    ops.append(dist.P2POp(dist.irecv, landing[e], source))
-            with collective("replica refresh"):
-                for work in dist.batch_isend_irecv(ops) if ops else []:
-                    work.wait()
-            if nccl:
-                for e, p in partner.items():
-                    p.copy_(landing[e])
+            flat, partner = _packed(part.parts, {e: (_rows(rows[e[0]], world_size, source),
+                                                     *t.shape[1:])
+                                                 for e, t in part.parts.items()}, spare)
+            if dist.get_backend() == "nccl":
+                sent = _exchange_nccl(part.parts, own.parts, partner, source, target)
+            else:
+                sent = _exchange_flat(own_flat, flat, source, target)
         self.own, self.partner = own, partner
+        self.buffers = [own_flat] + ([flat] if partner is not None else [])
         self.step, self.rank, self.world_size = step, rank, world_size
         self.generation = generation
         return sent
@@ -106,6 +108,80 @@ class PartnerReplicas:
         """The Layout of a recovery: each group rank's old rank (None: a newcomer), new rank,
         and the lost old ranks it holds copies of (:meth:`recovery`, gathered)."""
         return Layout(tuple(old), tuple(new), tuple(copies))
+
+
+class HostBuffers:
+    """Flat host buffers of replicas no longer needed (:meth:`keep`), for the next refresh
+    (:meth:`take`): one owner, engine.sharded_mode, gives them back once no fault can need
+    those copies."""
+
+    def __init__(self):
+        self._free: list[torch.Tensor] = []
+
+    def keep(self, replicas: PartnerReplicas) -> None:
+        """`replicas`' buffers, which nothing reads any longer; two at most are kept (a
+        refresh takes two: its own and its partner's)."""
+        self._free = (replicas.buffers + self._free)[:2]
+        replicas.buffers, replicas.own, replicas.partner = [], None, None
+
+    def take(self, size: int, pinned: bool) -> torch.Tensor:
+        """A uint8 host buffer of `size` bytes: a kept one of that size and pinning, else new."""
+        for i, flat in enumerate(self._free):
+            if flat.numel() == size and flat.is_pinned() == pinned:
+                return self._free.pop(i)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _packed(like: dict[tuple[str, str | None], torch.Tensor], shapes: dict, spare: HostBuffers
+            ) -> tuple[torch.Tensor, dict[tuple[str, str | None], torch.Tensor]]:
+    """A flat host buffer (uint8, from `spare`; pinned where `like` is on a GPU) and {key: a
+    view of it with `shapes[key]` and `like[key]`'s dtype}, each at an offset that is a
+    multiple of the largest element size (any of the dtypes views it there). Both sides of an
+    exchange compute the same offsets from the same keys, in order."""
+    align = max((t.element_size() for t in like.values()), default=1)  # no padding for one dtype
+    offsets, size = {}, 0
+    for e, t in like.items():
+        offsets[e] = size
+        size += -(-math.prod(shapes[e]) * t.element_size() // align) * align
+    pinned = any(t.is_cuda for t in like.values())
+    flat = spare.take(size, pinned)
+    views = {e: flat[o:o + math.prod(shapes[e]) * t.element_size()].view(t.dtype)
+             .view(shapes[e]) for (e, t), o in zip(like.items(), offsets.values())}
+    return flat, views
+
+
+def _exchange_flat(own: torch.Tensor, partner: torch.Tensor, source: int, target: int) -> int:
+    """gloo: this rank's flat copy to `target`, `source`'s into `partner`, one message each.
+    Returns the bytes sent."""
+    ops = [dist.P2POp(dist.isend, own, target)] if own.numel() else []
+    ops += [dist.P2POp(dist.irecv, partner, source)] if partner.numel() else []
+    with collective("replica refresh"):
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+    return own.numel()
+
+
+def _exchange_nccl(parts: dict, own: dict, partner: dict, source: int, target: int) -> int:
+    """nccl sends device memory only: each part goes from the device, the partner's arrive
+    on the device and are copied to their host views after. One message per tensor: nccl
+    fuses a batch of them into one group launch, and a flat device buffer would cost a
+    shard of device memory. Returns the bytes sent."""
+    landing = {e: torch.empty(p.shape, dtype=p.dtype, device=parts[e].device)
+               for e, p in partner.items()}
+    ops, sent = [], 0
+    for e, mine in parts.items():  # the same order on every rank
+        if mine.numel():
+            ops.append(dist.P2POp(dist.isend, mine.detach().contiguous(), target))
+            sent += own[e].numel() * own[e].element_size()
+        if landing[e].numel():
+            ops.append(dist.P2POp(dist.irecv, landing[e], source))
+    with collective("replica refresh"):
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+    with torch.no_grad():
+        for e, p in partner.items():
+            p.copy_(landing[e])
+    return sent
 
 
 def _rows(n: int, world_size: int, rank: int) -> int:

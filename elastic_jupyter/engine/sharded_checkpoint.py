@@ -7,9 +7,11 @@ the step, W, every parameter's shape, the parts' names and dtypes, the optimizer
 are the same on every rank (a step counter) and the buffers, each file's bytes and SHA-256,
 and ``state``, the rest of the training state (engine.state's capture without rows: progress,
 history, scheduler, random generators, the run's options).
-The ranks write into ``step-SSSSSSSS.shards.tmp/``, fsync each file, and rank 0 renames the
-folder once every part and the manifest are on disk: a folder with its final name is complete,
-and one a crash left behind keeps its ``.tmp`` name (it is never read).
+The ranks write into ``step-SSSSSSSS.shards.G.tmp/`` (G: the generation that writes it), each
+beside training (engine.sharded_writer), fsync each file and leave a marker beside its part;
+rank 0, once every marker is there, writes the manifest and renames the folder: a folder with
+its final name is complete, and one a crash left behind keeps its ``.tmp`` name (it is never
+read, and the next checkpoint removes it).
 
 Everything in them is tensors, numbers, strings, lists and dicts: both load with
 ``torch.load(weights_only=True)``. A reader at another world size takes, for each of its new
@@ -22,18 +24,22 @@ This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import threading
+import time
 
 import torch
-import torch.distributed as dist
 
-from .checkpoint import CheckpointError, _fsync_dir, _sha256, atomic_write
-from .collective import collective
+from .checkpoint import CheckpointError, _fsync_dir, _sha256, atomic_write, save_hashed
 from .reshard import chunk_rows
 from .sharding import Snapshot
 
 FORMAT_VERSION = 1
+MARKER_POLL_S = 0.05  # rank 0 looks for the other ranks' markers this often
+_ATTEMPT = re.compile(r"step-(\d+)\.shards\.(\d+)\.tmp")
 SEP = "\t"  # joins a part's parameter name and optimizer key in a file (str keys only)
 
 
@@ -50,55 +56,86 @@ def _entry(key: str) -> tuple[str, str | None]:
     return name, opt or None
 
 
-def write_parts(folder: str, step: int, part: Snapshot, shapes: dict[str, torch.Size],
-                rank: int, world_size: int, state: dict | None = None) -> str:
-    """Every rank of the generation: write this rank's `part` (`shapes`: each parameter's
-    whole shape) as its part of step `step`'s checkpoint in `folder` (rank 0's replicated
-    values, buffers and `state`, the rest of the training state, go in the manifest); returns
-    the checkpoint's path
-    once every rank's part and the manifest are on disk. A collective (the ranks exchange
-    their files' hashes). Raises CheckpointError when a rank could not write."""
-    final = os.path.join(folder, folder_name(step))
-    tmp = final + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt at the same step
-        os.makedirs(tmp)
-    with collective("sharded checkpoint"):
-        dist.barrier()
+def write_part(folder: str, step: int, attempt: int, part: Snapshot, rank: int,
+               world_size: int) -> None:
+    """One rank of the W that write step `step`'s checkpoint, in attempt `attempt` (the
+    generation: a run that went back writes a step again under another): write this rank's
+    `part` (host tensors, which nothing changes meanwhile) into the attempt's ``.tmp`` folder,
+    then its marker, ``part-RRRRR.done`` (the file's bytes and SHA-256, or the error that
+    stopped it), which :func:`commit` waits for. No collective: it runs beside training
+    (engine.sharded_writer). Raises CheckpointError when even the marker cannot be written."""
+    tmp = _attempt(folder, step, attempt)
     name = f"part-{rank:05d}.pt"
     body = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world_size": world_size,
             "parts": {_key(e): t.detach().cpu() for e, t in part.parts.items()}}
-    error = None
     try:
-        atomic_write(os.path.join(tmp, name), lambda f: torch.save(body, f))
+        os.makedirs(tmp, exist_ok=True)
+        sha256 = save_hashed(os.path.join(tmp, name), body)
         mine = {"file": name, "bytes": os.path.getsize(os.path.join(tmp, name)),
-                "sha256": _sha256(os.path.join(tmp, name))}
+                "sha256": sha256}
+    except (OSError, RuntimeError) as e:
+        mine = {"file": name, "error": str(e)}
+    try:
+        atomic_write(os.path.join(tmp, f"part-{rank:05d}.done"),
+                     lambda f: f.write(json.dumps(mine).encode()))
     except OSError as e:
-        mine, error = {"file": name, "error": str(e)}, e
-    gathered: list = [None] * world_size
-    with collective("sharded checkpoint"):
-        dist.all_gather_object(gathered, mine)
-    failed = [g for g in gathered if "error" in g]
+        raise CheckpointError(f"checkpoint {step}: {name} not written: {e}") from e
+
+
+def commit(folder: str, step: int, attempt: int, world_size: int, part: Snapshot,
+           shapes: dict[str, torch.Size], state: dict | None, abort: threading.Event,
+           timeout: float) -> str:
+    """Rank 0, after its own :func:`write_part`: wait for every rank's marker, write the
+    manifest (`part`: rank 0's, for its replicated values, buffers and names; `shapes`: each
+    parameter's whole shape; `state`: the rest of the training state) and give the folder its
+    final name; older attempts' leftovers go. Returns the checkpoint's path. Raises
+    CheckpointError when a rank could not write its part, when a marker did not come within
+    `timeout` seconds, or when `abort` is set (the generation ended in a fault)."""
+    tmp, final = _attempt(folder, step, attempt), os.path.join(folder, folder_name(step))
+    markers = [os.path.join(tmp, f"part-{r:05d}.done") for r in range(world_size)]
+    deadline = time.monotonic() + timeout
+    while not all(os.path.exists(m) for m in markers):
+        if abort.wait(MARKER_POLL_S):
+            raise CheckpointError(f"checkpoint {step} not written: the generation ended first")
+        if time.monotonic() > deadline:
+            missing = [os.path.basename(m) for m in markers if not os.path.exists(m)]
+            raise CheckpointError(f"checkpoint {step} not written: {missing[0]} did not come "
+                                  f"within {timeout:.0f} s")
+    files = []
+    for m in markers:
+        with open(m, "rb") as f:
+            files.append(json.loads(f.read()))
+    failed = [g for g in files if "error" in g]
     if failed:
         raise CheckpointError(f"checkpoint {step} not written: {failed[0]['file']}: "
-                              f"{failed[0]['error']}") from error
-    if rank == 0:
-        manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
-                    "shapes": {n: list(shape) for n, shape in shapes.items()},
-                    "entries": [_key(e) for e in part.parts],
-                    "replicated": part.replicated,
-                    "buffers": {n: b.detach().cpu() for n, b in part.buffers.items()},
-                    "dtypes": [str(t.dtype).removeprefix("torch.") for t in part.parts.values()],
-                    "files": gathered, "state": state}
+                              f"{failed[0]['error']}")
+    manifest = {"format": FORMAT_VERSION, "step": step, "world_size": world_size,
+                "shapes": {n: list(shape) for n, shape in shapes.items()},
+                "entries": [_key(e) for e in part.parts],
+                "replicated": part.replicated,
+                "buffers": {n: b.detach().cpu() for n, b in part.buffers.items()},
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in part.parts.values()],
+                "files": files, "state": state}
+    try:
         atomic_write(os.path.join(tmp, "manifest.pt"), lambda f: torch.save(manifest, f))
+        for m in markers:
+            os.unlink(m)
         if os.path.isdir(final):  # this step written before (a run that went back to an
             os.replace(final, final + ".old")  # older checkpoint): ours replaces it
         os.replace(tmp, final)
         _fsync_dir(folder)
-        shutil.rmtree(final + ".old", ignore_errors=True)
-    with collective("sharded checkpoint"):
-        dist.barrier()
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {step} not written: {e}") from e
+    shutil.rmtree(final + ".old", ignore_errors=True)
+    for name in os.listdir(folder):  # attempts a fault cut short
+        older = _ATTEMPT.fullmatch(name)
+        if older and int(older[1]) <= step:  # (a rank may be writing a newer step already)
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
     return final
+
+
+def _attempt(folder: str, step: int, attempt: int) -> str:
+    return os.path.join(folder, f"{folder_name(step)}.{attempt}.tmp")
 
 
 def read_rows(path: str, rank: int, world_size: int,

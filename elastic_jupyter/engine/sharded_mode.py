@@ -18,7 +18,8 @@ from the holders. Where ranks leave at a generation's end, they first hand their
 that stay (:meth:`ShardedMode.leave`: a shrink is a drain). Each rank's part is also kept by
 its partner in host memory every ``replica_every`` steps and after each resize
 (engine.replicas): after a fault the survivors go back to that step and take the lost rows from
-the copies. Checkpoints are written one part per rank (engine.sharded_checkpoint); a run
+the copies. Checkpoints are written one part per rank (engine.sharded_checkpoint), beside
+training, from the host copy of a refresh at the same step (engine.sharded_writer); a run
 resumes from one at any world size, and goes back to the newest when a rank was lost with its
 partner. At setup each rank counts the memory it needs at every world size (engine.memory_need):
 the owner derives the run's memory bound from it, and each generation whether its passes must
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Callable
 
@@ -44,10 +46,12 @@ from .collective import collective
 from .memory_need import MemoryNeed
 from .objects import CellObjects, SetupError
 from .protocol import EngineConfig
-from .replicas import PartnerReplicas
+from .replicas import HostBuffers, PartnerReplicas
 from .reshard import Layout
-from .sharded_checkpoint import latest, prune, read_rows, read_state, write_parts
+from .sharded_checkpoint import (commit, folder_bytes, latest, prune, read_rows, read_state,
+                                 write_part)
 from .sharded_reduce import ShardedReducer
+from .sharded_writer import PartWriter
 from .sharding import ShardedModel, ShardingError, Snapshot
 
 # (what the option is, why it is refused for now)
@@ -117,9 +121,10 @@ class ShardedMode:
         # (every rank then finished that refresh): a fault in between may find a rank with
         # the new copies and one without them, and both hold these
         self.previous: tuple[PartnerReplicas, dict | None] | None = None
+        self.spare = HostBuffers()  # the buffers of settled copies, for the next refresh
         self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
         self.folder = config.checkpoint_dir  # sharded checkpoints go there
-        self.saved_step: int | None = None  # of the last one (its history is on disk)
+        self.writer = PartWriter()  # this rank's checkpoint parts, written beside training
         self.need: MemoryNeed | None = None  # what a rank needs (:meth:`count_memory`)
         self.budget = config.memory_per_rank  # what it may use (bytes; None: no bound)
         self._plan = _Plan()  # agreed at the generation's start
@@ -155,6 +160,7 @@ class ShardedMode:
         goes back to the newest sharded checkpoint in ``checkpoint_dir`` instead. Returns
         the event that says where the run went back to ("rollback", "fallback"), else None.
         Raises ShardingError when there is nowhere, PeerFailure when a peer fails."""
+        self.writer.wait()  # the last write ended (or gave up) before the disk is read
         if newcomer:
             self.held, self.parked, self.replicas, self.replica_state = None, None, \
                 PartnerReplicas(), None
@@ -272,37 +278,46 @@ class ShardedMode:
         self.held = (world_size, rank)
         return module
 
-    def checkpoint(self, step: int, rank: int, world_size: int,
-                   optimizer: torch.optim.Optimizer, capture: Callable[[], dict],
-                   keep: int) -> str:
-        """At committed step `step`, on every rank (a collective): write this rank's part of
-        the checkpoint (rank 0 also the rest of the state, `capture()`) into
-        ``checkpoint_dir`` (engine.sharded_checkpoint), keeping the newest `keep`. Returns
-        its path. Raises CheckpointError, PeerFailure."""
-        assert self.folder is not None
+    def checkpoint(self, step: int, rank: int, world_size: int, capture: Callable[[], dict],
+                   keep: int, attempt: int, timeout: float) -> None:
+        """At committed step `step`, on every rank, right after a refresh at that step
+        (:meth:`refresh`: this rank's part is on the host): start writing this rank's part of
+        the checkpoint into ``checkpoint_dir`` beside training (engine.sharded_writer); rank 0
+        then commits it with `capture()`, the rest of the state, and keeps the newest `keep`.
+        `attempt`: the generation; `timeout`: how long rank 0 waits for the other parts.
+        Failures come back as ``checkpoint_failed`` events (:attr:`writer`)."""
+        assert self.folder is not None and self.replicas.step == step
+        part, folder, shapes = self.replicas.own, self.folder, self.model.shapes
+        assert part is not None
         state = capture() if rank == 0 else None
         if state is not None:  # the run's history file gets the records it lacks first
             try:
-                os.makedirs(self.folder, exist_ok=True)
-                history.append(self.folder, state.get("history") or [])
+                os.makedirs(folder, exist_ok=True)
+                history.append(folder, state.get("history") or [])
             except OSError as e:  # the parts are still written: every rank takes part
                 print(f"the run's history file was not appended: {e}", file=sys.stderr)
-        path = write_parts(self.folder, step, self.model.snapshot(optimizer), self.model.shapes,
-                           rank, world_size, state)
-        self.saved_step = step
-        if rank == 0:
-            prune(self.folder, keep)
-        return path
+
+        def write(abort: threading.Event) -> dict | None:
+            write_part(folder, step, attempt, part, rank, world_size)
+            if rank != 0:
+                return None
+            path = commit(folder, step, attempt, world_size, part, shapes, state, abort,
+                          timeout)
+            prune(folder, keep)
+            return {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
+                    "bytes": folder_bytes(path)}
+        self.writer.submit(step, write)
 
     def refresh(self, step: int, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
                 capture: Callable[[], dict], generation: int = 0) -> int:
         """At committed step `step`, on every rank (a collective): this rank's part copied
         to host memory and sent to its partner (engine.replicas), with `capture()`, the rest
         of the state (engine.state's capture without rows). Returns the bytes sent."""
+        self.writer.wait()  # a checkpoint being written may read copies whose buffers go again
         part = self.model.snapshot(optimizer)
         fresh = PartnerReplicas()  # the copies held stay as they are until these are whole
         sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
-                             rank, world_size, generation)
+                             rank, world_size, generation, self.spare)
         self.previous = (self.replicas, self.replica_state) if self.replicas.step is not None \
             else None
         self.replicas, self.replica_state = fresh, capture()
@@ -310,7 +325,9 @@ class ShardedMode:
 
     def settle(self) -> None:
         """After a step committed (every rank finished the refresh before it): the copies
-        from before that refresh are dropped."""
+        from before that refresh are dropped; their buffers wait for the next refresh."""
+        if self.previous is not None:
+            self.spare.keep(self.previous[0])
         self.previous = None
 
     def leave(self, rank: int, world_size: int, drained: bool, named: list[int] | None,

@@ -97,7 +97,7 @@ def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
         if worker.writer.saved_step is not None:
             keep_after = min(keep_after, worker.writer.saved_step)
     if worker.sharded is not None and worker.sharded.folder:  # every rank writes its part
-        keep_after = min(keep_after, worker.sharded.saved_step or 0)
+        keep_after = min(keep_after, worker.sharded.writer.saved_step or 0)
     if isinstance(worker.lr_scheduler, ReduceLROnPlateau) and not worker.config.plateau_metric:
         start = worker.history.epoch_start(worker.progress.epoch)
         if start is not None:
@@ -254,10 +254,12 @@ class Worker:
         return event
 
     def end_generation(self) -> None:
-        """The generation ended (or failed): stop its input pipeline's loader processes and
-        finish a checkpoint's copies."""
+        """The generation ended (or failed): stop its input pipeline's loader processes,
+        finish a checkpoint's copies, give up a sharded one still waiting for parts."""
         self.pipeline.stop()
         self.staging.wait()
+        if self.sharded is not None:
+            self.sharded.writer.abort()
 
     def record_cut(self, rank: int, world_size: int) -> dict | None:
         """Fix the run's cut in its state (engine.cut_choice.CutChoice.record: a collective
