@@ -13,8 +13,10 @@ newcomer sent its rows) for 3 steps, 2 ranks again (rank 2 named: it hands its r
 (``fully_shard`` per block, then the root) at 2 and at 3 processes. Every process samples its
 resident memory every 20 ms (CPU slots: the host memory is the training memory), tagged with
 what it does: setting up, training at W ranks, starting a generation (the resize), handing
-over. The replicated mode's partner replicas (its own part and its partner's, host memory) are
-part of our figure; the aim is a peak per rank <= 1.15 x FSDP2's + two shards.
+over. The partner replicas (its own part and its partner's, host memory) are in the resident
+figure; the training memory is the resident less their host bytes (the issue reports them
+beside the budget), and its aim is a peak per rank <= 1.15 x FSDP2's + two shards (a resize's
+old and new one).
 
 Run: ``python benchmarks/sharded_memory.py [--size 200M]``; figures in BENCHMARKS.md.
 """
@@ -29,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import psutil
 import torch
@@ -51,10 +54,13 @@ STEPS = 8
 
 
 class Sampler:
-    """Resident memory every 20 ms, the peak kept per phase (what the process does)."""
+    """Resident memory every 20 ms, the peak kept per phase (what the process does); with
+    `beside` (the host bytes the partner replicas hold), the peak of the resident memory less
+    them (the training memory) and the peak of them, per phase too."""
 
     def __init__(self):
         self.phase, self.peaks = "setup", {}
+        self.beside: Callable[[], int] | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -62,8 +68,11 @@ class Sampler:
     def _run(self) -> None:
         me = psutil.Process()
         while not self._stop.wait(0.02):
-            rss = me.memory_info().rss
-            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            rss, phase = me.memory_info().rss, self.phase
+            replicas = self.beside() if self.beside is not None else 0
+            for key, value in ((phase, rss), (f"{phase} (training)", rss - replicas),
+                               (f"{phase} (replicas)", replicas)):
+                self.peaks[key] = max(self.peaks.get(key, 0), value)
 
     def stop(self) -> dict:
         self._stop.set()
@@ -88,6 +97,7 @@ def _ours(engine: int, port: int, size: str, out: str) -> None:
             sampler.phase = "setup"
             worker = Worker(_run_setup(cell(size, SEQ), None, {}, None), cfg, "cpu")
             _tag(worker, sampler)
+            sampler.beside = lambda w=worker: w.sharded.host_bytes
         W = len(members)
         sampler.phase = f"resize to {W}" if generation else f"start at {W}"
         spec = GenerationSpec(rank=members.index(engine), world_size=W, generation=generation,
@@ -178,13 +188,19 @@ def main() -> None:
           f"our run {ours_s:.0f} s")
     print("plain FSDP2 peak per rank: " + ", ".join(
         f"{fsdp[w] / 2**30:.2f} GiB at {w}" for w in (2, 3)))
+    print("per engine and phase: resident (GiB), training = resident less the replicas' host "
+          "copies (x FSDP2's at that world size; aim 1.15 x FSDP2's + two shards, the old and "
+          "the new one of a resize), the replicas beside")
     for engine in range(3):
         peaks = json.load(open(f"{out}/ours-{engine}.json"))
-        for phase, peak in sorted(peaks.items()):
+        for phase, peak in sorted(p for p in peaks.items() if "(" not in p[0]):
             w = 3 if "3" in phase else 2
-            aim = 1.15 * fsdp[w] + 2 * shard[w]  # the replicas: its own part, its partner's
-            print(f"engine {engine} {phase}: {peak / 2**30:.2f} GiB ({peak / fsdp[w]:.2f} x "
-                  f"FSDP2's at {w}; aim {aim / 2**30:.2f} GiB)")
+            aim = 1.15 * fsdp[w] + 2 * shard[w]
+            training, replicas = peaks[f"{phase} (training)"], peaks[f"{phase} (replicas)"]
+            print(f"engine {engine} {phase}: resident {peak / 2**30:.2f}, training "
+                  f"{training / 2**30:.2f} ({training / fsdp[w]:.2f} x; aim "
+                  f"{aim / 2**30:.2f}: {'met' if training <= aim else 'NOT met'}), replicas "
+                  f"{replicas / 2**30:.2f}")
 
 
 if __name__ == "__main__":

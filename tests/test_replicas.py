@@ -3,13 +3,17 @@ ranks with partner replicas refreshed after step 2; rank 1 dies after step 3; th
 form a new group of 2, roll back to step 2 from their own copies and take rank 1's rows from
 its partner's copy, train on, and end where a run fixed at 2 ends (rtol 1e-9) — no disk. A
 rank lost with its partner, or a fault at one rank, cannot be recovered in memory. A refresh
-packs parts of several dtypes into one host buffer a side, reused once its copies settled."""
+packs parts of several dtypes into host buffers, reused once its copies settled, and a
+checkpoint's part is written from them."""
+import threading
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
 from elastic_jupyter.engine.reshard import chunk_rows
+from elastic_jupyter.engine.sharded_checkpoint import commit, read_rows, write_part
 from elastic_jupyter.engine.sharding import Snapshot
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
@@ -97,17 +101,32 @@ def _refresh_twice(rank: int, folder: str) -> None:
     first.refresh(1, Snapshot(_parts(rank, rows, 1.0), {}, {}), rows, rank, 2, spare=spare)
     assert all(torch.equal(first.partner[e], t)
                for e, t in _parts(1 - rank, rows, 1.0).items())
-    pointers = sorted(b.data_ptr() for b in first.buffers)
+    pointers, held = sorted(b.data_ptr() for b in first.buffers), first.nbytes
+    own = sum(t.numel() * t.element_size() for t in _parts(rank, rows, 1.0).values())
+    assert held == own + sum(t.numel() * t.element_size()
+                             for t in _parts(1 - rank, rows, 1.0).values())  # no padding
     spare.keep(first)  # settled: nothing reads the first copies any longer
+    assert spare.nbytes == held and first.nbytes == 0
     second = PartnerReplicas()
     second.refresh(2, Snapshot(_parts(rank, rows, 2.0), {}, {}), rows, rank, 2, spare=spare)
     assert sorted(b.data_ptr() for b in second.buffers) == pointers  # no new host memory
+    assert spare.nbytes == 0
     assert all(torch.equal(second.partner[e], t)
                for e, t in _parts(1 - rank, rows, 2.0).items())
     assert all(torch.equal(second.own.parts[e], t)
                for e, t in _parts(rank, rows, 2.0).items())
+    # a checkpoint's part is written from these copies (engine.sharded_writer)
+    write_part(f"{folder}/ckpt", 2, 0, second.own, rank, 2)
+    dist.barrier()
+    if rank == 0:
+        shapes = {n: torch.Size([k, 3]) for n, k in rows.items()}
+        path = commit(f"{folder}/ckpt", 2, 0, 2, second.own, shapes, None, threading.Event(), 60)
+        parts, _, _ = read_rows(path, 0, 1)
+        for e, t in _parts(0, rows, 2.0).items():
+            assert torch.equal(parts[e], torch.cat([t, _parts(1, rows, 2.0)[e]])), e
     dist.destroy_process_group()
 
 
-def test_a_refresh_packs_every_dtype_and_reuses_the_settled_copies_buffers(tmp_path):
+def test_a_refresh_packs_every_dtype_reuses_settled_buffers_and_a_part_is_written_from_it(
+        tmp_path):
     spawn(_refresh_twice, (str(tmp_path),), 2)

@@ -91,7 +91,8 @@ def test_a_commit_waits_for_every_part_and_says_which_did_not_come(tmp_path):
         commit(folder, 5, 6, 2, _tiny(0), shapes, None, aborted, 60)
     assert latest(folder) is None  # never half a checkpoint
     os.makedirs(tmp_path / "step-00000005.shards.6.tmp" / "part-00001.pt")  # cannot be written
-    write_part(folder, 5, 6, _tiny(1), 1, 2)
+    with pytest.raises(CheckpointError, match="part-00001.pt not written"):
+        write_part(folder, 5, 6, _tiny(1), 1, 2)
     with pytest.raises(CheckpointError, match="part-00001.pt"):
         commit(folder, 5, 6, 2, _tiny(0), shapes, None, threading.Event(), 60)
     os.rmdir(tmp_path / "step-00000005.shards.6.tmp" / "part-00001.pt")

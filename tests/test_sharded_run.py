@@ -76,6 +76,32 @@ def test_a_sharded_run_resumes_at_another_world_size(idle_pool, tmp_path):
         assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
 
 
+def test_an_error_right_after_a_checkpoint_keeps_that_checkpoint_as_the_final_state(
+        idle_pool, tmp_path):
+    # each rank's part of step 5 is written beside step 6, whose loss raises on every rank
+    failing = CELL + """
+passes = 0
+def loss_fn(model, batch):
+    global passes
+    passes += 1
+    if passes > 2 * 5:  # two micro-batches a rank a step: step 6
+        raise ValueError("a bad batch at step 6")
+    x, y, rare = batch
+    return torch.nn.functional.mse_loss(model(x, rare), y)
+"""
+    config = RunConfig(name="fails", global_batch=16, micro_batch=4, seed=3,
+                       checkpoint_every=5, steps=STEPS, shard=True)
+    run = TrainingRun(idle_pool, config, source=failing, engines=2,
+                      workspace=str(tmp_path)).start()
+    assert run.wait(timeout=240) == "failed" and "a bad batch at step 6" in run.error
+    assert [c["step"] for c in run.checkpoints] == [5]
+    assert run.history[-1]["step"] == 5
+    got = _model(run)  # the final state: the checkpoint of step 5, found on disk
+    expected = _model(_run(idle_pool, tmp_path, "five", 2, shard=True, steps=5))
+    for k, value in expected.items():
+        assert torch.equal(got[k], value), k
+
+
 @pytest.mark.parametrize("phase", ["forward", "reduce_scatter", "refresh"])
 def test_a_sharded_run_survives_a_sigkill_through_its_partner_replicas(idle_pool, tmp_path,
                                                                        phase):

@@ -29,6 +29,7 @@ from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_
                        generation_prefix)
 from .publish import publish
 from .schedulers import step_lr_scheduler
+from .sharded_checkpoint import PART_TIMEOUT_S
 from .state_transfer import broadcast_state
 from .vote import Vote
 from .worker import Worker
@@ -117,6 +118,10 @@ class Generation:
             with (AbortWatch(self.control, abort) if spec.backend == "nccl" and abort
                   else contextlib.nullcontext()):
                 return self._train()
+        except PeerFailure:
+            if w.sharded is not None:  # a dead peer's checkpoint part never comes
+                w.sharded.writer.abort()
+            raise
         finally:
             w.end_generation()
             # closing this rank's sockets makes peers blocked in a collective fail now
@@ -229,7 +234,8 @@ class Generation:
 
     def _refresh_replicas(self) -> None:
         """Every rank of a sharded run: its part and the rest of the state copied, the part
-        sent to its partner (engine.sharded_mode); rank 0 logs the bytes and seconds."""
+        sent to its partner (engine.sharded_mode); rank 0 logs the bytes sent, the seconds
+        and the host memory its copies hold."""
         w, start = self.worker, time.perf_counter()
         assert w.sharded is not None
         fault_point("refresh", w)
@@ -237,7 +243,8 @@ class Generation:
                                  w.capture, self.spec.generation)
         if self.rank == 0:
             self.events.append({"kind": "replicas", "step": w.progress.step, "bytes": sent,
-                                "seconds": round(time.perf_counter() - start, 3)})
+                                "seconds": round(time.perf_counter() - start, 3),
+                                "host_bytes": w.sharded.host_bytes})
 
     def _hand_over(self) -> None:
         """A sharded run's end of generation: rows go to the ranks that stay
@@ -268,7 +275,7 @@ class Generation:
                 w.sharded.replicas.generation != self.spec.generation:
             self._refresh_replicas()
         w.sharded.checkpoint(step, self.rank, self.world_size, w.capture, w.config.keep,
-                             self.spec.generation, self.spec.timeout)
+                             self.spec.generation, max(self.spec.timeout, PART_TIMEOUT_S))
 
     def _writes(self, wait: bool) -> list[dict]:
         """The events of the checkpoint writes that ended (every one, with `wait`): rank 0

@@ -60,16 +60,17 @@ class PartnerReplicas:
         both are complete). `spare`: buffers of copies no longer needed, reused where their size
         fits. Returns the bytes this rank sent. Raises PeerFailure."""
         # new host copies, not the last ones overwritten: those stay usable until these are.
-        # Each side is one flat buffer, reused from `spare`: first touching new memory (its
-        # page faults) made a refresh 13 x slower than one into buffers touched before
+        # Each side is a flat buffer per dtype, reused from `spare`: first touching new memory
+        # (its page faults) made a refresh 13 x slower than one into buffers touched before
         # (BENCHMARKS.md)
         spare = spare or HostBuffers()
-        own_flat, parts = _packed(part.parts, {e: t.shape for e, t in part.parts.items()},
-                                  spare)
+        own_flats, parts = _packed(part.parts, {e: t.shape for e, t in part.parts.items()},
+                                   spare)
+        pinned = any(flat.is_pinned() for flat in own_flats)
         with torch.no_grad():
             for e, t in part.parts.items():
-                parts[e].copy_(t.detach(), non_blocking=own_flat.is_pinned())
-        if own_flat.is_pinned():
+                parts[e].copy_(t.detach(), non_blocking=pinned)
+        if pinned:
             torch.cuda.synchronize()  # the device-to-host copies landed
         own = Snapshot(parts, copy.deepcopy(part.replicated),
                        {n: b.detach().to("cpu", copy=True) for n, b in part.buffers.items()})
@@ -77,18 +78,23 @@ class PartnerReplicas:
         sent = 0
         if world_size > 1:
             source, target = (rank - 1) % world_size, (rank + 1) % world_size
-            flat, partner = _packed(part.parts, {e: (_rows(rows[e[0]], world_size, source),
+            flats, partner = _packed(part.parts, {e: (_rows(rows[e[0]], world_size, source),
                                                      *t.shape[1:])
                                                  for e, t in part.parts.items()}, spare)
             if dist.get_backend() == "nccl":
                 sent = _exchange_nccl(part.parts, own.parts, partner, source, target)
             else:
-                sent = _exchange_flat(own_flat, flat, source, target)
+                sent = _exchange_flat(own_flats, flats, source, target)
         self.own, self.partner = own, partner
-        self.buffers = [own_flat] + ([flat] if partner is not None else [])
+        self.buffers = own_flats + (flats if partner is not None else [])
         self.step, self.rank, self.world_size = step, rank, world_size
         self.generation = generation
         return sent
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory of these copies' rows (own and partner's)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers)
 
     def recovery(self, lost: set[int]) -> tuple[tuple[int, ...], dict[int, dict]] | None:
         """After ranks `lost` (of the replicas' layout) died: (the old ranks whose rows this
@@ -111,61 +117,71 @@ class PartnerReplicas:
 
 
 class HostBuffers:
-    """Flat host buffers of replicas no longer needed (:meth:`keep`), for the next refresh
-    (:meth:`take`): one owner, engine.sharded_mode, gives them back once no fault can need
-    those copies."""
+    """The flat host buffers of the last replicas no longer needed (:meth:`keep`), for the
+    next refresh (:meth:`take`): one owner, engine.sharded_mode, gives them back once no fault
+    and no checkpoint write can read those copies."""
 
     def __init__(self):
         self._free: list[torch.Tensor] = []
 
     def keep(self, replicas: PartnerReplicas) -> None:
-        """`replicas`' buffers, which nothing reads any longer; two at most are kept (a
-        refresh takes two: its own and its partner's)."""
-        self._free = (replicas.buffers + self._free)[:2]
+        """`replicas`' buffers, which nothing reads any longer (older kept ones go)."""
+        self._free = replicas.buffers
         replicas.buffers, replicas.own, replicas.partner = [], None, None
 
-    def take(self, size: int, pinned: bool) -> torch.Tensor:
-        """A uint8 host buffer of `size` bytes: a kept one of that size and pinning, else new."""
+    @property
+    def nbytes(self) -> int:
+        """The host memory the kept buffers hold."""
+        return sum(t.numel() * t.element_size() for t in self._free)
+
+    def take(self, numel: int, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A 1-D host buffer of `numel` elements of `dtype`: a kept one that matches, else a
+        new one."""
         for i, flat in enumerate(self._free):
-            if flat.numel() == size and flat.is_pinned() == pinned:
+            if flat.numel() == numel and flat.dtype == dtype and flat.is_pinned() == pinned:
                 return self._free.pop(i)
-        return torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+        # kept ones of another layout (a resize since) fit no later take either: they go
+        # before the new one is made, so a rank never holds three sets of copies
+        self._free = []
+        return torch.empty(numel, dtype=dtype, pin_memory=pinned)
 
 
 def _packed(like: dict[tuple[str, str | None], torch.Tensor], shapes: dict, spare: HostBuffers
-            ) -> tuple[torch.Tensor, dict[tuple[str, str | None], torch.Tensor]]:
-    """A flat host buffer (uint8, from `spare`; pinned where `like` is on a GPU) and {key: a
-    view of it with `shapes[key]` and `like[key]`'s dtype}, each at an offset that is a
-    multiple of the largest element size (any of the dtypes views it there). Both sides of an
-    exchange compute the same offsets from the same keys, in order."""
-    align = max((t.element_size() for t in like.values()), default=1)  # no padding for one dtype
-    offsets, size = {}, 0
+            ) -> tuple[list[torch.Tensor], dict[tuple[str, str | None], torch.Tensor]]:
+    """One flat host buffer per dtype (from `spare`; pinned where `like` is on a GPU), in the
+    order the dtypes first come in `like`, and {key: a view of its dtype's buffer with
+    `shapes[key]`}. Both sides of an exchange compute the same buffers and offsets from the
+    same keys, in order. A buffer per dtype, not one for all: torch.save (a checkpoint's part)
+    refuses views of one storage as different types."""
+    sizes: dict[torch.dtype, int] = {}
+    offsets = {}
     for e, t in like.items():
-        offsets[e] = size
-        size += -(-math.prod(shapes[e]) * t.element_size() // align) * align
+        offsets[e] = sizes.get(t.dtype, 0)
+        sizes[t.dtype] = offsets[e] + math.prod(shapes[e])
     pinned = any(t.is_cuda for t in like.values())
-    flat = spare.take(size, pinned)
-    views = {e: flat[o:o + math.prod(shapes[e]) * t.element_size()].view(t.dtype)
-             .view(shapes[e]) for (e, t), o in zip(like.items(), offsets.values())}
-    return flat, views
+    flats = {dtype: spare.take(n, dtype, pinned) for dtype, n in sizes.items()}
+    views = {e: flats[t.dtype][offsets[e]:offsets[e] + math.prod(shapes[e])].view(shapes[e])
+             for e, t in like.items()}
+    return list(flats.values()), views
 
 
-def _exchange_flat(own: torch.Tensor, partner: torch.Tensor, source: int, target: int) -> int:
-    """gloo: this rank's flat copy to `target`, `source`'s into `partner`, one message each.
-    Returns the bytes sent."""
-    ops = [dist.P2POp(dist.isend, own, target)] if own.numel() else []
-    ops += [dist.P2POp(dist.irecv, partner, source)] if partner.numel() else []
+def _exchange_flat(own: list[torch.Tensor], partner: list[torch.Tensor], source: int,
+                   target: int) -> int:
+    """gloo: this rank's flat copies to `target`, `source`'s into `partner`, one message per
+    buffer. Returns the bytes sent."""
+    ops = [dist.P2POp(dist.isend, t, target) for t in own if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, source) for t in partner if t.numel()]
     with collective("replica refresh"):
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-    return own.numel()
+    return sum(t.numel() * t.element_size() for t in own)
 
 
 def _exchange_nccl(parts: dict, own: dict, partner: dict, source: int, target: int) -> int:
     """nccl sends device memory only: each part goes from the device, the partner's arrive
     on the device and are copied to their host views after. One message per tensor: nccl
-    fuses a batch of them into one group launch, and a flat device buffer would cost a
-    shard of device memory. Returns the bytes sent."""
+    fuses a batch of them into one group launch, and a flat device buffer to send from would
+    cost one more shard of device memory. Returns the bytes sent."""
     landing = {e: torch.empty(p.shape, dtype=p.dtype, device=parts[e].device)
                for e, p in partner.items()}
     ops, sent = [], 0

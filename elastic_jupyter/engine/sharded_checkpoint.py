@@ -39,6 +39,9 @@ from .sharding import Snapshot
 
 FORMAT_VERSION = 1
 MARKER_POLL_S = 0.05  # rank 0 looks for the other ranks' markers this often
+# the least rank 0 waits for the other parts after its own (a peer's disk may be slower; a dead
+# peer ends the wait sooner, through the generation's PeerFailure)
+PART_TIMEOUT_S = 600.0
 _ATTEMPT = re.compile(r"step-(\d+)\.shards\.(\d+)\.tmp")
 SEP = "\t"  # joins a part's parameter name and optimizer key in a file (str keys only)
 
@@ -63,23 +66,28 @@ def write_part(folder: str, step: int, attempt: int, part: Snapshot, rank: int,
     `part` (host tensors, which nothing changes meanwhile) into the attempt's ``.tmp`` folder,
     then its marker, ``part-RRRRR.done`` (the file's bytes and SHA-256, or the error that
     stopped it), which :func:`commit` waits for. No collective: it runs beside training
-    (engine.sharded_writer). Raises CheckpointError when even the marker cannot be written."""
+    (engine.sharded_writer). Raises CheckpointError when the part was not written (after its
+    marker said so, where the marker could be written)."""
     tmp = _attempt(folder, step, attempt)
     name = f"part-{rank:05d}.pt"
     body = {"format": FORMAT_VERSION, "step": step, "rank": rank, "world_size": world_size,
             "parts": {_key(e): t.detach().cpu() for e, t in part.parts.items()}}
+    error: Exception | None = None
     try:
         os.makedirs(tmp, exist_ok=True)
         sha256 = save_hashed(os.path.join(tmp, name), body)
         mine = {"file": name, "bytes": os.path.getsize(os.path.join(tmp, name)),
                 "sha256": sha256}
-    except (OSError, RuntimeError) as e:
-        mine = {"file": name, "error": str(e)}
+    except Exception as e:  # noqa: BLE001 -- rank 0 is told through the marker, then raised
+        mine, error = {"file": name, "error": f"{type(e).__name__}: {e}"}, e
     try:
         atomic_write(os.path.join(tmp, f"part-{rank:05d}.done"),
                      lambda f: f.write(json.dumps(mine).encode()))
     except OSError as e:
         raise CheckpointError(f"checkpoint {step}: {name} not written: {e}") from e
+    if error is not None:
+        raise CheckpointError(f"checkpoint {step}: {name} not written: {mine['error']}") \
+            from error
 
 
 def commit(folder: str, step: int, attempt: int, world_size: int, part: Snapshot,

@@ -234,6 +234,7 @@ class ShardedMode:
         if me in rank_in and (r.step, r.world_size, r.generation) != chosen:
             assert self.previous is not None  # a refresh cut short: the copies before it
             self.replicas, self.replica_state = self.previous
+            self.previous = None  # (a settle must not give the copies in use to the next refresh)
         if me not in rank_in:  # its rows, copies and any rows handed over are of no use now
             self.parked, self.replicas, self.replica_state = None, PartnerReplicas(), None
             self.previous = None
@@ -313,7 +314,6 @@ class ShardedMode:
         """At committed step `step`, on every rank (a collective): this rank's part copied
         to host memory and sent to its partner (engine.replicas), with `capture()`, the rest
         of the state (engine.state's capture without rows). Returns the bytes sent."""
-        self.writer.wait()  # a checkpoint being written may read copies whose buffers go again
         part = self.model.snapshot(optimizer)
         fresh = PartnerReplicas()  # the copies held stay as they are until these are whole
         sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
@@ -323,11 +323,21 @@ class ShardedMode:
         self.replicas, self.replica_state = fresh, capture()
         return sent
 
+    @property
+    def host_bytes(self) -> int:
+        """The host memory the partner replicas hold on this rank: the newest copies, those
+        before them until they settle, and the buffers kept for the next refresh."""
+        previous = self.previous[0].nbytes if self.previous is not None else 0
+        return self.replicas.nbytes + previous + self.spare.nbytes
+
     def settle(self) -> None:
         """After a step committed (every rank finished the refresh before it): the copies
-        from before that refresh are dropped; their buffers wait for the next refresh."""
-        if self.previous is not None:
-            self.spare.keep(self.previous[0])
+        from before that refresh are dropped; their buffers wait for the next refresh when
+        it can reuse them (the same layout) and no checkpoint is being written from them."""
+        old, new = self.previous[0] if self.previous is not None else None, self.replicas
+        if old is not None and (old.world_size, old.rank) == (new.world_size, new.rank) \
+                and not self.writer.busy:
+            self.spare.keep(old)
         self.previous = None
 
     def leave(self, rank: int, world_size: int, drained: bool, named: list[int] | None,

@@ -62,6 +62,11 @@ class PartWriter:
             with self._lock:
                 self._events.append(event)
 
+    @property
+    def busy(self) -> bool:
+        """Whether a write is in progress (it reads its host copies until it ends)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Until the write in progress (if any) ended."""
         if self._thread is not None:
@@ -69,9 +74,8 @@ class PartWriter:
             self._thread = None
 
     def abort(self) -> None:
-        """The generation ended in a fault: rank 0 stops waiting for markers that may never
-        come (its checkpoint stays unfinished, never read). A part being written is finished,
-        on its own."""
+        """A peer failed: rank 0 stops waiting for markers that may never come (that
+        checkpoint stays unfinished, never read). A part being written is finished."""
         self._abort.set()
 
     def take_events(self) -> list[dict]:

@@ -254,12 +254,12 @@ class Worker:
         return event
 
     def end_generation(self) -> None:
-        """The generation ended (or failed): stop its input pipeline's loader processes,
-        finish a checkpoint's copies, give up a sharded one still waiting for parts."""
+        """The generation ended (or failed): stop its input pipeline's loader processes and
+        finish a checkpoint's copies, and a sharded checkpoint's write (or give it up)."""
         self.pipeline.stop()
         self.staging.wait()
         if self.sharded is not None:
-            self.sharded.writer.abort()
+            self.sharded.writer.wait()
 
     def record_cut(self, rank: int, world_size: int) -> dict | None:
         """Fix the run's cut in its state (engine.cut_choice.CutChoice.record: a collective

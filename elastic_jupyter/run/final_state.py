@@ -86,15 +86,34 @@ class FinalState:
     async def _sharded_state(self) -> dict:
         """A sharded run's final state: its newest checkpoint's parts gathered (off the owner
         loop), with a warning when that is older than the run's last step (an error since)."""
-        written = self.log.last_event("checkpoint")
-        if written is None or not written.get("sharded"):
+        loop = asyncio.get_running_loop()
+        found = await loop.run_in_executor(None, self._newest_sharded)
+        if found is None:
             raise ckpt.CheckpointError("the sharded run wrote no checkpoint: its final state "
                                        "is in no single place")
-        if written["step"] != self.log.step:
+        step, path = found
+        if step != self.log.step:
             self.log.event("warning", message=f"the final state is the checkpoint of step "
-                           f"{written['step']}: a sharded run's rows after it were not written")
-        return await asyncio.get_running_loop().run_in_executor(
-            None, sharded_checkpoint.load_whole, written["path"])
+                           f"{step}: a sharded run's rows after it were not written")
+        return await loop.run_in_executor(None, sharded_checkpoint.load_whole, path)
+
+    def _newest_sharded(self) -> tuple[int, str] | None:
+        """(step, path) of the newest complete sharded checkpoint of this run's steps: the
+        ranks write them beside training, so one committed after the engines' last report
+        (an error at the step after it) is found on disk. Its step's record must be the log's
+        (a run that went back may have left others, of steps it then trained again)."""
+        for listed in reversed(sharded_checkpoint.list_parts(self.checkpoint_dir)):
+            mine = self.log.record(listed["step"])
+            if not mine:
+                continue
+            try:
+                state = sharded_checkpoint.read_state(listed["path"]) or {}
+            except ckpt.CheckpointError:
+                continue
+            theirs = [r for r in state.get("history") or [] if r.get("step") == listed["step"]]
+            if theirs and theirs[-1].get("time") == mine.get("time"):
+                return listed["step"], listed["path"]
+        return None
 
     async def write_checkpoint(self, state: dict) -> None:
         """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
