@@ -2,7 +2,8 @@
 model and its AdamW state; three new processes read it back at 3 ranks (each reading only the
 parts that hold its rows, weights_only), train on, and end where a run fixed at 2 ends (rtol
 1e-9). A damaged part is refused naming the file; an unfinished folder is never read. Rank 0
-commits a checkpoint once every rank's marker is there, and says which did not come."""
+commits a checkpoint once every rank's marker is there, and says which did not come; an errored
+run's final state is the newest folder of a step its log holds, with that step's loss."""
 import os
 import threading
 
@@ -12,8 +13,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from elastic_jupyter.engine.checkpoint import CheckpointError
+from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
 from elastic_jupyter.engine.sharded_checkpoint import commit, latest, read_rows, write_part
+from elastic_jupyter.engine.sharded_writer import PartWriter
 from elastic_jupyter.engine.sharding import ShardedModel, Snapshot
+from elastic_jupyter.run.final_state import FinalState
+from elastic_jupyter.run.runlog import RunLog
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
@@ -102,3 +107,38 @@ def test_a_commit_waits_for_every_part_and_says_which_did_not_come(tmp_path):
     assert sorted(os.listdir(folder)) == ["step-00000005.shards"]  # the leftover went
     parts, _, _ = read_rows(path, 0, 1)
     assert torch.equal(parts[("w", None)], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
+
+
+def _checkpoint(folder: str, step: int, loss: float) -> None:
+    write_part(folder, step, 1, _tiny(0), 0, 1)
+    commit(folder, step, 1, 1, _tiny(0), {"w": torch.Size([2, 3])},
+           {"history": [{"step": step, "loss": loss}]}, threading.Event(), 60)
+
+
+def test_the_final_state_is_the_newest_checkpoint_whose_step_the_run_log_holds(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    log = RunLog(str(tmp_path / "logs"))
+    log.merge({"records": [{"step": s, "loss": 1.0 / s} for s in range(1, 8)]})
+    _checkpoint(folder, 5, 1.0 / 5)  # this run's
+    _checkpoint(folder, 6, 9.0)  # another training's step 6 (another loss)
+    _checkpoint(folder, 9, 1.0 / 9)  # a step the run has not reached (a timeline left)
+    final = FinalState(None, log, folder, keep=3, sharded=True)  # type: ignore[arg-type]
+    assert final._newest_sharded() == (5, os.path.join(folder, "step-00000005.shards"))
+
+
+def test_a_write_in_progress_says_which_copies_it_reads():
+    writer, release = PartWriter(), threading.Event()
+    copies = _tiny(0)
+    writer.submit(3, lambda abort: release.wait() and None, reads=copies)  # not rank 0
+    assert writer.reads(copies) and not writer.reads(_tiny(0)) and not writer.reads(None)
+    release.set()
+    writer.wait()
+    assert not writer.reads(copies) and writer.saved_step == 3 and writer.take_events() == []
+
+
+def test_kept_host_buffers_of_another_layout_go_before_a_new_one_is_made():
+    spare, replicas = HostBuffers(), PartnerReplicas()
+    replicas.buffers = [torch.empty(10), torch.empty(6)]
+    spare.keep(replicas)
+    assert spare.nbytes == 64 and spare.take(6, torch.float32, False).numel() == 6
+    assert spare.take(7, torch.float32, False).numel() == 7 and spare.nbytes == 0

@@ -141,7 +141,7 @@ class HostBuffers:
             if flat.numel() == numel and flat.dtype == dtype and flat.is_pinned() == pinned:
                 return self._free.pop(i)
         # kept ones of another layout (a resize since) fit no later take either: they go
-        # before the new one is made, so a rank never holds three sets of copies
+        # before the new one is made, not beside it
         self._free = []
         return torch.empty(numel, dtype=dtype, pin_memory=pinned)
 

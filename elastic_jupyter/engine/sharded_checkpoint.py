@@ -98,7 +98,7 @@ def commit(folder: str, step: int, attempt: int, world_size: int, part: Snapshot
     parameter's whole shape; `state`: the rest of the training state) and give the folder its
     final name; older attempts' leftovers go. Returns the checkpoint's path. Raises
     CheckpointError when a rank could not write its part, when a marker did not come within
-    `timeout` seconds, or when `abort` is set (the generation ended in a fault)."""
+    `timeout` seconds, or when `abort` is set (a peer failed: its part may never come)."""
     tmp, final = _attempt(folder, step, attempt), os.path.join(folder, folder_name(step))
     markers = [os.path.join(tmp, f"part-{r:05d}.done") for r in range(world_size)]
     deadline = time.monotonic() + timeout

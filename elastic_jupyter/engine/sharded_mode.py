@@ -307,7 +307,7 @@ class ShardedMode:
             prune(folder, keep)
             return {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
                     "bytes": folder_bytes(path)}
-        self.writer.submit(step, write)
+        self.writer.submit(step, write, reads=part)
 
     def refresh(self, step: int, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
                 capture: Callable[[], dict], generation: int = 0) -> int:
@@ -336,7 +336,7 @@ class ShardedMode:
         it can reuse them (the same layout) and no checkpoint is being written from them."""
         old, new = self.previous[0] if self.previous is not None else None, self.replicas
         if old is not None and (old.world_size, old.rank) == (new.world_size, new.rank) \
-                and not self.writer.busy:
+                and not self.writer.reads(old.own):
             self.spare.keep(old)
         self.previous = None
 

@@ -32,12 +32,16 @@ class PartWriter:
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
         self._events: list[dict] = []
+        self._reads: object = None  # what the write in progress reads (its host copies)
         self._lock = threading.Lock()  # the writer's thread appends, the training thread takes
 
-    def submit(self, step: int, write: Callable[[threading.Event], dict | None]) -> None:
+    def submit(self, step: int, write: Callable[[threading.Event], dict | None],
+               reads: object) -> None:
         """Start ``write(abort)``, this rank's write of step `step` (it returns rank 0's event,
-        else None, and raises CheckpointError), once the write before it ended."""
+        else None, and raises CheckpointError), once the write before it ended. `reads`: the
+        host copies it reads (:meth:`reads`)."""
         self.wait()
+        self._reads = reads
         self._abort = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(step, write, self._abort,
                                                                 time.time()),
@@ -62,10 +66,10 @@ class PartWriter:
             with self._lock:
                 self._events.append(event)
 
-    @property
-    def busy(self) -> bool:
-        """Whether a write is in progress (it reads its host copies until it ends)."""
-        return self._thread is not None and self._thread.is_alive()
+    def reads(self, copies: object) -> bool:
+        """Whether a write in progress reads `copies` (their buffers must not be reused)."""
+        return copies is not None and copies is self._reads and self._thread is not None \
+            and self._thread.is_alive()
 
     def wait(self) -> None:
         """Until the write in progress (if any) ended."""

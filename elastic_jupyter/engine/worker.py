@@ -254,8 +254,8 @@ class Worker:
         return event
 
     def end_generation(self) -> None:
-        """The generation ended (or failed): stop its input pipeline's loader processes and
-        finish a checkpoint's copies, and a sharded checkpoint's write (or give it up)."""
+        """The generation ended (or failed): stop its input pipeline's loader processes, finish
+        a checkpoint's copies and a sharded one's write (engine.generation gives it up)."""
         self.pipeline.stop()
         self.staging.wait()
         if self.sharded is not None:

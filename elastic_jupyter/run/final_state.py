@@ -66,15 +66,17 @@ class FinalState:
         the state is the last committed step's) as the run's final state, written as a
         checkpoint unless its step has one: ``state_dict()``, ``export()`` and ``--resume``
         work from it. Skipped when rank 0 (`task`: its generation) is still out (hung) or does
-        not answer."""
+        not answer; a sharded run's state is then still its newest checkpoint on disk."""
         if not task.future.done():
+            if self.sharded:  # the parts on disk need no answer from rank 0
+                await self._sharded_after_error()
             return
         try:
             records = await asyncio.wait_for(self.calls.history_since(
                 rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
             self.log.merge({"records": records}, complete=True)
             if self.sharded:  # rank 0 holds its own rows only
-                self.state = await self._sharded_state()
+                await self._sharded_after_error()
                 return
             state = await asyncio.wait_for(self.calls.training_state(rank0), STATE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
@@ -82,6 +84,12 @@ class FinalState:
             return
         self.state = state
         await self.write_checkpoint(state)
+
+    async def _sharded_after_error(self) -> None:
+        try:
+            self.state = await self._sharded_state()
+        except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
+            self.log.log(f"the sharded run's last checkpoint could not be read: {e}")
 
     async def _sharded_state(self) -> dict:
         """A sharded run's final state: its newest checkpoint's parts gathered (off the owner
@@ -100,8 +108,10 @@ class FinalState:
     def _newest_sharded(self) -> tuple[int, str] | None:
         """(step, path) of the newest complete sharded checkpoint of this run's steps: the
         ranks write them beside training, so one committed after the engines' last report
-        (an error at the step after it) is found on disk. Its step's record must be the log's
-        (a run that went back may have left others, of steps it then trained again)."""
+        (an error at the step after it) is found on disk. Its step's loss must be the log's:
+        a run that went back may have left folders of steps it trained again, which are the
+        same state where the retrained step is (the same loss: every rank's, reduced), and
+        another folder in the same place is of other training."""
         for listed in reversed(sharded_checkpoint.list_parts(self.checkpoint_dir)):
             mine = self.log.record(listed["step"])
             if not mine:
@@ -111,7 +121,8 @@ class FinalState:
             except ckpt.CheckpointError:
                 continue
             theirs = [r for r in state.get("history") or [] if r.get("step") == listed["step"]]
-            if theirs and theirs[-1].get("time") == mine.get("time"):
+            loss = mine.get("loss")
+            if loss is not None and theirs and theirs[-1].get("loss") == loss:
                 return listed["step"], listed["path"]
         return None
 
