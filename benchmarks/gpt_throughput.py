@@ -23,7 +23,7 @@ same wrapping (gpt_ddp.py ``--fsdp2``); a third side, ours with ``--replica-ever
 run's length (replicas only after the start), gives the replicas' cost.
 
 Usage: ``.venv/bin/python benchmarks/gpt_throughput.py [--sizes 5M 50M] [--pairs 5]
-[--transform-ms MS --workers N] [--shard]``
+[--transform-ms MS --workers N] [--shard [--no-replica-cost]]``
 """
 from __future__ import annotations
 
@@ -119,6 +119,8 @@ def main() -> None:
                         help="ours: the default cut, or the tuned one (--pass-cost measure)")
     parser.add_argument("--shard", action="store_true",
                         help="ours sharded against torchrun + FSDP2 (and ours without refreshes)")
+    parser.add_argument("--no-replica-cost", action="store_true",
+                        help="with --shard: leave out the third side (ours without refreshes)")
     args = parser.parse_args()
     print(f"world size {args.world_size}, our pool's --max {args.pool_max or args.world_size}, "
           f"{args.cut} cut; "
@@ -144,14 +146,20 @@ def main() -> None:
 
 
 def sharded(args) -> None:
-    """The --shard table: ours, FSDP2 and ours without replica refreshes, interleaved."""
+    """The --shard table: ours, FSDP2 and (unless --no-replica-cost) ours without replica
+    refreshes, interleaved; each pair's ratio is printed as it comes."""
     print("| model | ours samples/s | FSDP2 samples/s | ours / FSDP2 (median, range) | "
           "without refreshes / with (median, range) | peak RSS ours / FSDP2 (median) |")
     print("|---|---|---|---|---|---|")
     never = args.warmup + args.steps + 1  # replicas only after the start
     for size in args.sizes:
-        rows = [(ours(size, args), ddp(size, args), ours(size, args, never))
-                for _ in range(args.pairs)]
+        rows = []
+        for _ in range(args.pairs):
+            a, b = ours(size, args), ddp(size, args)
+            c = a if args.no_replica_cost else ours(size, args, never)
+            rows.append((a, b, c))
+            print(f"  {size} pair {len(rows)}: ours / FSDP2 "
+                  f"{a['samples_per_s'] / b['samples_per_s']:.3f}", flush=True)
         ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b, _ in rows]
         costs = [c["samples_per_s"] / a["samples_per_s"] for a, _, c in rows]
         rss = [statistics.median(a["peak_rss"][r] / b["peak_rss"][r] for a, b, _ in rows)
