@@ -66,6 +66,7 @@ def main() -> None:
                              sampler=sampler, num_workers=args.workers,
                              persistent_workers=args.workers > 0))
     loss_fn = objects["loss_fn"]
+    ends = []  # each step's end, rank 0's clock (the per-step times, as ours are read)
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             dist.barrier()
@@ -73,6 +74,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
         loss_fn(model, next(loader)).backward()
         optimizer.step()
+        ends.append(time.perf_counter())
     dist.barrier()
     seconds = time.perf_counter() - start
     if rank == 0 or args.fsdp2:  # the final checkpoint, as the elastic run writes one
@@ -86,7 +88,8 @@ def main() -> None:
     dist.all_gather_object(peaks, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     if rank == 0:
         print(json.dumps({"samples_per_s": args.steps * args.global_batch / seconds,
-                          "peak_rss": peaks, "parameters": gpt.parameters(args.size)}),
+                          "peak_rss": peaks, "parameters": gpt.parameters(args.size),
+                          "step_s": [b - a for a, b in zip(ends, ends[1:])]}),
               flush=True)
     dist.destroy_process_group()
     # skip the interpreter's teardown, where a process that used gloo sometimes aborts

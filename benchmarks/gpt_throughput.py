@@ -72,7 +72,8 @@ def ours(size: str, args, replica_every: int | None = None) -> dict:
             cut = next(e for e in run.events if e["kind"] == "micro_batches")
             peaks = [_vm_hwm(e.pid) for e in ranks]
         return {"samples_per_s": args.steps * args.global_batch / (timed[-1] - timed[0]),
-                "peak_rss": peaks, "cut": cut["message"]}
+                "peak_rss": peaks, "cut": cut["message"],
+                "step_s": [b - a for a, b in zip(stamps, stamps[1:])]}
     finally:
         pool.stop()
 
@@ -119,6 +120,8 @@ def main() -> None:
                         help="ours: the default cut, or the tuned one (--pass-cost measure)")
     parser.add_argument("--shard", action="store_true",
                         help="ours sharded against torchrun + FSDP2 (and ours without refreshes)")
+    parser.add_argument("--show-steps", action="store_true",
+                        help="with --shard: print each side's step times, pair by pair")
     parser.add_argument("--no-replica-cost", action="store_true",
                         help="with --shard: leave out the third side (ours without refreshes)")
     args = parser.parse_args()
@@ -160,6 +163,10 @@ def sharded(args) -> None:
             rows.append((a, b, c))
             print(f"  {size} pair {len(rows)}: ours / FSDP2 "
                   f"{a['samples_per_s'] / b['samples_per_s']:.3f}", flush=True)
+            if args.show_steps:  # from the second step: where the warm-up ends
+                for side, result in (("ours", a), ("FSDP2", b)):
+                    print(f"    {side} step seconds: "
+                          f"{' '.join(f'{t:.2f}' for t in result['step_s'])}", flush=True)
         ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b, _ in rows]
         costs = [c["samples_per_s"] / a["samples_per_s"] for a, _, c in rows]
         rss = [statistics.median(a["peak_rss"][r] / b["peak_rss"][r] for a, b, _ in rows)

@@ -5,9 +5,11 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
+from elastic_jupyter.config import UsageError
 
 from conftest import DIGITS_CELL
 
@@ -40,6 +42,12 @@ def test_setup_function_and_export_without_the_package(idle_pool, tmp_path):
     # a compiled model takes the plain model's weights (compiling waits for its first call)
     compiled = run.load_into(torch.compile(digits_setup()["model"], backend="eager"))
     assert torch.equal(compiled.state_dict()["_orig_mod.0.weight"], run.state_dict()["0.weight"])
+    # another architecture is refused, naming a tensor, before anything is loaded
+    other = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    before = other.state_dict()["0.weight"].clone()
+    with pytest.raises(UsageError, match="lacks 2 trained tensor.*'2.bias'.*nothing was loaded"):
+        run.load_into(other)
+    assert torch.equal(other.state_dict()["0.weight"], before)
 
 
 SLOW_CELL = DIGITS_CELL.replace("def loss_fn(model, batch):",

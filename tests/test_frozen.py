@@ -245,6 +245,9 @@ def test_a_sharded_lora_fine_tune_keeps_its_base_where_each_cell_built_it(idle_p
     assert sorted({k.split(".")[-3] for k in got}) == ["lora_A", "lora_B"]
     for k, value in expected.items():
         assert torch.allclose(got[k], value, rtol=1e-9, atol=1e-12), k
+    # the adapter exports alone, a tensor at a time (load_into: tests/test_sharded_run.py)
+    exported = torch.load(resumed.export(str(tmp_path / "adapter.pt")), weights_only=True)
+    assert exported.keys() == got.keys() and all(torch.equal(exported[k], got[k]) for k in got)
     trained_state = 3 * sum(v.numel() * v.element_size() for v in got.values())  # + AdamW's
     frozen = [e for e in first.events if e["kind"] == "frozen"]
     assert frozen and "21 frozen tensors" in frozen[0]["message"]

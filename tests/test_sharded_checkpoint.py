@@ -1,7 +1,8 @@
 """A sharded checkpoint (issue 36): two ranks each write their part of an FSDP2-sharded float64
 model and its AdamW state; three new processes read it back at 3 ranks (each reading only the
 parts that hold its rows, weights_only), train on, and end where a run fixed at 2 ends (rtol
-1e-9). A damaged part is refused naming the file; an unfinished folder is never read. Rank 0
+1e-9); written whole to one torch.save file a tensor at a time, it is the model that wrote
+it. A damaged part is refused naming the file; an unfinished folder is never read. Rank 0
 commits a checkpoint once every rank's marker is there, and says which did not come; an errored
 run's final state is the newest folder of a step its log holds, with that step's loss."""
 import os
@@ -14,11 +15,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from elastic_jupyter.engine.checkpoint import CheckpointError
 from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
-from elastic_jupyter.engine.sharded_checkpoint import commit, latest, read_rows, write_part
+from elastic_jupyter.engine.sharded_checkpoint import (commit, latest, load_whole, model_layout,
+                                                       read_model, read_rows, write_part)
 from elastic_jupyter.engine.sharded_writer import PartWriter
 from elastic_jupyter.engine.sharding import ShardedModel, Snapshot
 from elastic_jupyter.run.final_state import FinalState
 from elastic_jupyter.run.runlog import RunLog
+from elastic_jupyter.run.streamed_export import write_streamed
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
@@ -31,8 +34,10 @@ def _write(rank: int, folder: str) -> None:
         for step in range(3):
             train_step(sharded.module, optimizer, step, rank, 2)
         part = sharded.snapshot(optimizer)
+        written = whole(sharded.module)
         write_part(f"{folder}/ckpt", 3, 7, part, rank, 2)  # attempt 7: the generation
         if rank == 0:
+            torch.save(written, f"{folder}/written.pt")
             commit(f"{folder}/ckpt", 3, 7, 2, part, sharded.shapes, None, threading.Event(), 60)
     finally:
         dist.destroy_process_group()
@@ -70,14 +75,42 @@ def test_written_at_2_read_at_3_and_trained_on_equals_fixed_at_2(tmp_path):
     read = torch.load(tmp_path / "read3.pt", weights_only=True)
     for key, want in fixed.items():
         assert torch.allclose(read[key], want, rtol=1e-9, atol=0), key
-    # a damaged part is refused, naming it; reading at 1 rank needs both parts
+    # the model written whole to one torch.save file, a tensor at a time (run.export()):
+    # equal to the gathered model that wrote it; a tensor that does not fit leaves no file
     path = latest(str(tmp_path / "ckpt"))
+    exported = torch.load(write_streamed(str(tmp_path / "model.pt"), model_layout(path),
+                                         read_model(path, copy=False)), weights_only=True)
+    written = torch.load(tmp_path / "written.pt", weights_only=True)
+    assert exported.keys() == load_whole(path)["model"].keys()
+    assert written.keys() - exported.keys() == {"0.0.0.weight"}  # frozen: each rank's own
+    for key, got in exported.items():
+        assert torch.equal(got, written[key]), key
+    wrong = [(k, t[:1] if t.dim() else t) for k, t in read_model(path)]
+    with pytest.raises(ValueError, match="the file laid out"):
+        write_streamed(str(tmp_path / "bad.pt"), model_layout(path), iter(wrong))
+    with pytest.raises(ValueError, match="no tensor came for"):
+        write_streamed(str(tmp_path / "bad.pt"), model_layout(path), iter([]))
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("bad.pt")]
+    # a damaged part is refused, naming it; reading at 1 rank needs both parts
     with open(os.path.join(path, "part-00001.pt"), "r+b") as f:
         f.seek(100)
         f.write(b"\0" * 8)
     with pytest.raises(CheckpointError, match="part-00001.pt is missing or damaged"):
         read_rows(path, 0, 1)
     read_rows(path, 0, 2)  # rank 0 at 2 ranks reads its own part only
+
+
+def test_a_tied_parameter_is_one_tensor_under_each_of_its_names(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    assert ShardedModel(model).aliases == {"1.weight": "0.weight"}
+    weight = torch.randn(5, 3)
+    path = write_streamed(str(tmp_path / "tied.pt"), {"0.weight": ((5, 3), torch.float32),
+                                                      "1.weight": "0.weight"},
+                          [("0.weight", weight)])
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["1.weight"], weight)
+    assert loaded["1.weight"].data_ptr() == loaded["0.weight"].data_ptr()
 
 
 def _tiny(rank: int) -> Snapshot:

@@ -62,6 +62,13 @@ def test_a_sharded_run_resized_2_3_1_2_equals_the_replicated_run(idle_pool, tmp_
     assert [e["step"] for e in written] == [5, 10] and all(e["sharded"] for e in written)
     assert [(c["step"], c["file"]) for c in sharded.checkpoints] == [
         (5, "step-00000005.shards"), (10, "step-00000010.shards")]
+    # export() and load_into() read the model a tensor at a time: the same weights
+    exported = torch.load(sharded.export(str(tmp_path / "model.pt")), weights_only=True)
+    built: dict = {}
+    exec(CELL, built)  # pylint: disable=exec-used  # the model as the cell builds it
+    loaded = sharded.load_into(built["model"]).state_dict()
+    for k, value in sharded.state_dict().items():
+        assert torch.equal(exported[k], value) and torch.equal(loaded[k], value), k
 
 
 def test_a_sharded_run_resumes_at_another_world_size(idle_pool, tmp_path):

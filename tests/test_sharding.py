@@ -91,6 +91,11 @@ def _rank(rank: int, store: str, out: str) -> None:
         cell = build()
         optimizer = torch.optim.AdamW(cell.parameters(), lr=0.01)  # made before sharding
         sharded = ShardedModel(cell)
+        if rank == 3:  # as a warm engine: no rows until it joins, then built from the skeleton
+            sharded.release()
+            assert all(p.untyped_storage().nbytes() == 0 for p in cell.parameters()
+                       if p.requires_grad)  # (the frozen one stays)
+            assert not sharded.holds_rows
         held = []  # process group ranks holding the state
         for first, members in GENERATIONS:
             mesh = DeviceMesh.from_group(groups[tuple(members)], "cpu") \

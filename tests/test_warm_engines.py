@@ -5,7 +5,8 @@ On a real arbiter and real pools: the warm engine shows in the pool's status wit
 one that dies is replaced, a freed slot is trained on by the warm engine (no engine starts),
 and a run at its max or at its end keeps none; none starts while every core is busy. The
 engine side's bind is called in this process: a CPU bind moves the run's Worker to the slot;
-a GPU bind that CUDA cannot honour is refused and leaves the engine as it was.
+a GPU bind that CUDA cannot honour is refused and leaves the engine as it was; a sharded run's
+warm engine holds none of its rows.
 """
 import os
 import signal
@@ -105,6 +106,26 @@ def test_a_cpu_bind_moves_the_warm_engines_run_to_its_slot(engine_state):
     assert info["slot"] == 3 and info["device"] == "cpu"
     assert engine_state.slot == 3 and engine_state.worker.slot == 3  # fault points match it
     assert os.environ["ELASTIC_JUPYTER_SLOT"] == "3" and torch.get_num_threads() == 1
+
+
+def test_a_sharded_runs_warm_engine_holds_no_rows_until_it_joins(tmp_path, monkeypatch):
+    # its trained parameters' storage is freed after the setup's checks; its join sends
+    # it its rows (tests/test_sharding.py: a released newcomer resizes as any other)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(entrypoints._state, "warm", True)
+    threads = torch.get_num_threads()
+    config = RunConfig(name="t", steps=3, shard=True).as_dict()
+    try:
+        reply = entrypoints.setup_run(config, SMALL_CELL, None, {}, None, str(tmp_path))
+        worker = entrypoints._state.worker
+        assert reply["parameters"] == 10 and reply["memory"]["need"]  # counted before
+        assert all(p.untyped_storage().nbytes() == 0 for p in worker.model.parameters())
+        assert not worker.sharded.model.holds_rows
+        assert entrypoints.bind_slot(3, None, 1)["slot"] == 3 and not entrypoints._state.warm
+    finally:
+        entrypoints.drop_run()
+        entrypoints._state.slot, entrypoints._state.device = None, "cpu"
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA could honour the bind here")

@@ -72,7 +72,7 @@ def atomic_write(path: str, write, direct: bool = False) -> None:
     _fsync_dir(os.path.dirname(path))
 
 
-def _without_crc32():
+def without_crc32():
     """A context in which torch.save skips the zip records' CRC32: torch.load never checks it
     and the record's SHA-256 covers the file, while computing it held the interpreter lock for
     about half of a 0.6 GB save, stalling the training thread. torch before 2.7 has no such
@@ -123,7 +123,7 @@ def save_hashed(path: str, obj) -> str:
     Raises OSError, RuntimeError."""
     import torch  # here, not at the top: the server lists checkpoints without torch
     digest = hashlib.sha256()
-    with _without_crc32():
+    with without_crc32():
         # torch.save needs only a file's write(): _Hashing is one
         atomic_write(path, lambda f: torch.save(obj, cast(IO[bytes], _Hashing(f, digest))),
                      direct=True)

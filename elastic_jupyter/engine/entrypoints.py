@@ -41,7 +41,8 @@ class EngineState:
     """What persists on one engine between the owner's calls.
 
     Attributes:
-        slot, device: set once by init_engine (None / "cpu" before).
+        slot, device: set by init_engine (None / "cpu" before), a warm engine's by bind_slot.
+        warm: init_engine gave it no slot, and no bind_slot has yet.
         worker: the current run's Worker (None between runs).
         store: the connection to the current run's rendezvous store (None before connect_store).
         log_path: the current run's log file for this engine (None: the engine's own output).
@@ -51,6 +52,7 @@ class EngineState:
     def __init__(self) -> None:
         self.slot: int | None = None
         self.device: str = "cpu"
+        self.warm = False  # started on no slot (run/warm_engines.py), not bound yet
         self.worker: Worker | None = None
         self.store: dist.Store | None = None
         self.log_path: str | None = None
@@ -126,7 +128,7 @@ def init_engine(slot: int | None, device: str, threads: int,
         use_interface_towards(owner)
     if device.startswith("cuda"):
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds exactly this slot's GPU
-    _state.slot, _state.device = slot, device
+    _state.slot, _state.device, _state.warm = slot, device, slot is None
     publish.use(publisher)
     _say_bound(slot, device)
     return {"pid": os.getpid(), "slot": slot, "device": device, "host": os.uname().nodename,
@@ -153,7 +155,7 @@ def bind_slot(slot: int, gpu: int | None, threads: int) -> dict:
             worker = _state.worker = _on_device(worker, device, slot)
     torch.set_num_threads(threads)
     os.environ.update(ELASTIC_JUPYTER_SLOT=str(slot), OMP_NUM_THREADS=str(threads))
-    _state.slot, _state.device = slot, device
+    _state.slot, _state.device, _state.warm = slot, device, False
     if worker is not None:
         worker.slot = slot  # fault points match it
     _say_bound(slot, device)
@@ -189,7 +191,10 @@ def _on_device(worker: Worker, device: str, slot: int) -> Worker:
     _close(worker)
     again = Worker(namespace, worker.config, device, slot=slot,
                    frozen_digests=worker.frozen.digests)  # the same bytes: not hashed again
-    _check_worker(again)  # a cell that chose a device for itself fails here, not mid-step
+    # a cell that chose a device for itself fails here, not mid-step; a sharded run's released
+    # rows (setup_run) cannot run the trials, which ran on the host at its setup
+    if again.sharded is None or again.sharded.model.holds_rows:
+        _check_worker(again)
     again.fingerprint = fingerprint
     return again
 
@@ -291,14 +296,17 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
             raise
     worker.fingerprint = dataset  # checkpoints carry it, resumes check it
     _state.worker = w = worker
-    return {"samples": len(w.dataset), "total_steps": w.total_steps,
-            "parameters": sum(p.numel() for p in w.model.parameters()),
-            "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
-            "dataset": dataset, "frozen": w.frozen.manifest(), "workdir": workdir,
-            "memory": w.sharded.count_memory(w.optimizer, w.plan.micro_batch_count(min(
-                w.plan.global_batch, w.plan.n)), w.device) if w.sharded else None,
-            "imported": [m for m, module in list(sys.modules.items()) if m not in loaded
-                         and workdir_mod.installed_file(getattr(module, "__file__", None))]}
+    reply = {"samples": len(w.dataset), "total_steps": w.total_steps,
+             "parameters": sum(p.numel() for p in w.model.parameters()),
+             "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
+             "dataset": dataset, "frozen": w.frozen.manifest(), "workdir": workdir,
+             "memory": w.sharded.count_memory(w.optimizer, w.plan.micro_batch_count(min(
+                 w.plan.global_batch, w.plan.n)), w.device) if w.sharded else None,
+             "imported": [m for m, module in list(sys.modules.items()) if m not in loaded
+                          and workdir_mod.installed_file(getattr(module, "__file__", None))]}
+    if w.sharded is not None and _state.warm:
+        w.sharded.model.release()  # a warm engine of a sharded run is sent its rows at its join
+    return reply
 
 
 def _check_worker(worker: Worker) -> None:

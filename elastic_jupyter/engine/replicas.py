@@ -66,6 +66,7 @@ class PartnerReplicas:
         spare = spare or HostBuffers()
         own_flats, parts = _packed(part.parts, {e: t.shape for e, t in part.parts.items()},
                                    spare)
+        self.buffers = list(own_flats)  # counted in nbytes from now on (a sampler reads it)
         pinned = any(flat.is_pinned() for flat in own_flats)
         with torch.no_grad():
             for e, t in part.parts.items():
@@ -81,12 +82,12 @@ class PartnerReplicas:
             flats, partner = _packed(part.parts, {e: (_rows(rows[e[0]], world_size, source),
                                                      *t.shape[1:])
                                                  for e, t in part.parts.items()}, spare)
+            self.buffers = self.buffers + flats  # one rebinding: a sampler may read it
             if dist.get_backend() == "nccl":
                 sent = _exchange_nccl(part.parts, own.parts, partner, source, target)
             else:
                 sent = _exchange_flat(own_flats, flats, source, target)
         self.own, self.partner = own, partner
-        self.buffers = own_flats + (flats if partner is not None else [])
         self.step, self.rank, self.world_size = step, rank, world_size
         self.generation = generation
         return sent

@@ -155,7 +155,8 @@ def reshard(shards: Sequence[torch.Tensor], rows: Sequence[int], layout: Layout,
             base = chunk_rows(rows[t.tensor], layout.new_size, new_rank)[0]
             target = new_shard[t.start - base:t.end - base]
         if t.src == t.dst:
-            local.append((target, piece))
+            if target.data_ptr() != piece.data_ptr():  # (rows a rank gives up and takes back
+                local.append((target, piece))  # as they are: the same tensor, no copy)
             continue
         mine = piece if t.src == group_rank else target
         if mine.numel() * mine.element_size() >= DIRECT_BYTES:

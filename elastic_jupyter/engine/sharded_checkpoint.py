@@ -4,9 +4,9 @@ A checkpoint of step S is the folder ``step-SSSSSSSS.shards/`` in the run's chec
 ``part-RRRRR.pt`` from each rank R of the W that wrote it (its rows of every parameter and
 optimizer moment: engine.sharding's Snapshot), and ``manifest.pt``, which rank 0 writes last:
 the step, W, every parameter's shape, the parts' names and dtypes, the optimizer's values that
-are the same on every rank (a step counter) and the buffers, each file's bytes and SHA-256,
-and ``state``, the rest of the training state (engine.state's capture without rows: progress,
-history, scheduler, random generators, the run's options).
+are the same on every rank (a step counter) and the buffers, a tied parameter's other names,
+each file's bytes and SHA-256, and ``state``, the rest of the training state (engine.state's
+capture without rows: progress, history, scheduler, random generators, the run's options).
 The ranks write into ``step-SSSSSSSS.shards.G.tmp/`` (G: the generation that writes it), each
 beside training (engine.sharded_writer), fsync each file and leave a marker beside its part;
 rank 0, once every marker is there, writes the manifest and renames the folder: a folder with
@@ -30,6 +30,7 @@ import re
 import shutil
 import threading
 import time
+from typing import Iterator
 
 import torch
 
@@ -92,10 +93,11 @@ def write_part(folder: str, step: int, attempt: int, part: Snapshot, rank: int,
 
 def commit(folder: str, step: int, attempt: int, world_size: int, part: Snapshot,
            shapes: dict[str, torch.Size], state: dict | None, abort: threading.Event,
-           timeout: float) -> str:
+           timeout: float, aliases: dict[str, str] | None = None) -> str:
     """Rank 0, after its own :func:`write_part`: wait for every rank's marker, write the
     manifest (`part`: rank 0's, for its replicated values, buffers and names; `shapes`: each
-    parameter's whole shape; `state`: the rest of the training state) and give the folder its
+    parameter's whole shape; `state`: the rest of the training state; `aliases`: a tied
+    parameter's other names, engine.sharding's ``aliases``) and give the folder its
     final name; older attempts' leftovers go. Returns the checkpoint's path. Raises
     CheckpointError when a rank could not write its part, when a marker did not come within
     `timeout` seconds, or when `abort` is set (a peer failed: its part may never come)."""
@@ -123,7 +125,7 @@ def commit(folder: str, step: int, attempt: int, world_size: int, part: Snapshot
                 "replicated": part.replicated,
                 "buffers": {n: b.detach().cpu() for n, b in part.buffers.items()},
                 "dtypes": [str(t.dtype).removeprefix("torch.") for t in part.parts.values()],
-                "files": files, "state": state}
+                "files": files, "state": state, "aliases": dict(aliases or {})}
     try:
         atomic_write(os.path.join(tmp, "manifest.pt"), lambda f: torch.save(manifest, f))
         for m in markers:
@@ -146,43 +148,55 @@ def _attempt(folder: str, step: int, attempt: int) -> str:
     return os.path.join(folder, f"{folder_name(step)}.{attempt}.tmp")
 
 
-def read_rows(path: str, rank: int, world_size: int,
-              parameters_only: bool = False) -> tuple[dict, dict, dict]:
-    """This rank's rows at world size `world_size` from the checkpoint folder `path`: (parts,
-    {(name, None or key): rows}; the optimizer's replicated values; the buffers). Only the
-    parts that hold its rows are read (and their hashes checked); `parameters_only`: not the
-    optimizer's. Raises CheckpointError naming the file when one is missing, damaged or of
-    another format."""
-    manifest = _load(os.path.join(path, "manifest.pt"))
-    old_size, shapes = manifest["world_size"], manifest["shapes"]
-    entries = [_entry(k) for k in manifest["entries"]]
-    opened: dict[int, dict] = {}
+class _Reader:
+    """The checkpoint folder `path`, read for rows: its manifest, and each part opened when
+    first needed (hashed in full, then mapped: only the rows taken are copied). Raises
+    CheckpointError naming the file when one is missing, damaged or of another format."""
 
-    def part(old_rank: int) -> dict:
-        if old_rank not in opened:
-            listed = manifest["files"][old_rank]
-            file = os.path.join(path, listed["file"])
+    def __init__(self, path: str):
+        self.path = path
+        self.manifest = _load(os.path.join(path, "manifest.pt"))
+        self.entries = [_entry(k) for k in self.manifest["entries"]]
+        self._opened: dict[int, dict] = {}
+
+    def _part(self, old_rank: int) -> dict:
+        if old_rank not in self._opened:
+            listed = self.manifest["files"][old_rank]
+            file = os.path.join(self.path, listed["file"])
             if not os.path.exists(file) or _sha256(file) != listed["sha256"]:
                 raise CheckpointError(f"{file} is missing or damaged (its SHA-256 differs "
                                       "from the manifest's)")
-            opened[old_rank] = _load(file, mmap=True)
-        return opened[old_rank]
+            self._opened[old_rank] = _load(file, mmap=True)
+        return self._opened[old_rank]
 
-    out = {}
-    for entry, dtype in zip(entries, manifest["dtypes"]):
-        if parameters_only and entry[1] is not None:
-            continue
-        n = shapes[entry[0]][0]
-        start, end = chunk_rows(n, world_size, rank)
+    def rows(self, entry: tuple[str, str | None], dtype: str, rank: int, world_size: int,
+             copy: bool = True) -> torch.Tensor:
+        """`entry`'s rows that `rank` holds at `world_size`: a new tensor, or without `copy`
+        a view of a mapped part where one part holds them all."""
+        shape = self.manifest["shapes"][entry[0]]
+        old_size = self.manifest["world_size"]
+        start, end = chunk_rows(shape[0], world_size, rank)
         pieces = []
         for old_rank in range(old_size):
-            a, b = chunk_rows(n, old_size, old_rank)
+            a, b = chunk_rows(shape[0], old_size, old_rank)
             lo, hi = max(a, start), min(b, end)
             if lo < hi:
-                pieces.append(part(old_rank)["parts"][_key(entry)][lo - a:hi - a])
-        out[entry] = torch.cat(pieces) if pieces else torch.empty(
-            (0, *shapes[entry[0]][1:]), dtype=getattr(torch, dtype))
-    return out, manifest["replicated"], manifest["buffers"]
+                pieces.append(self._part(old_rank)["parts"][_key(entry)][lo - a:hi - a])
+        if len(pieces) == 1 and not copy:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(
+            (0, *shape[1:]), dtype=getattr(torch, dtype))
+
+
+def read_rows(path: str, rank: int, world_size: int) -> tuple[dict, dict, dict]:
+    """This rank's rows at world size `world_size` from the checkpoint folder `path`: (parts,
+    {(name, None or key): rows}; the optimizer's replicated values; the buffers). Only the
+    parts that hold its rows are read (and their hashes checked). Raises CheckpointError
+    naming the file when one is missing, damaged or of another format."""
+    reader = _Reader(path)
+    out = {entry: reader.rows(entry, dtype, rank, world_size)
+           for entry, dtype in zip(reader.entries, reader.manifest["dtypes"])}
+    return out, reader.manifest["replicated"], reader.manifest["buffers"]
 
 
 def read_state(path: str) -> dict | None:
@@ -191,16 +205,44 @@ def read_state(path: str) -> dict | None:
     return _load(os.path.join(path, "manifest.pt"))["state"]
 
 
-def load_whole(path: str) -> dict:
-    """The checkpoint folder `path` as a replicated state reads: the rest of the training
-    state with ``"model"``, every parameter whole (its parts' rows, read one parameter at a
-    time) and the buffers. The optimizer's moments stay in the parts. Raises
+def model_layout(path: str) -> dict[str, tuple[tuple[int, ...], torch.dtype] | str]:
+    """{key: (shape, dtype)} of the model's state dict that the checkpoint folder `path` holds
+    (its trained parameters whole, then its buffers), and {key: key} for a tied parameter's
+    other names (the tensor they name); read from the manifest alone. Raises
     CheckpointError."""
     manifest = _load(os.path.join(path, "manifest.pt"))
-    state = dict(manifest["state"])
-    rows, _, buffers = read_rows(path, 0, 1, parameters_only=True)
-    state["model"] = {**{name: t for (name, _), t in rows.items()}, **buffers}
-    return state
+    out: dict[str, tuple[tuple[int, ...], torch.dtype] | str] = {}
+    for key, dtype in zip(manifest["entries"], manifest["dtypes"]):
+        name, opt = _entry(key)
+        if opt is None:
+            out[name] = (tuple(manifest["shapes"][name]), getattr(torch, dtype))
+    out.update({n: (tuple(b.shape), b.dtype) for n, b in manifest["buffers"].items()})
+    out.update(manifest.get("aliases", {}))
+    return out
+
+
+def read_model(path: str, copy: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's state dict that the checkpoint folder `path` holds, one tensor at a time:
+    each trained parameter whole (its rows gathered from the parts that hold them; without
+    `copy`, a view of a mapped part where one holds them all), then the buffers; in
+    :func:`model_layout`'s order. No more than one parameter is in memory at once unless
+    the caller keeps them. Raises CheckpointError."""
+    reader = _Reader(path)
+    for entry, dtype in zip(reader.entries, reader.manifest["dtypes"]):
+        if entry[1] is None:
+            yield entry[0], reader.rows(entry, dtype, 0, 1, copy)
+    yield from reader.manifest["buffers"].items()
+
+
+def load_whole(path: str) -> dict:
+    """The checkpoint folder `path` as a replicated state reads: the rest of the training
+    state with ``"model"``, every parameter whole under each of its names and the buffers
+    (the whole model in memory: :func:`read_model` gives it one tensor at a time). The
+    optimizer's moments stay in the parts. Raises CheckpointError."""
+    manifest = _load(os.path.join(path, "manifest.pt"))
+    model = dict(read_model(path))
+    model.update({alias: model[name] for alias, name in manifest.get("aliases", {}).items()})
+    return {**(manifest["state"] or {}), "model": model}
 
 
 def prune(folder: str, keep: int) -> None:

@@ -122,6 +122,7 @@ class ShardedMode:
         # the new copies and one without them, and both hold these
         self.previous: tuple[PartnerReplicas, dict | None] | None = None
         self.spare = HostBuffers()  # the buffers of settled copies, for the next refresh
+        self._refreshing: PartnerReplicas | None = None  # the copies a refresh is making
         self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
         self.folder = config.checkpoint_dir  # sharded checkpoints go there
         self.writer = PartWriter()  # this rank's checkpoint parts, written beside training
@@ -272,7 +273,8 @@ class ShardedMode:
             assert plan.layout is not None
             held = plan.own if plan.own is not None else self.parked
             module = self.model.reshard_to(mesh, plan.layout, rank, optimizer, device, held,
-                                           plan.copies)
+                                           plan.copies,
+                                           consume=held is not None and held is self.parked)
         self.parked = None  # only now: a start that fails keeps them for the next one
         assert module is not None
         self.reducer.attach(module)
@@ -289,6 +291,7 @@ class ShardedMode:
         Failures come back as ``checkpoint_failed`` events (:attr:`writer`)."""
         assert self.folder is not None and self.replicas.step == step
         part, folder, shapes = self.replicas.own, self.folder, self.model.shapes
+        aliases = self.model.aliases
         assert part is not None
         state = capture() if rank == 0 else None
         if state is not None:  # the run's history file gets the records it lacks first
@@ -303,7 +306,7 @@ class ShardedMode:
             if rank != 0:
                 return None
             path = commit(folder, step, attempt, world_size, part, shapes, state, abort,
-                          timeout)
+                          timeout, aliases)
             prune(folder, keep)
             return {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
                     "bytes": folder_bytes(path)}
@@ -316,8 +319,12 @@ class ShardedMode:
         of the state (engine.state's capture without rows). Returns the bytes sent."""
         part = self.model.snapshot(optimizer)
         fresh = PartnerReplicas()  # the copies held stay as they are until these are whole
-        sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
-                             rank, world_size, generation, self.spare)
+        self._refreshing = fresh  # its buffers count in host_bytes while they fill
+        try:
+            sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
+                                 rank, world_size, generation, self.spare)
+        finally:
+            self._refreshing = None
         self.previous = (self.replicas, self.replica_state) if self.replicas.step is not None \
             else None
         self.replicas, self.replica_state = fresh, capture()
@@ -326,9 +333,12 @@ class ShardedMode:
     @property
     def host_bytes(self) -> int:
         """The host memory the partner replicas hold on this rank: the newest copies, those
-        before them until they settle, and the buffers kept for the next refresh."""
-        previous = self.previous[0].nbytes if self.previous is not None else 0
-        return self.replicas.nbytes + previous + self.spare.nbytes
+        before them until they settle, those of a refresh under way and the buffers kept for
+        the next refresh. Read from other threads (a memory sampler) too."""
+        previous, fresh = self.previous, self._refreshing
+        return self.replicas.nbytes + self.spare.nbytes + \
+            (previous[0].nbytes if previous is not None else 0) + \
+            (fresh.nbytes if fresh is not None else 0)
 
     def settle(self) -> None:
         """After a step committed (every rank finished the refresh before it): the copies

@@ -21,6 +21,7 @@ one's. This module imports nothing from IPython or the UI.
 from __future__ import annotations
 
 import copy
+import ctypes
 import gc
 from dataclasses import dataclass
 from typing import Callable
@@ -55,6 +56,41 @@ def skeleton_of(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def _aliases(model: nn.Module, frozen: dict) -> dict[str, str]:
+    """{a tied parameter's other name: the name it travels under}, `frozen` ones left out: a
+    state dict has every name (a tied output embedding's too)."""
+    first: dict[int, str] = {}
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n not in frozen and first.setdefault(id(p), n) != n:
+            out[n] = first[id(p)]
+    return out
+
+
+def _emptied(t: torch.Tensor) -> bool:
+    """Whether `t` holds elements but its storage was freed (:meth:`ShardedModel.release`)."""
+    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+
+
+def released(model: nn.Module) -> bool:
+    """Whether `model`'s trained parameters were released (:meth:`ShardedModel.release`)."""
+    return any(_emptied(p) for p in model.parameters() if p.requires_grad)
+
+
+def move_model(model: nn.Module, device: torch.device) -> None:
+    """``model.to(device)``, leaving the released parameters of a warm engine's model as they
+    are (no storage: :meth:`ShardedModel.release`)."""
+    if not released(model):
+        model.to(device)
+        return
+    with torch.no_grad():
+        for p in model.parameters():
+            if not _emptied(p):
+                p.data = p.data.to(device)
+        for name, b in model.named_buffers():
+            _set_buffer(model, name, b.to(device))
+
+
 def default_units(model: nn.Module) -> list[nn.Module]:
     """The children of the module list (``nn.ModuleList`` or ``nn.Sequential``) with the most
     children among those that hold at least BULK of the parameters (a transformer's blocks,
@@ -81,6 +117,7 @@ class ShardedModel:
         module: the sharded module of the current mesh (None until :meth:`shard`).
         names: the parameters' names, in ``named_parameters()`` order (the order shards
             travel in).
+        aliases: {a tied parameter's other name: its name in ``names``}.
     """
 
     def __init__(self, model: nn.Module, shard_fn: Callable | None = None,
@@ -100,8 +137,10 @@ class ShardedModel:
                             if n not in persistent or n in stay}
         self.names = [n for n, _ in model.named_parameters() if n not in self.frozen]
         self.shapes = {n: p.shape for n, p in model.named_parameters() if n not in self.frozen}
+        self.aliases = _aliases(model, self.frozen)
         self.module: nn.Module | None = None
-        self._cell_model: nn.Module | None = model  # sharded in place by the first shard()
+        # sharded in place by the first shard(); none where a warm engine released its rows
+        self._cell_model: nn.Module | None = None if released(model) else model
         # the parameters the optimizer holds, by id: the cell's until the first mesh
         self._held_ids = {id(p): n for n, p in model.named_parameters()}
 
@@ -263,8 +302,8 @@ class ShardedModel:
     def reshard_to(self, mesh: DeviceMesh | None, layout: Layout, group_rank: int,
                    optimizer: torch.optim.Optimizer | None, device: torch.device,
                    held: Snapshot | None = None,
-                   copies: dict[int, dict[tuple[str, str | None], torch.Tensor]] | None = None
-                   ) -> nn.Module | None:
+                   copies: dict[int, dict[tuple[str, str | None], torch.Tensor]] | None = None,
+                   consume: bool = False) -> nn.Module | None:
         """Move to the layout's new world size over the current process group; every rank of
         both layouts calls it (`mesh`: the new layout's, None on a leaver). Rows whose owner
         changes travel (engine.reshard); the module is built again from the skeleton and
@@ -272,9 +311,11 @@ class ShardedModel:
         resharded too and its other values (a step counter) and the buffers as old rank 0's
         holder has them. `held`: this rank's part to start from (default: :meth:`snapshot`,
         the state as it stands; engine.replicas gives an older one after a fault), `copies`:
-        {old rank: parts} of lost ranks this rank holds (``layout.copies``). With nccl, parts
-        held on the host are moved to `device` first. Returns the new module (None on a
-        leaver, which holds no rows any more). Raises ShardingError, or PeerFailure."""
+        {old rank: parts} of lost ranks this rank holds (``layout.copies``). `consume`: `held`
+        is this rank's to give up (rows handed over): where its new rows are those, its
+        optimizer tensors are taken, not copied. With nccl, parts held on the host are moved
+        to `device` first. Returns the new module (None on a leaver, which holds no rows any
+        more). Raises ShardingError, or PeerFailure."""
         leaving = layout.new[group_rank] is None
         if leaving != (mesh is None):
             raise ValueError("a rank of the new layout needs its mesh; a leaver has none")
@@ -296,9 +337,14 @@ class ShardedModel:
                         _local(params[n]).copy_(shard)
         else:  # the rows land in a new module's own storage, and the moments on the device
             module, params = self._new_module(mesh, buffers, device)
-            into = [_local(params[n]).detach() if key is None else torch.empty(
-                (_new_rows(rows[i], layout, group_rank), *self.shapes[n][1:]), dtype=dtypes[i],
-                device=device) for i, (n, key) in enumerate(entries)]
+            kept = consume and layout.old[group_rank] == layout.new[group_rank] \
+                and layout.old_size == layout.new_size  # the same rows: the tensors stay
+            into = [_local(params[n]).detach() if key is None
+                    else sources[i] if kept and sources[i].device == device
+                    and sources[i].is_contiguous()
+                    else torch.empty((_new_rows(rows[i], layout, group_rank),
+                                      *self.shapes[n][1:]), dtype=dtypes[i], device=device)
+                    for i, (n, key) in enumerate(entries)]
             shards = reshard(sources, rows, layout, group_rank, copied, into)
         if optimizer is not None:
             moments = {e: t for e, t in zip(entries, shards) if e[1] is not None}
@@ -313,6 +359,19 @@ class ShardedModel:
             _release(self.module)
         self.module, self._cell_model = module, None
         gc.collect()
+        _trim_heap()
+
+    def release(self) -> None:
+        """Hold no rows until a generation sends some (a warm engine, run/warm_engines.py,
+        which joins as a newcomer): the storage of the cell's model's trained parameters is
+        freed (the cell and its optimizer keep the same Parameter objects, without bytes, as
+        FSDP2 frees unsharded ones); the frozen ones and the buffers stay."""
+        model, self._cell_model = self._cell_model, None
+        with torch.no_grad():
+            for n, p in model.named_parameters() if model is not None else ():
+                if n not in self.frozen:
+                    p.untyped_storage().resize_(0)
+        _trim_heap()
 
     @property
     def holds_rows(self) -> bool:
@@ -458,6 +517,16 @@ def _release(module: nn.Module) -> None:
         for p in module.parameters():
             if isinstance(p, DTensor):
                 p.to_local().untyped_storage().resize_(0)
+
+
+def _trim_heap() -> None:
+    """Give the heap's free memory back to the kernel (glibc's ``malloc_trim``): the rows of
+    a layout just freed, in blocks below glibc's dynamic mmap threshold (up to 32 MiB: most
+    tensors), would stay in the process, counted in its memory, beside the next layout's."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator keeps no such heap
+        pass
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

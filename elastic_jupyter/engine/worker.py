@@ -49,6 +49,7 @@ from .randomness import host_generators_kept, micro_batch_stream
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
 from .sharded_mode import ShardedMode, is_pad, pad_source
+from .sharding import move_model
 from .transfer import to_device
 from .trials import SetupTrials
 from .vote import Vote
@@ -136,7 +137,7 @@ class Worker:
         if config.sync_batchnorm:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
-        self.model.to(self.device)
+        move_model(self.model, self.device)  # (not a warm engine's released rows)
         self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
         for obj in self.extra_state.values():  # an EMA updates from the model where it is,
             # unless it says where it lives (timm's ModelEmaV3(device="cpu"))

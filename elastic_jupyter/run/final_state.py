@@ -28,7 +28,11 @@ class FinalState:
 
     Attributes:
         state: the run's final training state (model, optimizer, progress, ...), None until
-            it ended (or after an error whose rank 0 could not be read).
+            it ended (or after an error whose rank 0 could not be read). A sharded run's
+            has no ``"model"``: it stays in ``folder``.
+        folder: a sharded run's checkpoint folder that holds its final model, read one tensor
+            at a time when asked for (engine.sharded_checkpoint's ``read_model``): it may be
+            larger than the kernel's memory.
     """
 
     def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int,
@@ -38,6 +42,7 @@ class FinalState:
         # its final state comes from them: rank 0 holds its rows only
         self.sharded = sharded
         self.state: dict[str, Any] | None = None
+        self.folder: str | None = None
 
     async def take(self, members: list[Engine]) -> dict:
         """Keep the run's state at its last step as its final state; returns it. From the
@@ -92,8 +97,9 @@ class FinalState:
             self.log.log(f"the sharded run's last checkpoint could not be read: {e}")
 
     async def _sharded_state(self) -> dict:
-        """A sharded run's final state: its newest checkpoint's parts gathered (off the owner
-        loop), with a warning when that is older than the run's last step (an error since)."""
+        """A sharded run's final state: its newest checkpoint, whose folder becomes
+        ``folder``; returns the rest of its state (read off the owner loop), with a warning
+        when that is older than the run's last step (an error since)."""
         loop = asyncio.get_running_loop()
         found = await loop.run_in_executor(None, self._newest_sharded)
         if found is None:
@@ -103,7 +109,9 @@ class FinalState:
         if step != self.log.step:
             self.log.event("warning", message=f"the final state is the checkpoint of step "
                            f"{step}: a sharded run's rows after it were not written")
-        return await loop.run_in_executor(None, sharded_checkpoint.load_whole, path)
+        state = await loop.run_in_executor(None, sharded_checkpoint.read_state, path)
+        self.folder = path
+        return state or {}
 
     def _newest_sharded(self) -> tuple[int, str] | None:
         """(step, path) of the newest complete sharded checkpoint of this run's steps: the

@@ -17,6 +17,7 @@ from ..engine.frozen import digest
 from ..engine.history import whole_history
 from .final_state import FinalState
 from .runlog import RunLog
+from .streamed_export import write_streamed
 
 # a folder unchanged for this long keeps its mtime until its next change: far above the file
 # systems' timestamp granularity (a clock tick), short beside the time between checkpoints
@@ -79,32 +80,63 @@ class RunResults:
 
     def _state(self) -> tuple[str | None, dict]:
         """(None, the final state) once the run ended, else (its folder, the newest
-        checkpoint's state). Raises UsageError when there is neither."""
-        if self.final.state is not None:
-            return None, self.final.state
-        if self.final.sharded and (path := sharded_checkpoint.latest(self.checkpoint_dir)):
+        checkpoint's state); a sharded run's model is read whole from its folder. Raises
+        UsageError when there is neither."""
+        folder = self._sharded_folder()
+        if folder is not None:
             try:
-                return None, sharded_checkpoint.load_whole(path)
+                return None, sharded_checkpoint.load_whole(folder)
             except ckpt.CheckpointError as e:
                 raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
+        if self.final.state is not None:
+            return None, self.final.state
         try:
             path, state, _ = ckpt.load_latest(self.checkpoint_dir)
         except ckpt.CheckpointError as e:
             raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
         return os.path.dirname(path), state
 
+    def _sharded_folder(self) -> str | None:
+        """A sharded run's checkpoint folder that holds its model: the final state's once it
+        ended, else the newest (None: not sharded, or no checkpoint yet)."""
+        if not self.final.sharded:
+            return None
+        if self.final.state is not None:
+            return self.final.folder
+        return sharded_checkpoint.latest(self.checkpoint_dir)
+
     def load_into(self, model: Any, part: str = "model") -> Any:
         """Copy `part`'s weights into the torch.nn.Module `model`; returns it. The run's frozen
         weights (engine.frozen: not in its state) are `model`'s own, checked against their
-        digests. Raises UsageError when they differ (nothing is loaded then)."""
-        weights = self.state_dict(part)
+        digests. A sharded run's are read and copied one tensor at a time. Raises UsageError
+        when they differ, or when `model` lacks a trained tensor or has other ones (nothing
+        is loaded then)."""
+        folder = self._sharded_folder() if part == "model" else None
         own = {_plain_key(key): key for key in model.state_dict()}
-        weights = {own.get(key, key): value for key, value in weights.items()}
-        frozen = self._state()[1].get("frozen") if part == "model" else None
-        if not frozen:
-            model.load_state_dict(weights)
+        if folder is None:
+            weights = self.state_dict(part)
+            keys = [own.get(key, key) for key in weights]
+            state = self._state()[1]
+        else:
+            keys = [own.get(key, key) for key in self._read(sharded_checkpoint.model_layout,
+                                                            folder)]
+            state = self._read(sharded_checkpoint.read_state, folder) or {}
+        frozen = state.get("frozen") if part == "model" else None
+        self._check_keys(model, keys, {own.get(_plain_key(k), k): d
+                                       for k, d in (frozen or {}).items()})
+        if folder is None:
+            model.load_state_dict(dict(zip(keys, weights.values())), strict=not frozen)
             return model
-        frozen = {own.get(_plain_key(key), key): value for key, value in frozen.items()}
+        try:  # one tensor at a time: the whole model need not fit the kernel's memory
+            for key, tensor in sharded_checkpoint.read_model(folder, copy=False):
+                model.load_state_dict({own.get(key, key): tensor}, strict=False)
+        except ckpt.CheckpointError as e:
+            raise UsageError(f"run {self.name!r}: {e}") from None
+        return model
+
+    def _check_keys(self, model: Any, keys: list[str], frozen: dict[str, str]) -> None:
+        """Raise UsageError unless `model` holds the frozen weights of `frozen` ({key: digest})
+        and its other tensors are `keys`, the trained ones."""
         held = model.state_dict()
         odd = sorted(k for k, d in frozen.items() if k not in held or digest(held[k]) != d)
         if odd:
@@ -113,18 +145,41 @@ class RunResults:
                 f"({len(odd)} tensor(s) differ, first {odd[0]!r}): its state holds the trained "
                 "tensors only; build the model as the cell did (the same base weights), then "
                 "load_into it")
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if set(missing) - frozen.keys() or unexpected:
-            model.load_state_dict(weights)  # raises, as a strict load does
-        return model
+        missing = sorted(held.keys() - set(keys) - frozen.keys())
+        unexpected = sorted(set(keys) - held.keys())
+        if missing or unexpected:
+            raise UsageError(
+                f"`model` is not the architecture run {self.name!r} trained: "
+                + (f"it lacks {len(unexpected)} trained tensor(s), first {unexpected[0]!r}"
+                   if unexpected else "")
+                + ("; " if missing and unexpected else "")
+                + (f"{len(missing)} of its tensor(s) are not in the run's state, first "
+                   f"{missing[0]!r}" if missing else "") + " (nothing was loaded)")
 
     def export(self, path: str, part: str = "model") -> str:
-        """Write `part`'s plain state dict to `path` with ``torch.save``; returns the path."""
+        """Write `part`'s plain state dict to `path` with ``torch.save``'s format; returns the
+        path. A sharded run's model is written one tensor at a time (run.streamed_export):
+        it need not fit the kernel's memory."""
         import torch
+        folder = self._sharded_folder() if part == "model" else None
+        if folder is not None:
+            layout = self._read(sharded_checkpoint.model_layout, folder)
+            try:
+                return write_streamed(path, layout,
+                                      sharded_checkpoint.read_model(folder, copy=False))
+            except ckpt.CheckpointError as e:
+                raise UsageError(f"run {self.name!r}: {e}") from None
         path = os.path.abspath(path)
         weights = self.state_dict(part)
         ckpt.atomic_write(path, lambda f: torch.save(weights, f))
         return path
+
+    def _read(self, read, folder: str):
+        """`read(folder)`, a sharded checkpoint's manifest read; UsageError if it cannot be."""
+        try:
+            return read(folder)
+        except ckpt.CheckpointError as e:
+            raise UsageError(f"run {self.name!r}: its model is in {folder}, and {e}") from None
 
     def logs(self, tail: int = 40) -> str:
         """The run's log and the last `tail` lines of each engine's log, as text."""
