@@ -6,6 +6,7 @@ it. A damaged part is refused naming the file; an unfinished folder is never rea
 commits a checkpoint once every rank's marker is there, and says which did not come; an errored
 run's final state is the newest folder of a step its log holds, with that step's loss."""
 import os
+import shutil
 import threading
 
 import pytest
@@ -13,13 +14,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from elastic_jupyter.config import UsageError
 from elastic_jupyter.engine.checkpoint import CheckpointError
 from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
 from elastic_jupyter.engine.sharded_checkpoint import (commit, latest, load_whole, model_layout,
-                                                       read_model, read_rows, write_part)
+                                                       read_model, read_rows, stamp, write_part)
 from elastic_jupyter.engine.sharded_writer import PartWriter
 from elastic_jupyter.engine.sharding import ShardedModel, Snapshot
 from elastic_jupyter.run.final_state import FinalState
+from elastic_jupyter.run.results import RunResults
 from elastic_jupyter.run.runlog import RunLog
 from elastic_jupyter.run.streamed_export import write_streamed
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
@@ -111,6 +114,34 @@ def test_a_tied_parameter_is_one_tensor_under_each_of_its_names(tmp_path):
     loaded = torch.load(path, weights_only=True)
     assert torch.equal(loaded["1.weight"], weight)
     assert loaded["1.weight"].data_ptr() == loaded["0.weight"].data_ptr()
+
+
+def test_a_sharded_final_model_loads_a_tensor_at_a_time_into_a_model_that_fits(tmp_path):
+    # a tied model's checkpoint as one rank writes it; the run ended with it as its final state
+    tied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    sharded, folder = ShardedModel(tied), str(tmp_path / "ckpt")
+    part = sharded.snapshot(None)
+    write_part(folder, 4, 1, part, 0, 1)
+    commit(folder, 4, 1, 1, part, sharded.shapes, {"progress": {"step": 4}}, threading.Event(),
+           60, sharded.aliases)
+    log = RunLog(str(tmp_path / "logs"))
+    final = FinalState(None, log, folder, keep=3, sharded=True)  # type: ignore[arg-type]
+    final.state, final.folder = {"progress": {"step": 4}}, latest(folder)
+    final.stamp = stamp(final.folder)
+    results = RunResults("r", folder, str(tmp_path / "logs"), log, final)
+    untied = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    results.load_into(untied)  # each of the tied parameter's names
+    assert torch.equal(untied[0].weight, tied[0].weight)
+    assert torch.equal(untied[1].weight, tied[0].weight)
+    wider = torch.nn.Sequential(torch.nn.Embedding(5, 4), torch.nn.Linear(4, 5, bias=False))
+    before = wider.state_dict()["1.weight"].clone()
+    with pytest.raises(UsageError, match=r"its '0.weight' is \(5, 4\), the run's \(5, 3\)"):
+        results.load_into(wider)
+    assert torch.equal(wider.state_dict()["1.weight"], before)  # nothing loaded
+    shutil.rmtree(final.folder)  # a later run in the same folder pruned it
+    with pytest.raises(UsageError, match="pruned or replaced since"):
+        results.export(str(tmp_path / "model.pt"))
 
 
 def _tiny(rank: int) -> Snapshot:

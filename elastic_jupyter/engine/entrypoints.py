@@ -193,8 +193,7 @@ def _on_device(worker: Worker, device: str, slot: int) -> Worker:
                    frozen_digests=worker.frozen.digests)  # the same bytes: not hashed again
     # a cell that chose a device for itself fails here, not mid-step; a sharded run's released
     # rows (setup_run) cannot run the trials, which ran on the host at its setup
-    if again.sharded is None or again.sharded.model.holds_rows:
-        _check_worker(again)
+    _check_worker(again, trials=again.sharded is None or again.sharded.model.holds_rows)
     again.fingerprint = fingerprint
     return again
 
@@ -309,12 +308,13 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     return reply
 
 
-def _check_worker(worker: Worker) -> None:
+def _check_worker(worker: Worker, trials: bool = True) -> None:
     """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
-    scheduler options do not fit, or whose functions the run calls later fail when tried
-    (Worker.try_user_functions)."""
+    scheduler options do not fit, or (with `trials`) whose functions the run calls later fail
+    when tried (Worker.try_user_functions)."""
     schedulers.check(worker)
-    worker.try_user_functions()
+    if trials:
+        worker.try_user_functions()
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
                               worker.progress, worker.history.records, worker.config_record(),
                               copy_tensors=False, grad_scaler=worker.precision.scaler)

@@ -169,6 +169,11 @@ class _Reader:
             self._opened[old_rank] = _load(file, mmap=True)
         return self._opened[old_rank]
 
+    def open_all(self) -> None:
+        """Open every part now (a reader of the whole model needs them all)."""
+        for old_rank in range(self.manifest["world_size"]):
+            self._part(old_rank)
+
     def rows(self, entry: tuple[str, str | None], dtype: str, rank: int, world_size: int,
              copy: bool = True) -> torch.Tensor:
         """`entry`'s rows that `rank` holds at `world_size`: a new tensor, or without `copy`
@@ -199,6 +204,16 @@ def read_rows(path: str, rank: int, world_size: int) -> tuple[dict, dict, dict]:
     return out, reader.manifest["replicated"], reader.manifest["buffers"]
 
 
+def stamp(path: str) -> tuple[int, int, int] | None:
+    """The identity of the checkpoint folder `path`'s manifest (device, inode, mtime): another
+    once the folder was replaced; None once it is gone."""
+    try:
+        st = os.stat(os.path.join(path, "manifest.pt"))
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_mtime_ns
+
+
 def read_state(path: str) -> dict | None:
     """The rest of the training state the checkpoint folder `path` holds (its manifest's).
     Raises CheckpointError when the manifest is missing or damaged."""
@@ -226,8 +241,10 @@ def read_model(path: str, copy: bool = True) -> Iterator[tuple[str, torch.Tensor
     each trained parameter whole (its rows gathered from the parts that hold them; without
     `copy`, a view of a mapped part where one holds them all), then the buffers; in
     :func:`model_layout`'s order. No more than one parameter is in memory at once unless
-    the caller keeps them. Raises CheckpointError."""
+    the caller keeps them. Every part is opened (hashed, mapped) before the first tensor: a
+    prune meanwhile cannot cut the model short. Raises CheckpointError."""
     reader = _Reader(path)
+    reader.open_all()
     for entry, dtype in zip(reader.entries, reader.manifest["dtypes"]):
         if entry[1] is None:
             yield entry[0], reader.rows(entry, dtype, 0, 1, copy)

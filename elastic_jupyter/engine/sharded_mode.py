@@ -323,11 +323,12 @@ class ShardedMode:
         try:
             sent = fresh.refresh(step, part, {n: s[0] for n, s in self.model.shapes.items()},
                                  rank, world_size, generation, self.spare)
+            state = capture()
+            self.previous = (self.replicas, self.replica_state) \
+                if self.replicas.step is not None else None
+            self.replicas, self.replica_state = fresh, state
         finally:
             self._refreshing = None
-        self.previous = (self.replicas, self.replica_state) if self.replicas.step is not None \
-            else None
-        self.replicas, self.replica_state = fresh, capture()
         return sent
 
     @property
@@ -335,10 +336,10 @@ class ShardedMode:
         """The host memory the partner replicas hold on this rank: the newest copies, those
         before them until they settle, those of a refresh under way and the buffers kept for
         the next refresh. Read from other threads (a memory sampler) too."""
-        previous, fresh = self.previous, self._refreshing
-        return self.replicas.nbytes + self.spare.nbytes + \
+        replicas, previous, fresh = self.replicas, self.previous, self._refreshing
+        return replicas.nbytes + self.spare.nbytes + \
             (previous[0].nbytes if previous is not None else 0) + \
-            (fresh.nbytes if fresh is not None else 0)
+            (fresh.nbytes if fresh is not None and fresh is not replicas else 0)
 
     def settle(self) -> None:
         """After a step committed (every rank finished the refresh before it): the copies

@@ -67,9 +67,20 @@ def _aliases(model: nn.Module, frozen: dict) -> dict[str, str]:
     return out
 
 
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    """`t`'s storage; None for a tensor without one of its own (sparse, nested, meta...)."""
+    if t.layout != torch.strided or t.is_meta:
+        return None
+    try:
+        return t.untyped_storage()
+    except (NotImplementedError, RuntimeError):  # a tensor subclass without storage
+        return None
+
+
 def _emptied(t: torch.Tensor) -> bool:
     """Whether `t` holds elements but its storage was freed (:meth:`ShardedModel.release`)."""
-    return t.numel() > 0 and t.untyped_storage().nbytes() == 0
+    storage = _storage(t)
+    return storage is not None and t.numel() > 0 and storage.nbytes() == 0
 
 
 def released(model: nn.Module) -> bool:
@@ -367,11 +378,8 @@ class ShardedModel:
         freed (the cell and its optimizer keep the same Parameter objects, without bytes, as
         FSDP2 frees unsharded ones); the frozen ones and the buffers stay."""
         model, self._cell_model = self._cell_model, None
-        with torch.no_grad():
-            for n, p in model.named_parameters() if model is not None else ():
-                if n not in self.frozen:
-                    p.untyped_storage().resize_(0)
-        _trim_heap()
+        if model is not None:
+            _free_trained(model, self.frozen)
 
     @property
     def holds_rows(self) -> bool:
@@ -517,6 +525,19 @@ def _release(module: nn.Module) -> None:
         for p in module.parameters():
             if isinstance(p, DTensor):
                 p.to_local().untyped_storage().resize_(0)
+
+
+def _free_trained(model: nn.Module, frozen: dict) -> None:
+    """Free the storage of `model`'s parameters but the `frozen` ones, and of none that a
+    frozen parameter or a buffer views too."""
+    kept = {s.data_ptr() for t in (*frozen.values(), *model.buffers())
+            if (s := _storage(t)) is not None}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            storage = _storage(p)
+            if n not in frozen and storage is not None and storage.data_ptr() not in kept:
+                storage.resize_(0)
+    _trim_heap()
 
 
 def _trim_heap() -> None:

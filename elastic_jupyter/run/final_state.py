@@ -32,7 +32,8 @@ class FinalState:
             has no ``"model"``: it stays in ``folder``.
         folder: a sharded run's checkpoint folder that holds its final model, read one tensor
             at a time when asked for (engine.sharded_checkpoint's ``read_model``): it may be
-            larger than the kernel's memory.
+            larger than the kernel's memory. stamp: its manifest's identity then (a later run
+            in the same folder may prune or replace it).
     """
 
     def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int,
@@ -43,6 +44,7 @@ class FinalState:
         self.sharded = sharded
         self.state: dict[str, Any] | None = None
         self.folder: str | None = None
+        self.stamp: tuple | None = None
 
     async def take(self, members: list[Engine]) -> dict:
         """Keep the run's state at its last step as its final state; returns it. From the
@@ -110,7 +112,7 @@ class FinalState:
             self.log.event("warning", message=f"the final state is the checkpoint of step "
                            f"{step}: a sharded run's rows after it were not written")
         state = await loop.run_in_executor(None, sharded_checkpoint.read_state, path)
-        self.folder = path
+        self.folder, self.stamp = path, sharded_checkpoint.stamp(path)
         return state or {}
 
     def _newest_sharded(self) -> tuple[int, str] | None:

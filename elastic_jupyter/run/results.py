@@ -15,9 +15,9 @@ from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
 from ..engine.frozen import digest
 from ..engine.history import whole_history
+from . import streamed_export
 from .final_state import FinalState
 from .runlog import RunLog
-from .streamed_export import write_streamed
 
 # a folder unchanged for this long keeps its mtime until its next change: far above the file
 # systems' timestamp granularity (a clock tick), short beside the time between checkpoints
@@ -84,10 +84,7 @@ class RunResults:
         UsageError when there is neither."""
         folder = self._sharded_folder()
         if folder is not None:
-            try:
-                return None, sharded_checkpoint.load_whole(folder)
-            except ckpt.CheckpointError as e:
-                raise UsageError(f"run {self.name!r} has no state in memory and {e}") from None
+            return None, self._read(sharded_checkpoint.load_whole, folder)
         if self.final.state is not None:
             return None, self.final.state
         try:
@@ -98,45 +95,67 @@ class RunResults:
 
     def _sharded_folder(self) -> str | None:
         """A sharded run's checkpoint folder that holds its model: the final state's once it
-        ended, else the newest (None: not sharded, or no checkpoint yet)."""
+        ended, else the newest (None: not sharded, or no checkpoint yet). Raises UsageError
+        when the final state's folder was removed or replaced since the run ended."""
         if not self.final.sharded:
             return None
-        if self.final.state is not None:
-            return self.final.folder
-        return sharded_checkpoint.latest(self.checkpoint_dir)
+        if self.final.state is None:
+            return sharded_checkpoint.latest(self.checkpoint_dir)
+        folder = self.final.folder
+        if folder is not None and sharded_checkpoint.stamp(folder) != self.final.stamp:
+            raise UsageError(
+                f"run {self.name!r} ended with its model in {folder}, which a later run in the "
+                "same checkpoint folder pruned or replaced since: its weights are no longer "
+                "on disk. Export a sharded run before another one trains in its folder, or "
+                "give each its own --checkpoint-dir")
+        return folder
 
     def load_into(self, model: Any, part: str = "model") -> Any:
         """Copy `part`'s weights into the torch.nn.Module `model`; returns it. The run's frozen
         weights (engine.frozen: not in its state) are `model`'s own, checked against their
         digests. A sharded run's are read and copied one tensor at a time. Raises UsageError
-        when they differ, or when `model` lacks a trained tensor or has other ones (nothing
-        is loaded then)."""
+        when they differ, or when `model` lacks a trained tensor, has other ones or one of
+        another shape (nothing is loaded then)."""
         folder = self._sharded_folder() if part == "model" else None
         own = {_plain_key(key): key for key in model.state_dict()}
         if folder is None:
             weights = self.state_dict(part)
-            keys = [own.get(key, key) for key in weights]
+            shapes = {own.get(k, k): getattr(v, "shape", None) for k, v in weights.items()}
             state = self._state()[1]
         else:
-            keys = [own.get(key, key) for key in self._read(sharded_checkpoint.model_layout,
-                                                            folder)]
+            layout = self._read(sharded_checkpoint.model_layout, folder)
+            shapes = {own.get(k, k): layout[v][0] if isinstance(v, str) else v[0]
+                      for k, v in layout.items()}
             state = self._read(sharded_checkpoint.read_state, folder) or {}
         frozen = state.get("frozen") if part == "model" else None
-        self._check_keys(model, keys, {own.get(_plain_key(k), k): d
-                                       for k, d in (frozen or {}).items()})
+        self._check_keys(model, shapes, {own.get(_plain_key(k), k): d
+                                         for k, d in (frozen or {}).items()})
         if folder is None:
-            model.load_state_dict(dict(zip(keys, weights.values())), strict=not frozen)
-            return model
-        try:  # one tensor at a time: the whole model need not fit the kernel's memory
-            for key, tensor in sharded_checkpoint.read_model(folder, copy=False):
-                model.load_state_dict({own.get(key, key): tensor}, strict=False)
-        except ckpt.CheckpointError as e:
-            raise UsageError(f"run {self.name!r}: {e}") from None
+            model.load_state_dict(dict(zip(shapes, weights.values())), strict=not frozen)
+        else:
+            self._load_streamed(model, folder, layout, own)
         return model
 
-    def _check_keys(self, model: Any, keys: list[str], frozen: dict[str, str]) -> None:
+    def _load_streamed(self, model: Any, folder: str, layout: dict, own: dict) -> None:
+        """Copy the model in the sharded checkpoint `folder` into `model` one tensor at a time
+        (the whole model need not fit the kernel's memory), each under every name `layout`
+        gives it (`model` may hold a tied parameter's names apart); `own`: our keys to
+        `model`'s."""
+        tied: dict[str, list[str]] = {}
+        for alias, name in layout.items():
+            if isinstance(name, str):
+                tied.setdefault(name, []).append(alias)
+        try:
+            for key, tensor in sharded_checkpoint.read_model(folder, copy=False):
+                model.load_state_dict({own.get(k, k): tensor for k in [key, *tied.get(key, ())]},
+                                      strict=False)
+        except ckpt.CheckpointError as e:
+            raise UsageError(f"run {self.name!r}: {e}") from None
+
+    def _check_keys(self, model: Any, shapes: dict, frozen: dict[str, str]) -> None:
         """Raise UsageError unless `model` holds the frozen weights of `frozen` ({key: digest})
-        and its other tensors are `keys`, the trained ones."""
+        and its other tensors are those of `shapes` ({key: shape, or None for a value that is
+        not a tensor}), the trained ones, with their shapes."""
         held = model.state_dict()
         odd = sorted(k for k, d in frozen.items() if k not in held or digest(held[k]) != d)
         if odd:
@@ -145,16 +164,19 @@ class RunResults:
                 f"({len(odd)} tensor(s) differ, first {odd[0]!r}): its state holds the trained "
                 "tensors only; build the model as the cell did (the same base weights), then "
                 "load_into it")
-        missing = sorted(held.keys() - set(keys) - frozen.keys())
-        unexpected = sorted(set(keys) - held.keys())
-        if missing or unexpected:
-            raise UsageError(
-                f"`model` is not the architecture run {self.name!r} trained: "
-                + (f"it lacks {len(unexpected)} trained tensor(s), first {unexpected[0]!r}"
-                   if unexpected else "")
-                + ("; " if missing and unexpected else "")
-                + (f"{len(missing)} of its tensor(s) are not in the run's state, first "
-                   f"{missing[0]!r}" if missing else "") + " (nothing was loaded)")
+        missing = sorted(held.keys() - shapes.keys() - frozen.keys())
+        unexpected = sorted(shapes.keys() - held.keys())
+        other = sorted(k for k, shape in shapes.items() if k in held and shape is not None
+                       and tuple(getattr(held[k], "shape", ())) != tuple(shape))
+        if missing or unexpected or other:
+            said = [f"it lacks {len(unexpected)} trained tensor(s), first {unexpected[0]!r}"
+                    if unexpected else "",
+                    f"{len(missing)} of its tensor(s) are not in the run's state, first "
+                    f"{missing[0]!r}" if missing else "",
+                    f"its {other[0]!r} is {tuple(held[other[0]].shape)}, the run's "
+                    f"{tuple(shapes[other[0]])}" if other else ""]
+            raise UsageError(f"`model` is not the architecture run {self.name!r} trained: "
+                             + "; ".join(p for p in said if p) + " (nothing was loaded)")
 
     def export(self, path: str, part: str = "model") -> str:
         """Write `part`'s plain state dict to `path` with ``torch.save``'s format; returns the
@@ -162,11 +184,11 @@ class RunResults:
         it need not fit the kernel's memory."""
         import torch
         folder = self._sharded_folder() if part == "model" else None
-        if folder is not None:
+        if folder is not None and streamed_export.supported():
             layout = self._read(sharded_checkpoint.model_layout, folder)
             try:
-                return write_streamed(path, layout,
-                                      sharded_checkpoint.read_model(folder, copy=False))
+                return streamed_export.write_streamed(
+                    path, layout, sharded_checkpoint.read_model(folder, copy=False))
             except ckpt.CheckpointError as e:
                 raise UsageError(f"run {self.name!r}: {e}") from None
         path = os.path.abspath(path)

@@ -6,9 +6,10 @@ out first: ``torch.serialization.skip_data`` saves fake tensors of every shape a
 archive, with each tensor's bytes reserved but not written), then the file is mapped shared
 (``torch.load(mmap=True)`` under ``set_default_mmap_options(MAP_SHARED)``) and each tensor is
 copied into its place as it comes. The kernel writes the pages back as they fill; at most one
-tensor is held at once. The result is ``torch.save``'s own format, which
-``torch.load(weights_only=True)`` reads. (``skip_data`` is the save-then-fill method torch's
-own documentation gives.)
+tensor is held at once. The result is ``torch.save``'s format, which
+``torch.load(weights_only=True)`` reads; its CRC32 fields are left out (before torch 2.7:
+stale), as in the engine's checkpoints: torch.load never checks them, a zip tool would. (``skip_data``, torch 2.5+,
+is the save-then-fill method torch's own documentation gives.)
 
 This module imports nothing from IPython or the UI.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from typing import Iterable
 
 import torch
@@ -24,6 +26,15 @@ from ..engine import checkpoint as ckpt
 
 # key: (shape, dtype), or the key whose tensor it names too (a tied parameter's other name)
 Layout = dict[str, "tuple[tuple[int, ...], torch.dtype] | str"]
+# torch.load's mmap flags are one setting of the process: set and put back by one export at a
+# time (another thread's torch.load(mmap=True) in that instant would map its file shared too)
+_MMAP_FLAGS = threading.Lock()
+
+
+def supported() -> bool:
+    """Whether this torch lays a file out without its bytes (``skip_data``: torch 2.5+); where
+    not, a sharded run's export gathers the model whole first."""
+    return hasattr(torch.serialization, "skip_data")
 
 
 def write_streamed(path: str, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]]
@@ -58,20 +69,24 @@ def write_streamed(path: str, layout: Layout, tensors: Iterable[tuple[str, torch
 def _fill(file: str, layout: Layout, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy `tensors` into the laid-out `file` through a shared mapping, which goes when
     this returns (the caller's fsync then covers every page)."""
-    with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+    with _MMAP_FLAGS, torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
         places = torch.load(file, mmap=True, weights_only=True)
     seen = set()
-    for key, tensor in tensors:
-        if key not in layout or key in seen or isinstance(layout[key], str):
-            raise ValueError(f"{key!r} is not a key of the state dict being written, or came "
-                             "twice")
-        place = places[key]
-        if place.shape != tensor.shape or place.dtype != tensor.dtype:
-            raise ValueError(f"{key!r} is {tuple(tensor.shape)} {tensor.dtype}, the file laid "
-                             f"out {tuple(place.shape)} {place.dtype}")
-        with torch.no_grad():
-            place.copy_(tensor)
-        seen.add(key)
+    try:
+        for key, tensor in tensors:
+            if key not in layout or key in seen or isinstance(layout[key], str):
+                raise ValueError(f"{key!r} is not a key of the state dict being written, or "
+                                 "came twice")
+            place = places[key]
+            if place.shape != tensor.shape or place.dtype != tensor.dtype:
+                raise ValueError(f"{key!r} is {tuple(tensor.shape)} {tensor.dtype}, the file "
+                                 f"laid out {tuple(place.shape)} {place.dtype}")
+            with torch.no_grad():
+                place.copy_(tensor)
+            seen.add(key)
+    finally:  # no mapping outlives the call, even in a kept traceback (the file goes)
+        places = place = None  # noqa: F841
+        getattr(tensors, "close", lambda: None)()  # a generator's own mappings
     missing = sorted(k for k in layout.keys() - seen if not isinstance(layout[k], str))
     if missing:
         raise ValueError(f"no tensor came for {len(missing)} key(s), first {missing[0]!r}")
