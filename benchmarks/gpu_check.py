@@ -9,7 +9,8 @@ rewritten after every check so a run cut short keeps what it measured.
                        the same order (engine.batching's plan), rtol 1e-6
   sharded_single_rank  the same with shard=True (engine.sharded_mode: FSDP2 on a 1-rank nccl mesh,
                        the rows of a first generation, a partner replica refresh, --clip-grad-norm
-                       from the norm the vote summed): parameters equal a plain loop's, rtol 1e-6
+                       from the norm the vote summed; the trained parameters on the host until
+                       the first mesh): parameters equal a plain loop's, rtol 1e-6
   bf16, fp16           precision "bf16"/"fp16": steps run on cuda under autocast to that dtype,
                        the loss is finite and falls, parameters match a plain autocast loop
                        (fp16: with its GradScaler, whose state is in worker.capture())
@@ -385,6 +386,8 @@ def check_sharded_single_rank(ctx: Ctx) -> Outcome:
     worker = Worker(mlp_objects(1, torch.float64), config(steps=steps, shard=True,
                                                           clip_grad_norm=clip, replica_every=4),
                     str(ctx.device))
+    # the trained parameters wait on the host until the first mesh shards them
+    before = sorted({str(p.device) for p in worker.model.parameters()})
     result = train(ctx, worker, steps)
     plain = Plain(mlp_objects(1, torch.float64), config(), ctx.device)
     plain.optimizer.step = _clipped(plain.optimizer, plain.model, clip)  # as torch clips
@@ -395,12 +398,13 @@ def check_sharded_single_rank(ctx: Ctx) -> Outcome:
     on = str(next(worker.model.parameters()).to_local().device)
     replicas = [e for e in result["events"] if e["kind"] == "replicas"]
     ok = result["reason"] == "finished" and dev <= 1e-6 and ldev <= 1e-6 \
-        and on.startswith(ctx.device.type) and len(replicas) == 3
+        and on.startswith(ctx.device.type) and len(replicas) == 3 and before == ["cpu"]
     return Outcome(ok, f"param dev {dev:.1e}",
-                   f"FSDP2 on a 1-rank {ctx.backend} mesh on {on}, float64, {steps} steps, "
-                   f"clip {clip}, {len(replicas)} replica refreshes vs a plain loop; loss dev "
-                   f"{ldev:.1e}", {"param_max_rel_dev": dev, "loss_max_rel_dev": ldev,
-                                   "replicas": replicas, "device": on})
+                   f"FSDP2 on a 1-rank {ctx.backend} mesh on {on} (from the host: {before}), "
+                   f"float64, {steps} steps, clip {clip}, {len(replicas)} replica refreshes vs a "
+                   f"plain loop; loss dev {ldev:.1e}",
+                   {"param_max_rel_dev": dev, "loss_max_rel_dev": ldev, "replicas": replicas,
+                    "device": on, "before_first_mesh": before})
 
 
 def _clipped(optimizer, model: nn.Module, clip: float):

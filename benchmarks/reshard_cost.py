@@ -3,8 +3,10 @@
 The 200M GPT of benchmarks/gpt.py, sharded with FSDP2 per block (engine.sharding), AdamW after
 one step (its two moments: the state is 2.4 GB in fp32), on gloo processes of this machine:
 
-- **grow 2 -> 3** and **shrink 3 -> 2** (rank 1 leaves, handing its rows over) with
-  ``ShardedModel.reshard_to``: its time (every rank from a barrier to done), the bytes that
+- **grow 2 -> 3** with ``ShardedModel.reshard_to`` and **shrink 3 -> 2** as a generation's
+  end and the next one's start do it (rank 1 leaves: ``hand_over`` in the old group, then
+  ``reshard_to`` from the rows handed over in the new one): the time (every rank from a
+  barrier to done; the shrink's two parts added, the new group's rendezvous left out), the bytes that
   travelled (point to point, counted as the plan sends them, plus the pickled structure)
   against the minimum for the new layout (the rows whose owner changes), and against one
   ``all_to_all_single`` of the same bytes between the same ranks in the same processes;
@@ -87,12 +89,7 @@ def _resize(rank: int, size: str, case: str, folder: str) -> None:
     layout = Layout(tuple(old_members.index(g) if g in old_members else None for g in range(3)),
                     tuple(new_members.index(g) if g in new_members else None for g in range(3)))
     rows = [sharded.shapes[n][0] for n in sharded.names] * 3  # parameters, AdamW's 2 moments
-    dist.barrier()
-    start = time.perf_counter()
-    sharded.reshard_to(mesh_of[tuple(new_members)], layout, rank, optimizer, torch.device("cpu"))
-    dist.barrier()
-    out["reshard_s"] = time.perf_counter() - start
-    # the same bytes between the same ranks, as one all_to_all_single
+    # first, the same bytes between the same ranks, as one all_to_all_single
     row_bytes = [torch.Size(sharded.shapes[n][1:]).numel() * 4 for n in sharded.names] * 3
     transfers = plan(rows, layout)
     send = [sum((t.end - t.start) * row_bytes[t.tensor] for t in transfers
@@ -106,6 +103,37 @@ def _resize(rank: int, size: str, case: str, folder: str) -> None:
     dist.all_to_all_single(into, data, recv, send)
     dist.barrier()
     out["all_to_all_s"] = time.perf_counter() - start
+    del data, into
+    dist.barrier()
+    if grow:
+        start = time.perf_counter()
+        sharded.reshard_to(mesh_of[tuple(new_members)], layout, rank, optimizer,
+                           torch.device("cpu"))
+        dist.barrier()
+        out["reshard_s"] = time.perf_counter() - start
+    else:  # as a generation ends and the next starts: the hand-over in the old group (a
+        # drain), then the next generation's group, where each stayer builds its module
+        start = time.perf_counter()
+        parked = sharded.hand_over(layout, rank, optimizer)
+        dist.barrier()
+        out["hand_over_s"] = time.perf_counter() - start
+        dist.destroy_process_group()
+        if rank not in new_members:
+            out["reshard_s"] = out["hand_over_s"]
+            with open(f"{folder}/{case}-{rank}.json", "w") as f:
+                json.dump(dict(out, moved=moved_bytes(transfers, row_bytes)), f)
+            return
+        new_rank = new_members.index(rank)
+        dist.init_process_group("gloo", store=dist.FileStore(f"{folder}/store-{case}-new", 2),
+                                rank=new_rank, world_size=2)
+        dist.barrier()
+        start = time.perf_counter()
+        sharded.reshard_to(DeviceMesh.from_group(dist.group.WORLD, "cpu"),
+                           Layout((0, 1), (0, 1)), new_rank, optimizer, torch.device("cpu"),
+                           parked, consume=True)
+        dist.barrier()
+        out["start_s"] = time.perf_counter() - start
+        out["reshard_s"] = out["hand_over_s"] + out["start_s"]
     out["moved"] = moved_bytes(transfers, row_bytes)
     with open(f"{folder}/{case}-{rank}.json", "w") as f:
         json.dump(out, f)
@@ -200,6 +228,9 @@ def main() -> None:
               f"{a2a:.2f} s ({reshard / a2a:.2f} x); restart path {save_s + restart_s:.1f} s "
               f"(write {save_s:.1f} s + new processes to ready {restart_s:.1f} s): "
               f"{(save_s + restart_s) / reshard:.1f} x the resharding")
+        if "start_s" in ranks[0]:
+            print(f"  {case}: hand-over {max(r['hand_over_s'] for r in ranks):.2f} s, then the "
+                  f"next generation's modules {max(r.get('start_s', 0) for r in ranks):.2f} s")
     shrink = figures["shrink"]
     refresh = max(r["replica_s"] for r in shrink if "replica_s" in r)
     step = max(r["step_s"] for r in shrink if "step_s" in r)

@@ -361,7 +361,8 @@ class RunConfig:
     memory_per_rank: int | None = field(default=None, metadata=flag(
         "--memory-per-rank", "with --shard: the training memory a rank may use, like 24G "
         "(default: a GPU slot's memory; none on CPU slots). The run refuses a pool's --min, "
-        "and a resize, below the smallest world size that fits (activations not counted)",
+        "and a resize, below the smallest world size that fits (one micro-batch's activations "
+        "included)",
         parse=byte_size, metavar="SIZE"))
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from elastic_jupyter import RunConfig, TrainingRun, UsageError
 from elastic_jupyter.config import byte_size
-from elastic_jupyter.engine.memory_need import MemoryNeed, measure
+from elastic_jupyter.engine.memory_need import MemoryNeed, activation_bytes, measure
 from elastic_jupyter.engine.sharding import default_units, skeleton_of
 from elastic_jupyter.engine.worker import Worker
 from elastic_jupyter.run.memory_bound import MemoryBound
@@ -136,7 +136,7 @@ def test_a_pool_min_and_a_resize_below_the_bound_are_refused_with_the_numbers():
     bound.set_up(_found(20 * 2**30) + _found(40 * 2**30), 2, 4)  # the smallest budget counts
     assert bound.world_size == 2
     assert bound.mode == ("sharded, memory bound: world size >= 2 (17.00 of 20.00 GiB per rank "
-                          "there, activations not counted)")
+                          "there, activations not counted)")  # NEED counts none
     bound.check(2)
     with pytest.raises(UsageError, match="world size 1 is below this sharded run's memory "
                        "bound 2: 33.00 GiB per rank at world size 1"):
@@ -144,8 +144,8 @@ def test_a_pool_min_and_a_resize_below_the_bound_are_refused_with_the_numbers():
     assert MemoryBound(shard=False).mode == "replicated"
 
 
-def _need_of(options: dict) -> MemoryNeed:
-    worker = Worker(cell_namespace(CELL, 3), dict(config(shard=True), **options), "cpu")
+def _need_of(options: dict, cell: str = CELL) -> MemoryNeed:
+    worker = Worker(cell_namespace(cell, 3), dict(config(shard=True), **options), "cpu")
     assert worker.sharded is not None
     found = worker.sharded.count_memory(worker.optimizer, worker.plan.micro_batch_count(16),
                                         worker.device)
@@ -181,3 +181,50 @@ def test_a_pool_below_a_runs_memory_bound_is_refused_and_stays_usable(idle_pool,
     mode = idle_pool.status()["run_mode"]
     assert run.wait(timeout=120) == "finished", run.logs()
     assert mode.startswith("sharded, memory bound: world size >= 1 (")
+
+
+def _mlp_loss(model, batch):
+    x, y = batch
+    return (model(x) - y).pow(2).mean()
+
+
+def test_one_micro_batchs_activations_are_what_its_forward_saves():
+    """Counted on the meta copy: the first layer's input (5 x 8), the tanh's output, which
+    the second layer saves too (5 x 16, once), and the loss's difference (5 x 1), float32; the
+    weights are parameters, not activations. A forward that reads a value says so."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    batch = [torch.empty(5, 8, device="meta"), torch.empty(5, 1, device="meta")]
+    skeleton = skeleton_of(model)
+    assert activation_bytes(skeleton, _mlp_loss, batch) == (5 * (8 + 16 + 1) * 4, "")
+    assert not hasattr(skeleton[0], "cache")
+
+    def reads_a_value(model, batch):
+        model[0].cache = batch[0]  # kept by the copy it ran on, not by the skeleton
+        if batch[0].sum() > 0:
+            return _mlp_loss(model, batch)
+        return _mlp_loss(model, batch)
+    got, why = activation_bytes(skeleton, reads_a_value, batch)
+    assert got == 0 and why.startswith("activations not counted: the forward could not run on "
+                                       "the meta device (")
+    assert not hasattr(skeleton[0], "cache")
+    need = measure(skeleton, [], None, [], 1, activations=(1000, ""))
+    assert need.at(1) - measure(skeleton, [], None, [], 1).at(1) == 1000
+    assert need.describe(1).endswith(", 0.00 activations)")
+
+
+def test_the_cells_activations_are_counted_at_setup():
+    """A sharded Worker with a memory budget counts one micro-batch of the cell's first samples
+    (4 at a cut of 16 over 64 samples); this cell's forward branches on its data, so they are
+    not counted and the bound says why. Without a budget loss_fn is not run at setup."""
+    bounded = config(micro_batch=4, memory_per_rank=2**30)
+    need = _need_of(bounded)
+    assert need.activations == 0 and "could not run on the meta device" in need.describe(2)
+    cell = CELL.replace("if rare.any():", "if False:")
+    assert cell != CELL
+    counted = _need_of(bounded, cell)
+    # each block saves its input, its linear's output, BatchNorm's, tanh's and dropout's
+    # output and mask: float64 rows of 6 for 4 samples, about 5 tensors a block
+    assert 3 * 4 * 4 * 6 * 8 < counted.activations < 3 * 8 * 4 * 6 * 8
+    assert counted.activations_unknown == "" and "activations)" in counted.describe(2)
+    unbounded = _need_of(config(micro_batch=4), cell)
+    assert unbounded.activations_unknown == "activations not counted: no memory bound"

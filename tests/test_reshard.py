@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from elastic_jupyter.engine import reshard as reshard_mod
 from elastic_jupyter.engine.reshard import (Layout, chunk_rows, empty_like_rows, moved_bytes,
                                             plan, reshard)
 from worlds import spawn
@@ -30,8 +31,10 @@ def full_tensors() -> list[torch.Tensor]:
     return [(torch.randn(n, 3, 2, generator=g) * 100).to(dtype) for n, dtype in zip(ROWS, DTYPES)]
 
 
-def _rank(rank: int, store: str, name: str, out: str) -> None:
+def _rank(rank: int, store: str, name: str, out: str, staged: bool = False) -> None:
     layout = LAYOUTS[name]
+    if staged:  # rounds as nccl's: small ones, so the model-sized tensor is cut by rows
+        reshard_mod.ROUND_BYTES = 100_000
     dist.init_process_group("gloo", store=dist.FileStore(store, len(layout.old)), rank=rank,
                             world_size=len(layout.old))
     try:
@@ -39,16 +42,18 @@ def _rank(rank: int, store: str, name: str, out: str) -> None:
         old = layout.old[rank]
         shards = [t[slice(*chunk_rows(len(t), layout.old_size, old))].clone() if old is not None
                   else empty_like_rows(t) for t in full]
-        new = reshard(shards, ROWS, layout, rank)
+        new = reshard(shards, ROWS, layout, rank, stage=torch.device("cpu") if staged else None)
         torch.save(new, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_every_rank_gets_its_new_rows_and_only_changed_owners_travel(tmp_path, name):
+@pytest.mark.parametrize("name,staged", [(name, False) for name in LAYOUTS] + [
+    ("grow 2 -> 3", True), ("shrink 3 -> 2, rank 1 leaves", True)])
+def test_every_rank_gets_its_new_rows_and_only_changed_owners_travel(tmp_path, name, staged):
+    """`staged`: in rounds, as rows held on the host travel with nccl."""
     layout = LAYOUTS[name]
-    spawn(_rank, (str(tmp_path / "store"), name, str(tmp_path)), len(layout.old))
+    spawn(_rank, (str(tmp_path / "store"), name, str(tmp_path), staged), len(layout.old))
     full = full_tensors()
     for g, new in enumerate(layout.new):
         got = torch.load(tmp_path / f"rank{g}.pt", weights_only=True)
@@ -80,3 +85,26 @@ def test_layouts_are_checked():
         Layout((0, 1), (0,))
     assert chunk_rows(5, 4, 3) == (5, 5) and chunk_rows(5, 4, 2) == (4, 5)  # torch.chunk's
     assert [len(c) for c in torch.arange(5).chunk(4)] == [2, 2, 1]
+
+
+def test_rounds_cut_the_plan_alike_and_bound_each_round():
+    """Every rank cuts the same rounds from the same plan: none holds more than ROUND_BYTES
+    (but a row larger than that, alone), and together they are the plan's rows."""
+    layout = LAYOUTS["grow 2 -> 3"]
+    transfers = plan(ROWS, layout)
+    row_bytes = [48, 10**6, 48, 48, 48, 48, 48, 48]  # one tensor's row past the bound
+    bound = 100_000
+    original = reshard_mod.ROUND_BYTES
+    reshard_mod.ROUND_BYTES = bound
+    try:
+        rounds = reshard_mod._rounds(transfers, row_bytes)
+    finally:
+        reshard_mod.ROUND_BYTES = original
+    for r in rounds:
+        size = sum((t.end - t.start) * row_bytes[t.tensor] for t in r)
+        assert size <= bound or len(r) == 1, size
+    pieces = [(t.tensor, t.src, t.dst, row) for r in rounds for t in r
+              for row in range(t.start, t.end)]
+    assert sorted(pieces) == sorted((t.tensor, t.src, t.dst, row) for t in transfers
+                                    for row in range(t.start, t.end))
+    assert len(rounds) > 3

@@ -192,3 +192,37 @@ def test_frozen_weights_and_kept_buffers_are_each_ranks_own_in_every_new_module(
         assert torch.allclose(new(tokens), expected, rtol=1e-12, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_optimizer_lets_go_of_the_cells_parameters_while_they_are_sharded(tmp_path):
+    """At the first mesh the optimizer holds none of the cell's parameters while FSDP2 shards
+    them (on a GPU it moves each unit there whole to shard it: kept referenced, every unit
+    would stay whole on the device), and holds the sharded ones after, with its groups' order;
+    the cell's whole parameters are freed."""
+    import gc
+    import weakref
+    model = build()
+    optimizer = torch.optim.AdamW([{"params": list(model[1].parameters())},
+                                   {"params": [p for p in model[0].parameters()
+                                               if p.requires_grad], "lr": 0.5}], lr=0.01)
+    seen = []
+    whole = [weakref.ref(p) for p in model.parameters() if p.requires_grad]
+
+    def shard_fn(module, mesh):  # called while the module is being sharded
+        seen.append([len(g["params"]) for g in optimizer.param_groups])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        sharded = ShardedModel(model, shard_fn=shard_fn)
+        names = sharded.held.names(optimizer)
+        module = sharded.reshard_to(init_device_mesh("cpu", (1,)), Layout((0,), (0,)), 0,
+                                    optimizer, torch.device("cpu"))
+        assert seen == [[0, 0]]
+        params = dict(module.named_parameters())
+        assert [[params[n] for n in group] for group in names] == \
+            [g["params"] for g in optimizer.param_groups]
+        assert optimizer.param_groups[1]["lr"] == 0.5
+        gc.collect()
+        assert all(ref() is None for ref in whole)
+    finally:
+        dist.destroy_process_group()

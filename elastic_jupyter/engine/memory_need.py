@@ -12,8 +12,13 @@ size that fits a rank's budget from them (run.memory_bound), and each generation
 whether its passes must reduce-scatter one by one.
 
 What is counted are the model states and gather buffers, as DeepSpeed's
-``estimate_zero3_model_states_mem_needs`` counts them; the activations are the cell's and are
-not (leave room for them in the budget). The optimizer's state is measured by one step of a
+``estimate_zero3_model_states_mem_needs`` counts them, and one micro-batch's activations: the
+tensors the cell's forward saves for its backward (``torch.autograd.graph.saved_tensors_hooks``),
+counted by running ``loss_fn`` on the model's meta copy with a micro-batch of the first samples
+moved to the meta device (no storage, no compute; the transient tensors of the backward are not
+counted, and autocast does not apply there, so a bf16 run's are counted in the parameters'
+dtype). A forward that cannot run on the meta device (one that reads a value) leaves them
+uncounted, and the count says why. The optimizer's state is measured by one step of a
 copy of the cell's optimizer over the model's parameters on the meta device (no storage);
 an optimizer whose step cannot run there (one that reads a value, as Adafactor does) is
 counted as AdamW's two moments, and the count says it is an estimate.
@@ -22,9 +27,10 @@ This module imports nothing from IPython or the UI.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import asdict, dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -50,6 +56,9 @@ class MemoryNeed:
             accumulates more than one pass before it reduce-scatters.
         micro_batches: micro-batches in a full step (None: the cut is measured at the start).
         optimizer_estimated: the optimizer's state is AdamW's two moments, not measured.
+        activations: what one micro-batch's forward saves for its backward (every rank
+            holds one micro-batch's at a time, whatever the world size).
+        activations_unknown: why the activations are not counted ("" where they are).
     """
 
     parameters: int
@@ -60,6 +69,8 @@ class MemoryNeed:
     micro_batches: int | None
     optimizer_estimated: bool = False
     frozen: int = 0
+    activations: int = 0
+    activations_unknown: str = "activations not counted"
 
     def passes(self, world_size: int) -> int:
         """Passes per rank in a full step at `world_size` (every rank runs rank 0's)."""
@@ -69,7 +80,7 @@ class MemoryNeed:
         """Bytes per rank at `world_size`; `per_pass`: passes reduce-scatter one by one."""
         sharded = self.parameters + self.gradients + self.optimizer
         accumulates = self.passes(world_size) > 1 and not per_pass
-        return (-(-sharded // world_size) + self.frozen + self.gathers
+        return (-(-sharded // world_size) + self.frozen + self.gathers + self.activations
                 + self.accumulation * accumulates)
 
     def fits(self, world_size: int, budget: int | None) -> bool:
@@ -93,9 +104,11 @@ class MemoryNeed:
                  f"{self.optimizer / GiB / world_size:.2f} optimizer state"
                  f"{' (estimated as AdamW)' if self.optimizer_estimated else ''}, "
                  f"{self.gathers / GiB:.2f} gather buffers"
-                 + (f", {self.frozen / GiB:.2f} frozen" if self.frozen else ""))
+                 + (f", {self.frozen / GiB:.2f} frozen" if self.frozen else "")
+                 + (f"; {self.activations_unknown}" if self.activations_unknown
+                    else f", {self.activations / GiB:.2f} activations"))
         return (f"{self.at(world_size, per_pass=True) / GiB:.2f} GiB per rank at world size "
-                f"{world_size} ({parts}; activations not counted)")
+                f"{world_size} ({parts})")
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -103,12 +116,14 @@ class MemoryNeed:
 
 def measure(skeleton: nn.Module, units: list[nn.Module], optimizer: torch.optim.Optimizer |
             None, optimized: list[list[str]], micro_batches: int | None,
-            frozen_stay: bool = False) -> MemoryNeed:
+            frozen_stay: bool = False,
+            activations: tuple[int, str] = (0, "activations not counted")) -> MemoryNeed:
     """Count the need of `skeleton` (the cell's model on the meta device, engine.sharding's
     ``skeleton_of``) sharded in `units` (the root holds the rest) and trained by a copy of
     `optimizer`, whose parameter groups hold the parameters named `optimized`;
     `micro_batches`: in a full step (None: not known yet); `frozen_stay`: the frozen
-    parameters stay whole on every rank, gathered by no unit."""
+    parameters stay whole on every rank, gathered by no unit; `activations`: one
+    micro-batch's (:func:`activation_bytes`)."""
     params = list(skeleton.parameters())
     frozen = [p for p in params if not p.requires_grad] if frozen_stay else []
     params = [p for p in params if p.requires_grad or not frozen_stay]
@@ -126,7 +141,35 @@ def measure(skeleton: nn.Module, units: list[nn.Module], optimizer: torch.optim.
                       gathers=_bytes(root) + 2 * largest + largest_grad
                       + _bytes(skeleton.buffers()), accumulation=_bytes(trainable),
                       micro_batches=micro_batches, optimizer_estimated=estimated,
-                      frozen=_bytes(frozen))
+                      frozen=_bytes(frozen), activations=activations[0],
+                      activations_unknown=activations[1])
+
+
+def activation_bytes(skeleton: nn.Module, loss_fn: Callable, batch) -> tuple[int, str]:
+    """(bytes of the tensors that ``loss_fn(skeleton, batch)`` saves for its backward, "") with
+    `skeleton` and `batch` on the meta device, each storage counted once and the model's own
+    parameters left out; or (0, why they are not counted) where the forward raises there. It
+    runs on a copy: a forward may keep tensors in its modules (a cache), which must not reach
+    the modules built from `skeleton`."""
+    saved: dict[int, torch.Tensor] = {}  # kept: a freed storage's identity may come again
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[_key(t)] = t
+        return t
+    try:
+        copied = copy.deepcopy(skeleton)
+        # a storage's identity: meta tensors have no address to tell them apart by
+        own = {_key(p) for p in copied.parameters()}
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss_fn(copied, batch)
+    except Exception as e:  # pylint: disable=broad-except  # any cell's forward
+        return 0, (f"activations not counted: the forward could not run on the meta device "
+                   f"({type(e).__name__}: {str(e)[:120]})")
+    return sum(t.untyped_storage().nbytes() for k, t in saved.items() if k not in own), ""
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata  # pylint: disable=protected-access
 
 
 def _bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -43,9 +43,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from . import history
 from .batching import BatchPlan
 from .collective import collective
-from .memory_need import MemoryNeed
+from .memory_need import MemoryNeed, activation_bytes
 from .objects import CellObjects, SetupError
 from .protocol import EngineConfig
+from .randomness import host_generator_state, set_host_generator_state
 from .replicas import HostBuffers, PartnerReplicas
 from .reshard import Layout
 from .sharded_checkpoint import (commit, folder_bytes, latest, prune, read_rows, read_state,
@@ -53,6 +54,7 @@ from .sharded_checkpoint import (commit, folder_bytes, latest, prune, read_rows,
 from .sharded_reduce import ShardedReducer
 from .sharded_writer import PartWriter
 from .sharding import ShardedModel, ShardingError, Snapshot
+from .transfer import to_device
 
 # (what the option is, why it is refused for now)
 _NOT_YET = (
@@ -77,6 +79,8 @@ class ShardedMode:
     Args:
         objects: the cell's objects; ``shard_fn(model, mesh)`` when the cell defines one.
         config: the run's options.
+        device: the engine's (on a GPU, the cell's trained parameters stay on the host until
+            the first mesh shards them: engine.worker).
     Raises SetupError for an option the sharded mode does not support yet, or a cell that
     keeps other training state (``extra_state``, ``after_step``).
 
@@ -90,7 +94,12 @@ class ShardedMode:
         replicas: partner replicas (engine.replicas), refreshed by :meth:`refresh`.
     """
 
-    def __init__(self, objects: CellObjects, config: EngineConfig):
+    def __init__(self, objects: CellObjects, config: EngineConfig,
+                 device: torch.device = torch.device("cpu")):
+        if config.pass_cost == "measure" and device.type == "cuda":
+            raise SetupError("--pass-cost measure is not supported with shard=True on a GPU: "
+                             "the passes would run the whole model, which stays on the host "
+                             "until sharded; give --pass-cost N (samples) or --micro-batch N")
         for field, option, why in _NOT_YET:
             if getattr(config, field):
                 raise SetupError(f"{option} is not supported with shard=True yet: {why}")
@@ -106,6 +115,7 @@ class ShardedMode:
                              f"{config.replica_every}")
         # bf16: the forward under autocast, as in the replicated mode (FSDP2's bf16 gathers,
         # MixedPrecisionPolicy(param_dtype=bf16), would meet BatchNorm's fp32 buffers)
+        self.objects, self.global_batch = objects, config.global_batch  # (activations)
         self.model = ShardedModel(objects.model, objects.shard_fn,
                                   frozen_stay=not config.move_frozen)
         try:
@@ -133,14 +143,36 @@ class ShardedMode:
     def count_memory(self, optimizer: torch.optim.Optimizer | None, micro_batches: int | None,
                      device: torch.device) -> dict:
         """At setup, before the first generation: count the memory a rank needs at each world
-        size (engine.memory_need; `micro_batches` in a full step). The budget is
+        size (engine.memory_need; `micro_batches` in a full step), with one micro-batch's
+        activations where there is a budget (``loss_fn`` then runs once on the meta device).
+        The budget is
         ``memory_per_rank``, else a GPU's memory. Returns {"need", "budget", "given"} for
         the owner (run.memory_bound)."""
-        self.need = self.model.memory_need(optimizer, micro_batches)
         given = self.budget is not None
         if not given and device.type == "cuda":
             self.budget = torch.cuda.get_device_properties(device).total_memory
+        activations = self._activations(micro_batches) if self.budget is not None \
+            else (0, "activations not counted: no memory bound")
+        self.need = self.model.memory_need(optimizer, micro_batches, activations)
         return {"need": self.need.as_dict(), "budget": self.budget, "given": given}
+
+    def _activations(self, micro_batches: int | None) -> tuple[int, str]:
+        """One micro-batch's activations (engine.memory_need's ``activation_bytes``), on the
+        dataset's first samples; the random generators as they were."""
+        if not micro_batches:
+            return 0, "activations not counted: the cut is measured at the start"
+        cell = self.objects
+        samples = -(-min(self.global_batch, len(cell.dataset)) // micro_batches)
+        host = host_generator_state()
+        try:
+            with torch.random.fork_rng(devices=[]):
+                batch = cell.collate_fn([cell.dataset[i] for i in range(samples)])
+                return activation_bytes(self.model.skeleton, cell.loss_fn,
+                                        to_device(batch, torch.device("meta")))
+        except Exception as e:  # pylint: disable=broad-except  # the trials report it
+            return 0, f"activations not counted: reading a micro-batch failed ({e})"
+        finally:
+            set_host_generator_state(host)
 
     def resume(self, path: str) -> None:
         """Start from the sharded checkpoint folder `path` (engine.sharded_checkpoint) at the

@@ -88,15 +88,21 @@ def released(model: nn.Module) -> bool:
     return any(_emptied(p) for p in model.parameters() if p.requires_grad)
 
 
-def move_model(model: nn.Module, device: torch.device) -> None:
+def move_model(model: nn.Module, device: torch.device, sharded: bool = False,
+               frozen_stay: bool = True) -> None:
     """``model.to(device)``, leaving the released parameters of a warm engine's model as they
-    are (no storage: :meth:`ShardedModel.release`)."""
-    if not released(model):
+    are (no storage: :meth:`ShardedModel.release`). `sharded` on a GPU: the parameters FSDP2
+    will shard stay on the host (it moves each unit there as it shards it, at the first mesh:
+    a model larger than the GPU starts): those that require a gradient, and the frozen ones
+    unless they stay whole (`frozen_stay`); the others and the buffers go."""
+    on_host = (lambda p: p.requires_grad or not frozen_stay) \
+        if sharded and device.type == "cuda" else (lambda p: False)
+    if not released(model) and not any(on_host(p) for p in model.parameters()):
         model.to(device)
         return
     with torch.no_grad():
         for p in model.parameters():
-            if not _emptied(p):
+            if not _emptied(p) and not on_host(p):
                 p.data = p.data.to(device)
         for name, b in model.named_buffers():
             _set_buffer(model, name, b.to(device))
@@ -114,6 +120,71 @@ def default_units(model: nn.Module) -> list[nn.Module]:
                 and len(module) >= len(best):
             best = list(module.children())
     return [child for child in best if any(True for _ in child.parameters())]
+
+
+class HeldParameters:
+    """Which of the model's parameters the cell's optimizer holds, by name: the optimizer
+    is pointed at each new module's parameters of the same names (one owner: ShardedModel).
+
+    Args:
+        model: the cell's model, whose parameters the optimizer holds at the start.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.ids = {id(p): n for n, p in model.named_parameters()}
+        self._let_go: list[list[str]] | None = None  # what it holds while it holds nothing
+
+    def names(self, optimizer: torch.optim.Optimizer | None) -> list[list[str]]:
+        """The names of the parameters each of `optimizer`'s groups holds (after
+        :meth:`let_go`, until :meth:`repoint`: those it held). Raises ShardingError for a
+        tensor that is not one of the model's parameters."""
+        if optimizer is None:
+            return []
+        if self._let_go is not None:
+            return self._let_go
+        names = []
+        for group in optimizer.param_groups:
+            unknown = [p for p in group["params"] if id(p) not in self.ids]
+            if unknown:
+                raise ShardingError(f"the optimizer holds {len(unknown)} tensor(s) that are not "
+                                    "the model's parameters: under --shard it must optimize "
+                                    "model parameters only")
+            names.append([self.ids[id(p)] for p in group["params"]])
+        return names
+
+    def let_go(self, optimizer: torch.optim.Optimizer | None) -> list[list[str]]:
+        """Before the cell's model is sharded in place: `optimizer` lets go of its parameters
+        (their state, keyed by them, too: the rows to keep were taken from it), so that each
+        unit's whole tensors, which FSDP2 moves to the GPU to shard them, are freed once
+        sharded rather than all kept to the end (a model larger than the GPU). Returns their
+        names per group, for :meth:`repoint` (:meth:`names` gives them until then: a
+        sharding that fails leaves them for the next try)."""
+        names = self.names(optimizer)
+        if optimizer is not None:
+            optimizer.state.clear()
+            for group in optimizer.param_groups:
+                group["params"] = []
+            self._let_go = names
+        return names
+
+    def repoint(self, optimizer: torch.optim.Optimizer, names: list[list[str]], params: dict,
+                moments: dict, mesh: DeviceMesh, replicated: dict) -> None:
+        """Point `optimizer` at `params` by name (`names`: each group's, :meth:`names`); its
+        state becomes `replicated`'s values and the `moments` ({(name, key): local rows}) as
+        DTensors on `mesh`."""
+        for group, held in zip(optimizer.param_groups, names, strict=True):
+            group["params"] = [params[n] for n in held]
+        self._let_go = None
+        optimizer.state.clear()
+        for n, p in params.items():
+            kept = dict(replicated.get(n, {}))
+            for (name, key), rows in moments.items():
+                if name == n:
+                    kept[key] = DTensor.from_local(rows, mesh, [Shard(0)], run_check=False,
+                                                   shape=p.shape, stride=p.stride())
+            if kept:
+                optimizer.state[p] = kept
+        self.ids = {id(p): n for n, p in params.items()}
 
 
 class ShardedModel:
@@ -152,8 +223,8 @@ class ShardedModel:
         self.module: nn.Module | None = None
         # sharded in place by the first shard(); none where a warm engine released its rows
         self._cell_model: nn.Module | None = None if released(model) else model
-        # the parameters the optimizer holds, by id: the cell's until the first mesh
-        self._held_ids = {id(p): n for n, p in model.named_parameters()}
+        # the parameters the optimizer holds: the cell's until the first mesh
+        self.held = HeldParameters(model)
 
     def _wrap(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if self.shard_fn is not None:
@@ -201,17 +272,19 @@ class ShardedModel:
         finally:
             dist.destroy_process_group()
 
-    def memory_need(self, optimizer: torch.optim.Optimizer | None,
-                    micro_batches: int | None) -> MemoryNeed:
+    def memory_need(self, optimizer: torch.optim.Optimizer | None, micro_batches: int | None,
+                    activations: tuple[int, str] = (0, "activations not counted")
+                    ) -> MemoryNeed:
         """The memory a rank needs at each world size (engine.memory_need), counted on the
         skeleton: before the first generation, while `optimizer` holds the cell's model's
-        parameters; `micro_batches`: in a full step. With a ``shard_fn`` the gather buffers
+        parameters; `micro_batches`: in a full step; `activations`: one micro-batch's
+        (engine.memory_need's ``activation_bytes``). With a ``shard_fn`` the gather buffers
         are counted over the default units (its own are only known on a mesh)."""
-        optimized = [[self._held_ids[id(p)] for p in group["params"]
-                      if id(p) in self._held_ids and p.requires_grad]
+        optimized = [[self.held.ids[id(p)] for p in group["params"]
+                      if id(p) in self.held.ids and p.requires_grad]
                      for group in (optimizer.param_groups if optimizer else [])]
         return measure(self.skeleton, default_units(self.skeleton), optimizer, optimized,
-                       micro_batches, frozen_stay=bool(self.frozen))
+                       micro_batches, frozen_stay=bool(self.frozen), activations=activations)
 
     def shard(self, mesh: DeviceMesh, optimizer: torch.optim.Optimizer | None) -> nn.Module:
         """The first generation: shard the cell's model itself over `mesh` (each rank keeps
@@ -219,10 +292,10 @@ class ShardedModel:
         `optimizer`, which holds none of its state yet, at the new ones. Returns it."""
         if self._cell_model is None:
             raise RuntimeError("the cell's model is sharded already: use reshard_to")
+        held = self.held.let_go(optimizer)
         self.module, self._cell_model = self._wrap(self._cell_model, mesh), None
         if optimizer is not None:
-            self._repoint(optimizer, dict(self._held_ids), dict(self.module.named_parameters()),
-                          {}, mesh, {})
+            self.held.repoint(optimizer, held, dict(self.module.named_parameters()), {}, mesh, {})
         return self.module
 
     def snapshot(self, optimizer: torch.optim.Optimizer | None) -> Snapshot:
@@ -274,13 +347,13 @@ class ShardedModel:
                  copies: dict | None) -> tuple:
         """What a resharding sends from: (entries, dtypes, replicated, buffers) as old rank
         0's holder has them, each entry's rows, this rank's tensors per entry and those of
-        `copies` (zero-row tensors where it holds none; on `device` with nccl)."""
+        `copies` (zero-row tensors on `device` where it holds none). Rows stay where they are
+        (a host copy too): engine.reshard stages them for nccl a round at a time."""
         entries, dtypes, replicated, buffers = _from_holder(held, layout, group_rank)
         rows = [self.shapes[n][0] for n, _ in entries]
-        on = device if dist.get_backend() == "nccl" else None  # nccl sends device memory
 
         def listed(parts: dict) -> list[torch.Tensor]:
-            return [_moved(parts[e], on) if e in parts else torch.empty(
+            return [parts[e] if e in parts else torch.empty(
                 (0, *self.shapes[e[0]][1:]), dtype=dtypes[i], device=device)
                 for i, e in enumerate(entries)]
         copied = {r: listed(c) for r, c in (copies or {}).items()}
@@ -297,7 +370,7 @@ class ShardedModel:
         device = next(iter(held.parts.values())).device if held.parts else torch.device("cpu")
         entries, _, replicated, buffers, rows, sources, _ = self._sources(
             held, layout, group_rank, device, None)
-        shards = reshard(sources, rows, layout, group_rank)
+        shards = reshard(sources, rows, layout, group_rank, stage=_stage())
         self._free(optimizer)
         if layout.new[group_rank] is None:
             return Snapshot({}, {}, {})
@@ -324,8 +397,9 @@ class ShardedModel:
         the state as it stands; engine.replicas gives an older one after a fault), `copies`:
         {old rank: parts} of lost ranks this rank holds (``layout.copies``). `consume`: `held`
         is this rank's to give up (rows handed over): where its new rows are those, its
-        optimizer tensors are taken, not copied. With nccl, parts held on the host are moved
-        to `device` first. Returns the new module (None on a leaver, which holds no rows any
+        tensors are taken as the module's rows and the optimizer's, not copied. Rows held on
+        the host (a replica, the cell's model on a GPU) land on `device` (with nccl through it
+        a round at a time). Returns the new module (None on a leaver, which holds no rows any
         more). Raises ShardingError, or PeerFailure."""
         leaving = layout.new[group_rank] is None
         if leaving != (mesh is None):
@@ -333,33 +407,38 @@ class ShardedModel:
         held = held if held is not None else self.snapshot(optimizer)
         entries, dtypes, replicated, buffers, rows, sources, copied = self._sources(
             held, layout, group_rank, device, copies)
-        old_ids = dict(self._held_ids)
+        held_names = self.held.names(optimizer)
         if leaving or mesh is None:  # hands its rows over, then holds nothing of the run
-            reshard(sources, rows, layout, group_rank, copied)
+            reshard(sources, rows, layout, group_rank, copied, stage=_stage())
             self._free(optimizer)
             return None
         if self._cell_model is not None:  # the first mesh: the rows travel first, then the
             # cell's model is sharded in place (its whole tensors freed) and takes them
-            shards = reshard(sources, rows, layout, group_rank, copied)
+            on_device = [None if key is None else torch.empty(  # the moments' rows (a host
+                (_new_rows(rows[i], layout, group_rank), *self.shapes[n][1:]),  # holder's too)
+                dtype=dtypes[i], device=device) for i, (n, key) in enumerate(entries)]
+            shards = reshard(sources, rows, layout, group_rank, copied, on_device, _stage())
+            held_names = self.held.let_go(optimizer)
             module, params = self._in_place(mesh, buffers, device)
             with torch.no_grad():
                 for (n, key), shard in zip(entries, shards):
                     if key is None and shard is not None:
                         _local(params[n]).copy_(shard)
         else:  # the rows land in a new module's own storage, and the moments on the device
-            module, params = self._new_module(mesh, buffers, device)
             kept = consume and layout.old[group_rank] == layout.new[group_rank] \
                 and layout.old_size == layout.new_size  # the same rows: the tensors stay
+            stay = [kept and t.device == device and t.is_contiguous() for t in sources]
+            module, params = self._new_module(mesh, buffers, device, {
+                n: sources[i] for i, (n, key) in enumerate(entries) if key is None and stay[i]})
             into = [_local(params[n]).detach() if key is None
-                    else sources[i] if kept and sources[i].device == device
-                    and sources[i].is_contiguous()
+                    else sources[i] if stay[i]
                     else torch.empty((_new_rows(rows[i], layout, group_rank),
                                       *self.shapes[n][1:]), dtype=dtypes[i], device=device)
                     for i, (n, key) in enumerate(entries)]
-            shards = reshard(sources, rows, layout, group_rank, copied, into)
+            shards = reshard(sources, rows, layout, group_rank, copied, into, _stage())
         if optimizer is not None:
             moments = {e: t for e, t in zip(entries, shards) if e[1] is not None}
-            self._repoint(optimizer, old_ids, params, moments, mesh, replicated)
+            self.held.repoint(optimizer, held_names, params, moments, mesh, replicated)
         self._replace(module)
         return module
 
@@ -401,21 +480,26 @@ class ShardedModel:
         """Build the module on `mesh` from this rank's rows read elsewhere (`parts`, {(name,
         None or optimizer key): rows}: engine.sharded_checkpoint's ``read_rows``), with the
         optimizer's other values and the buffers; `optimizer` is pointed at it. Returns it."""
-        old_ids = dict(self._held_ids)
-        module, params = self._new_module(mesh, buffers, device)
+        held_names = self.held.names(optimizer)
+        module, params = self._new_module(mesh, buffers, device, {
+            n: parts[n, None] for n in self.names
+            if parts[n, None].device == device and parts[n, None].is_contiguous()})
         with torch.no_grad():
             for n in self.names:
-                _local(params[n]).copy_(parts[n, None])
+                if _local(params[n]).data_ptr() != parts[n, None].data_ptr():
+                    _local(params[n]).copy_(parts[n, None])
         if optimizer is not None:
             moments = {e: t.to(device) for e, t in parts.items() if e[1] is not None}
-            self._repoint(optimizer, old_ids, params, moments, mesh, replicated)
+            self.held.repoint(optimizer, held_names, params, moments, mesh, replicated)
         self._replace(module)
         return module
 
-    def _new_module(self, mesh: DeviceMesh, buffers: dict, device: torch.device
-                    ) -> tuple[nn.Module, dict]:
-        """The skeleton built again and sharded over `mesh`, its parameters' storage allocated
-        on `device` (their values still to write) and `buffers` set; with its parameters."""
+    def _new_module(self, mesh: DeviceMesh, buffers: dict, device: torch.device,
+                    adopt: dict[str, torch.Tensor] | None = None) -> tuple[nn.Module, dict]:
+        """The skeleton built again and sharded over `mesh`, `buffers` set, with its
+        parameters. Each parameter's rows are `adopt`'s tensor where it names one (this rank's
+        rows, contiguous, on `device`: handed over or read, taken as they are: FSDP2 copies
+        only a shard it must pad), else new storage on `device`, their values still to write."""
         module = copy.deepcopy(self.skeleton)
         self._wrap(module, mesh)
         for name in (*self.frozen, *self.own_buffers):  # no storage for them: the rank's own
@@ -423,7 +507,7 @@ class ShardedModel:
             target = module.get_submodule(owner) if owner else module  # allocated again)
             if hasattr(target, leaf):
                 delattr(target, leaf)
-        module.to_empty(device=device)  # (to_empty would write into the tensors it finds)
+        _materialize(module, mesh, device, adopt or {})
         self._keep_own(module, device)
         for name, buffer in buffers.items():  # whole on every rank
             _set_buffer(module, name, buffer.to(device))
@@ -437,29 +521,6 @@ class ShardedModel:
         for name, frozen in self.frozen.items():
             owner, _, leaf = name.rpartition(".")
             setattr(module.get_submodule(owner) if owner else module, leaf, frozen)
-
-    def _repoint(self, optimizer, old_ids: dict[int, str], params: dict, moments: dict, mesh,
-                 replicated: dict) -> None:
-        """Point `optimizer` (its parameters: `old_ids`, {id: name}) at `params` by name; its
-        state becomes `replicated`'s values and the `moments` ({(name, key): local rows}) as
-        DTensors on `mesh`. Raises ShardingError for a parameter the model does not hold."""
-        for group in optimizer.param_groups:
-            unknown = [p for p in group["params"] if id(p) not in old_ids]
-            if unknown:
-                raise ShardingError(f"the optimizer holds {len(unknown)} tensor(s) that are not "
-                                    "the model's parameters: under --shard it must optimize "
-                                    "model parameters only")
-            group["params"] = [params[old_ids[id(p)]] for p in group["params"]]
-        optimizer.state.clear()
-        for n, p in params.items():
-            kept = dict(replicated.get(n, {}))
-            for (name, key), rows in moments.items():
-                if name == n:
-                    kept[key] = DTensor.from_local(rows, mesh, [Shard(0)], run_check=False,
-                                                   shape=p.shape, stride=p.stride())
-            if kept:
-                optimizer.state[p] = kept
-        self._held_ids = {id(p): n for n, p in params.items()}
 
 
 @dataclass
@@ -500,8 +561,27 @@ def _dim0_local(t: torch.Tensor, what: str, param: torch.Tensor) -> torch.Tensor
     return t.to_local()
 
 
-def _moved(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
-    return t if device is None else t.to(device)
+def _materialize(module: nn.Module, mesh: DeviceMesh, device: torch.device,
+                 adopt: dict[str, torch.Tensor]) -> None:
+    """Storage on `device` for the meta tensors of `module` (sharded over `mesh`), as
+    ``nn.Module.to_empty`` gives it, except each parameter `adopt` names: its local rows are
+    that tensor (FSDP2's ``_apply`` then takes them as its sharded storage, as it does after
+    ``load_state_dict(assign=True)``)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+
+    def storage(t: torch.Tensor) -> torch.Tensor:
+        n = names.get(id(t))
+        if n in adopt:
+            return DTensor.from_local(adopt[n], mesh, [Shard(0)], run_check=False,
+                                      shape=t.shape, stride=t.stride())
+        return torch.empty_like(t, device=device)
+    module._apply(storage)  # pylint: disable=protected-access  # (to_empty's own call)
+
+
+def _stage() -> torch.device | None:
+    """Where a resharding's messages must be: the GPU with nccl (engine.reshard), else None."""
+    return torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else None
 
 
 def _new_rows(n: int, layout: Layout, group_rank: int) -> int:

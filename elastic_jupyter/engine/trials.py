@@ -34,12 +34,15 @@ class SetupTrials:
         config: the run's options (seed, plateau_metric).
         objects: the cell's objects.
         plan: the run's batch plan (the first step's samples).
-        device: where the model runs.
+        device: where the model runs. A sharded run's model on a GPU is not run (its trained
+            parameters wait on the host for the first mesh): its ``metric_fn`` is first called
+            at the first evaluation.
     """
 
     def __init__(self, config: EngineConfig, objects: CellObjects, plan: BatchPlan,
                  device: torch.device):
         self.config, self.objects, self.plan, self.device = config, objects, plan, device
+        self.model_runs = not (config.shard and device.type == "cuda")
 
     def run(self) -> None:
         """Call, once at setup, the functions the run calls later, on a small batch, so that a
@@ -47,7 +50,7 @@ class SetupTrials:
         ``metric_fn``, first called at the final evaluation): the dataset and ``collate_fn`` on
         the first step's first samples, the lr scheduler's step, and ``metric_fn`` on the first
         samples of ``eval_dataset`` (evaluation mode, no gradients), whose names must hold
-        ``--plateau-metric``.
+        ``--plateau-metric`` (not for a sharded run on a GPU: see the class).
 
         Nothing they change stays: the parameters (nothing steps, no gradient is taken),
         buffers and layer modes (put back), the random generators (torch's, Python's,
@@ -61,7 +64,8 @@ class SetupTrials:
             with torch.random.fork_rng(devices=cuda, device_type="cuda"):
                 self._try_collate()
                 self._try_scheduler()
-                self._try_metric_fn()
+                if self.model_runs:
+                    self._try_metric_fn()
         finally:
             set_host_generator_state(host)
 

@@ -137,14 +137,14 @@ class Worker:
         if config.sync_batchnorm:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
-        move_model(self.model, self.device)  # (not a warm engine's released rows)
+        move_model(self.model, self.device, config.shard, not config.move_frozen)
         self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
         for obj in self.extra_state.values():  # an EMA updates from the model where it is,
             # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
             if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
                 obj.to(self.device)
         # shard=True: the model sharded over each generation (engine.sharded_mode)
-        self.sharded = ShardedMode(cell, config) if config.shard else None
+        self.sharded = ShardedMode(cell, config, self.device) if config.shard else None
         if self.sharded is not None:  # a fault point in backward, between reduce-scatters
             self.sharded.reducer.fault = functools.partial(fault_point, "reduce_scatter", self)
         try:

@@ -72,7 +72,9 @@ class MemoryBound:
             return "sharded, no memory bound (no --memory-per-rank)" if self.need else "sharded"
         return (f"sharded, memory bound: world size >= {self.world_size} "
                 f"({self.need.at(self.world_size, per_pass=True) / GiB:.2f} of "
-                f"{_gib(self.budget)} per rank there, activations not counted)")
+                f"{_gib(self.budget)} per rank there"
+                + (f", {self.need.activations_unknown})" if self.need.activations_unknown
+                   else ", one micro-batch's activations included)"))
 
 
 def _gib(n: int | None) -> str:
