@@ -296,6 +296,9 @@ class RunConfig:
         "timed at the start, the value is logged)", parse=samples_or_measure))
     drop_last: bool = field(default=False, metadata=flag(
         "--drop-last", "leave out each epoch's short last step, as DataLoader(drop_last=True)"))
+    no_shuffle: bool = field(default=False, metadata=flag(
+        "--no-shuffle", "keep the dataset's order, as DataLoader(shuffle=False): each epoch "
+        "reads samples 0, 1, 2... (default: a permutation per epoch from --seed)"))
     epochs: int | None = field(default=None, metadata=flag(
         "--epochs", "epochs to train (default 1)", parse=positive_int))
     workers: int = field(default=0, metadata=flag(  # DataLoader processes (engine.loader)
@@ -454,4 +457,4 @@ COMMIT_EVERY_NOTICE = (
     "in-memory copies of the state are kept")
 
 # options that fix the data order and the update: a resume must keep them
-RESUME_KEYS = ("global_batch", "seed", "drop_last")
+RESUME_KEYS = ("global_batch", "seed", "drop_last", "no_shuffle")

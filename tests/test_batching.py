@@ -205,3 +205,24 @@ def test_plan_properties(run, seed):
     for e in (0, 1):
         assert len(seen[e]) == len(set(seen[e])) == used
         assert sorted(seen[e]) == sorted(epoch_permutation(seed, e, n)[:used].tolist())
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_no_shuffle_reads_a_dataloaders_order_at_any_world_size_and_across_a_resize(drop_last):
+    """--no-shuffle: the ranks' micro-batches of each step, in rank order, are the batch a
+    DataLoader(shuffle=False) gives, whatever the world size and when it changes mid-epoch."""
+    n, B = 100, 24
+    loader = torch.utils.data.DataLoader(range(n), batch_size=B, shuffle=False,
+                                         drop_last=drop_last)
+    expected = [b.tolist() for b in loader] * 3  # three epochs
+    plan = BatchPlan(n, B, seed=5, cut=Cut("virtual workers", virtual=4, max_size=4),
+                     drop_last=drop_last, shuffle=False)
+    epoch, position, got = 0, 0, []
+    for step in range(len(expected)):
+        world_size = [1, 3, 4, 2][step % 4]  # a resize at every step
+        batch = plan.batch(epoch, position)
+        got.append([i for r in range(world_size)
+                    for _, chunk in plan.rank_micro_batches(batch, r, world_size)
+                    for i in chunk.tolist()])
+        epoch, position = plan.advance(epoch, position)
+    assert got == expected

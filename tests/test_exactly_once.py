@@ -54,3 +54,27 @@ def test_every_sample_once_per_epoch_across_resizes(idle_pool, tmp_path, workers
         counts.update(int(line) for line in open(path))
     assert counts == {i: 3 for i in range(100)}
     assert [r["world_size"] for r in run.history] == [2] * 7 + [3] * 5 + [2] * 3
+
+
+def test_no_shuffle_keeps_the_datasets_order_across_resizes(idle_pool, tmp_path):
+    """--no-shuffle on a real cluster, resized mid-epoch: each pass holds consecutive samples,
+    each engine meets them in the dataset's order, and every sample comes once per epoch."""
+    prefix = str(tmp_path / "passes")
+    cell = CELL.replace('log.write("".join(f"{int(k)}\\n" for k in i))',
+                        'log.write(" ".join(str(int(k)) for k in i) + "\\n")')
+    config = RunConfig(name="ordered", global_batch=24, epochs=3, checkpoint_every=0,
+                       pass_cost=0.0, no_shuffle=True)
+    run = TrainingRun(idle_pool, config, source=cell, push={"LOG_PREFIX": prefix}, engines=2,
+                      schedule=[(7, 3), (12, 1)], workspace=str(tmp_path)).start()
+    assert run.wait(timeout=240) == "finished", run.logs()
+    counts = collections.Counter()
+    for path in glob.glob(prefix + "-*.txt"):
+        passes = [[int(k) for k in line.split()] for line in open(path)]
+        assert max(len(ids) for ids in passes) > 1
+        for ids in passes:
+            assert ids == list(range(ids[0], ids[0] + len(ids))), ids
+            counts.update(ids)
+        starts = [ids[0] for ids in passes]  # rising, but for each new epoch's start
+        assert sum(b < a for a, b in zip(starts, starts[1:])) <= 2, starts
+    assert counts == {i: 3 for i in range(100)}
+    assert [r["world_size"] for r in run.history] == [2] * 7 + [3] * 5 + [1] * 3

@@ -50,7 +50,7 @@ def test_notebooks_are_committed_without_outputs():
     """Outputs, execution counts and per-run metadata stay out of git (nbstripout, a
     well-kept tool; strip with `nbstripout notebooks/*.ipynb`)."""
     paths = sorted(str(p) for p in NOTEBOOKS.glob("*.ipynb"))
-    assert len(paths) == 6, paths
+    assert len(paths) == 7, paths
     check = subprocess.run([sys.executable, "-m", "nbstripout", "--verify", *paths],
                            capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -134,3 +134,12 @@ def test_gpt_notebook_learns_python_and_writes_some(tmp_path):
     text = execute("05_a_real_model.ipynb", tmp_path)
     assert "resizes [(2, 3), (3, 2)]" in text
     assert (tmp_path / "elastic-checkpoints" / "gpt" / "latest.json").exists()
+
+
+def test_streaming_notebook_reads_shards_once_per_epoch_across_resizes(tmp_path):
+    """Notebook 7: a `datasets` stream over shard files, resized 2 -> 3 -> 2 with loader
+    processes: each sample once per epoch, the fixed run's float64 parameters; its own last
+    cells assert it."""
+    text = execute("07_streaming.ipynb", tmp_path)
+    assert "1600 samples, trained on [2] times each" in text
+    assert "streamed: each sample once per epoch; parameters equal to the fixed run's" in text

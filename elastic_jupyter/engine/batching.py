@@ -233,17 +233,21 @@ class BatchPlan:
             (its state's) before the first step.
         drop_last: leave out an epoch's short last step (its samples wait for a later epoch's
             permutation), as ``DataLoader(drop_last=True)`` does.
+        shuffle: False keeps the dataset's order in every epoch (``--no-shuffle``, as
+            ``DataLoader(shuffle=False)``; a stream's, engine.streams, is always kept).
     """
 
     def __init__(self, n: int, global_batch: int, seed: int, cut: Cut | None = None,
-                 drop_last: bool = False):
+                 drop_last: bool = False, shuffle: bool = True):
         self.n, self.global_batch, self.seed = n, global_batch, seed
-        self.cut, self.drop_last = cut or Cut(), drop_last
+        self.cut, self.drop_last, self.shuffle = cut or Cut(), drop_last, shuffle
         self._epoch: int | None = None
         self._perm: torch.Tensor | None = None  # the permutation of epoch _epoch
 
     def batch(self, epoch: int, position: int) -> torch.Tensor:
         """Sample indices (int64, shape ``(min(B, n - position),)``) of the step at `position`."""
+        if not self.shuffle:  # never the whole arange: a stream's n may be endless
+            return torch.arange(position, min(position + self.global_batch, self.n))
         if epoch != self._epoch or self._perm is None:
             self._epoch, self._perm = epoch, epoch_permutation(self.seed, epoch, self.n)
         return self._perm[position:position + self.global_batch]

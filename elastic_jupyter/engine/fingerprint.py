@@ -18,25 +18,30 @@ import numpy as np
 import torch
 
 from . import state as state_mod
+from .streams import Streams
 
 SEED = 0  # random augmentations in __getitem__ draw the same on every engine
 
 
 def dataset_fingerprint(dataset) -> dict:
     """``{"samples": len(dataset), "hash": 16 hex digits}``: the hash covers items 0, n // 2
-    and n - 1 (the bytes, dtypes and shapes of their tensors and arrays, their numbers and
+    and n - 1 (an iterable's first three, engine.streams; its samples: the declared length or
+    None) (the bytes, dtypes and shapes of their tensors and arrays, their numbers and
     strings, inside sequences, mappings and dataclasses). The items are read with every RNG
     seeded, and the RNG states are restored after.
     """
-    n = len(dataset)
+    stream = isinstance(dataset, Streams)
+    n = dataset.length if stream else len(dataset)  # a stream's declared one, or None
     digest = hashlib.sha256(str(n).encode())
     saved = state_mod.rng_state()
     try:
         random.seed(SEED)
         np.random.seed(SEED)
         torch.default_generator.manual_seed(SEED)  # the CPU's only: CUDA's is not restored
-        for i in sorted({0, n // 2, n - 1}):
-            _feed(digest, dataset[i])
+        # a stream is read forwards: its first items
+        for item in dataset.head(3) if stream else (
+                dataset[i] for i in sorted({0, n // 2, n - 1})):
+            _feed(digest, item)
     finally:
         state_mod.set_rng_state(saved)
     return {"samples": n, "hash": digest.hexdigest()[:16]}

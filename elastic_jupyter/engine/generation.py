@@ -144,6 +144,9 @@ class Generation:
                 self.events += [event] if self.rank == 0 else []
         if self.spec.broadcast:
             self._broadcast_state(self.spec.receive_state)
+        # a stream's newest state may be a peer's (a fault left it on its reader)
+        event = w.pipeline.share(self.rank, self.world_size, opening=True)
+        self.events += [event] if event else []
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
             event = w.start_generation(self.rank, self.world_size)
         self.events += [event] if event else []
@@ -218,6 +221,7 @@ class Generation:
                     published = [published[1], p.step]
                     last_publish = now
             if leave and p.step < w.total_steps:
+                w.pipeline.share(rank, world_size, opening=False)  # a leaver's streams
                 if w.sharded is not None:  # a leaver hands its rows over first
                     self._hand_over()
                 break
@@ -310,6 +314,10 @@ class Generation:
         Before the final evaluation, rank 0 writes the final state (:meth:`_keep_final_state`):
         an error there (the user's metric_fn) fails the run but loses no training."""
         w, step = self.worker, self.worker.progress.step
+        checkpoints = w.config.checkpoint_every or 0
+        if w.config.checkpoint_dir and (
+                (checkpoints and step % checkpoints == 0) or step >= w.total_steps):
+            w.pipeline.share(self.rank, self.world_size, opening=False)  # checkpointed whole
         every = w.config.eval_every
         if (every and step % every == 0) or step >= w.total_steps:
             if step >= w.total_steps and self.rank == 0:

@@ -24,6 +24,8 @@ import torch
 
 from .batching import BatchPlan
 from .randomness import host_generators_restorer, sample_seed, seed_host_generators
+from .stream_loader import StreamPipeline
+from .streams import Streams
 
 
 class SeededSamples(torch.utils.data.Dataset):
@@ -167,3 +169,20 @@ class InputPipeline:
     def stop(self) -> None:
         """Stop it (its loader processes end): the next :meth:`next` starts it again."""
         self._batches = self._at = None
+
+    def share(self, rank: int, world_size: int, opening: bool) -> dict | None:
+        """Nothing to share: a map-style dataset's reading depends on the progress alone
+        (engine.stream_loader.StreamPipeline.share has streams' states to share)."""
+        return None
+
+
+def input_pipeline(cell, plan: BatchPlan, config, device: torch.device,
+                   progress: Callable) -> InputPipeline | StreamPipeline:
+    """A rank's input pipeline for the cell's dataset (engine.objects.CellObjects): a
+    :class:`InputPipeline`, or for streams (engine.streams) a
+    :class:`~.stream_loader.StreamPipeline`, which reads `progress()`'s stream states."""
+    args = (plan, config.seed, config.workers or 0, cell.collate_fn, cell.worker_init_fn,
+            device.type == "cuda")
+    if isinstance(cell.dataset, Streams):
+        return StreamPipeline(cell.dataset, *args, progress=progress)
+    return InputPipeline(cell.dataset, *args)

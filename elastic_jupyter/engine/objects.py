@@ -1,7 +1,9 @@
 """The objects a run's cell (or setup function) defines, checked before anything uses them.
 
-A cell must define ``model``, ``optimizer``, ``dataset`` (map-style) and
-``loss_fn(model, batch)``; it may define ``lr_scheduler``, ``collate_fn``, ``worker_init_fn``,
+A cell must define ``model``, ``optimizer``, ``dataset`` and ``loss_fn(model, batch)``; the
+dataset is map-style, or iterable with ``shard(num_shards, index)`` (engine.streams: then
+``len(dataset)`` or the cell's ``dataset_length`` says an epoch's samples, else the run needs
+``--steps``). It may define ``lr_scheduler``, ``collate_fn``, ``worker_init_fn``,
 ``eval_dataset`` with ``metric_fn(model, batch)``, ``min_micro_batch``, ``after_step``,
 ``extra_state`` and ``shard_fn(model, mesh)``. A mistake in their kinds is a :class:`SetupError` naming what to change.
 
@@ -16,6 +18,7 @@ from typing import Any, Callable
 import torch
 
 from .protocol import EngineConfig
+from .streams import Streams, declared_length, is_iterable_dataset
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
 
@@ -46,9 +49,10 @@ class CellObjects:
     shard_fn: Callable | None = None  # shard_fn(model, mesh) under shard=True (engine.sharding)
 
     @classmethod
-    def of(cls, namespace: dict, global_batch: int) -> CellObjects:
-        """The objects of the cell's `namespace`, checked for a run of `global_batch` samples
-        a step. Raises SetupError naming the first mistake."""
+    def of(cls, namespace: dict, config: EngineConfig) -> CellObjects:
+        """The objects of the cell's `namespace`, checked for a run of `config`; an iterable
+        dataset becomes its :class:`~.streams.Streams`. Raises SetupError naming the first
+        mistake."""
         missing = [name for name in REQUIRED if name not in namespace]
         if missing:
             raise SetupError(
@@ -62,7 +66,9 @@ class CellObjects:
             namespace.get("metric_fn"), namespace.get("min_micro_batch"),
             namespace.get("after_step"), namespace.get("extra_state") or {},
             namespace.get("shard_fn"))
-        objects._check(global_batch)
+        if is_iterable_dataset(objects.dataset):
+            objects.dataset = _streams(objects.dataset, namespace, config)
+        objects._check(config.global_batch)
         return objects
 
     def _check(self, global_batch: int) -> None:
@@ -76,11 +82,15 @@ class CellObjects:
         try:
             n = len(self.dataset)
         except TypeError:
-            raise SetupError("dataset must be a map-style torch Dataset (with __len__ and "
-                             "__getitem__); iterable datasets are not supported") from None
+            raise SetupError("dataset must be a torch Dataset: map-style (with __len__ and "
+                             "__getitem__) or iterable (with shard(num_shards, index))") from None
         if n < global_batch:
             raise SetupError(f"dataset has {n} samples, fewer than the global batch "
                              f"{global_batch}: lower --global-batch")
+        if self.eval_dataset is not None and is_iterable_dataset(self.eval_dataset):
+            raise SetupError("eval_dataset must be map-style (with __len__ and __getitem__): "
+                             "an evaluation reads each of its samples once, split over the "
+                             "ranks; take a fixed part of the stream into a list")
         self._check_extra_state()
         floor = self.min_micro_batch
         if floor is not None and (isinstance(floor, bool) or not isinstance(floor, int)
@@ -129,6 +139,37 @@ class CellObjects:
                 f"{n} or leaves a remainder of at least {most}")
         # the converted layers keep the same Parameter objects, so the optimizer still holds them
         self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+
+
+def _streams(dataset, namespace: dict, config: EngineConfig) -> Streams:
+    """The cell's iterable `dataset` as the run's streams (engine.streams); raises SetupError
+    for one that cannot be split into streams or whose run has no length."""
+    name = type(dataset).__name__
+    if not callable(getattr(dataset, "shard", None)):
+        raise SetupError(
+            f"dataset is an iterable {name} without a shard protocol: a run reads an iterable "
+            "dataset as disjoint streams, stream i of n being dataset.shard(num_shards=n, "
+            "index=i) (as datasets.IterableDataset.shard). Give it such a method (for example "
+            "one that takes every n-th of its files, from the i-th), or use a map-style "
+            "dataset")
+    if config.shard:
+        raise SetupError("--shard does not read iterable datasets yet: a sharded step pads "
+                         "passes with other ranks' samples, which a stream cannot fetch "
+                         "cheaply. Use a map-style dataset, or train without --shard")
+    length = declared_length(dataset, namespace)
+    if length is None and not config.steps:
+        raise SetupError(f"dataset is an iterable {name} of unknown length: give --steps N, "
+                         "or declare dataset_length = the samples of one epoch in the cell "
+                         "(then --epochs counts epochs, and every stream is read again in each)")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, int)
+                               or length < 1):
+        raise SetupError(f"dataset_length must be a positive integer (the samples of one "
+                         f"epoch), got {length!r}")
+    count = config.pool_max_size  # each rank at the pool's largest size reads one stream
+    shards = getattr(dataset, "num_shards", None)  # a datasets.IterableDataset's files
+    if isinstance(shards, int) and 0 < shards < count:
+        count = shards  # datasets splits by files: no more streams than files
+    return Streams(dataset, count, length, config.global_batch, bool(config.drop_last))
 
 
 class CellAttribute:

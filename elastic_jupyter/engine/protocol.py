@@ -102,6 +102,7 @@ class EngineConfig:
     micro_batch: int | None = None
     pass_cost: float | str | None = None
     drop_last: bool = False
+    no_shuffle: bool = False
     epochs: int | None = None
     workers: int = 0
     steps: int | None = None

@@ -34,7 +34,9 @@ class Progress:
     """Where the run stands: ``step`` optimizer steps done; ``position`` samples used in
     ``epoch``; ``cut``, how its steps are cut into micro-batches (engine.batching.Cut as a
     dict; None until the first generation fixes it); ``pass_cost``, the pass cost that cut
-    uses (None unless it balances by one)."""
+    uses (None unless it balances by one); ``streams``, for an iterable dataset
+    (engine.streams), ``{"count": S, "states": {stream: {"epoch", "offset", "state"}}}``: the
+    stream count and each stream's newest committed state to resume reading from."""
 
     step: int = 0
     epoch: int = 0
@@ -43,12 +45,14 @@ class Progress:
     metric_names: list = field(default_factory=list)
     pass_cost: float | None = None
     cut: dict | None = None
+    streams: dict | None = None
 
     def as_dict(self) -> dict:
         return dict(step=self.step, epoch=self.epoch, position=self.position,
                     samples=self.samples, metric_names=list(self.metric_names),
                     pass_cost=self.pass_cost,
-                    cut=dict(self.cut) if self.cut is not None else None)
+                    cut=dict(self.cut) if self.cut is not None else None,
+                    streams=copy.deepcopy(self.streams))
 
 
 def rng_state() -> dict:

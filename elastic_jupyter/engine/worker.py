@@ -39,7 +39,7 @@ from .evaluation import Evaluation
 from .faultpoints import fault_point
 from .frozen import FrozenWeights
 from .history import History
-from .loader import InputPipeline
+from .loader import input_pipeline
 from .losses import floats, weighted
 from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
@@ -50,6 +50,7 @@ from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
 from .sharded_mode import ShardedMode, is_pad, pad_source
 from .sharding import move_model
+from .streams import Streams
 from .transfer import to_device
 from .trials import SetupTrials
 from .vote import Vote
@@ -129,7 +130,7 @@ class Worker:
     def __init__(self, objects: dict, config: EngineConfig | Mapping[str, Any], device: str,
                  slot: int | None = None, frozen_digests: dict[str, str] | None = None):
         config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
-        cell = CellObjects.of(objects, config.global_batch)
+        cell = CellObjects.of(objects, config)
         self.config, self.slot = config, slot
         # with its index: torch.device("cuda") != torch.device("cuda:0") in comparisons
         self.device = (torch.device("cuda", torch.cuda.current_device())
@@ -163,12 +164,11 @@ class Worker:
             self.reducer.close()  # its hooks would keep it on a model that outlives the run
             raise
         samples, B, drop_last = len(self.dataset), config.global_batch, bool(config.drop_last)
-        self.plan = BatchPlan(samples, B, config.seed, cut, drop_last)
-        self.pipeline = InputPipeline(self.dataset, self.plan, config.seed, config.workers or 0,
-                                      cell.collate_fn, cell.worker_init_fn,
-                                      pin_memory=self.device.type == "cuda")
-        self.evaluation = Evaluation(config, cell, self.plan, self.device)
+        self.plan = BatchPlan(samples, B, config.seed, cut, drop_last,
+                              shuffle=not (config.no_shuffle or isinstance(cell.dataset, Streams)))
         self.progress = state_mod.Progress()  # its cut is recorded at the first generation
+        self.pipeline = input_pipeline(cell, self.plan, config, self.device, lambda: self.progress)
+        self.evaluation = Evaluation(config, cell, self.plan, self.device)
         self.total_steps = config.total_steps or config.steps or (
             (config.epochs or 1) * steps_per_epoch(samples, B, drop_last))
         # the dataset's fingerprint (engine.fingerprint) once the setup took it: checkpoints

@@ -142,7 +142,9 @@ class CellSetup:
 
 def describe_dataset(dataset: dict) -> str:
     """A dataset's fingerprint in words: its samples and the hash of its items."""
-    return f"{dataset['samples']} samples, items hash {dataset['hash']}"
+    samples = dataset["samples"]
+    return (f"{samples} samples" if samples is not None else "a stream of unknown length") + \
+        f", items hash {dataset['hash']}"
 
 
 def pickle_by_value(fn: Callable[[], dict]) -> bytes:

@@ -1,0 +1,221 @@
+"""A rank's input pipeline over streams (engine.streams): its passes' samples, read forwards.
+
+The batch plan numbers a stream's samples as a map-style dataset's in order, so a rank knows
+all its passes of a generation as it does for a map-style dataset (engine.loader); here each
+sample is its stream's next. With ``--workers N`` a torch DataLoader runs N processes, each
+reading the rank's streams s with ``s % N`` equal to its id, ahead of training (``prefetch_factor``
+items each); every process yields one item per pass (its samples of that pass, maybe none), so
+the DataLoader's round robin hands the items back pass by pass. The pass's samples are put in
+order and collated here, with the cell's ``collate_fn``. With 0 the training process reads them
+when the pass asks for its batch.
+
+Each sample is read under torch's CPU generator, Python's ``random`` and numpy's global
+generator seeded by (seed, epoch, its number in the epoch) (engine.randomness.sample_seed), as
+a map-style one is fetched: a random transform inside the stream gives the same sample at any
+world size and any number of loader processes.
+
+A stream's newest state that a committed step reached goes into ``Progress.streams``; the
+ranks share theirs (:meth:`StreamPipeline.share`, a collective) where the run's state may move
+on without them: at a generation's start, at its checkpoints and before ranks leave.
+"""
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from .batching import BatchPlan
+from .collective import collective
+from .randomness import host_generators_restorer, sample_seed, seed_host_generators
+from .state import Progress
+from .streams import StreamReader, Streams
+
+
+def _as_is(item):
+    return item
+
+
+class _PassPieces(torch.utils.data.IterableDataset):
+    """The samples one reading process takes from a rank's passes, step after step, from the
+    step at (`epoch`, `position`) for `steps` steps: per pass ``(pieces, states)``, pieces
+    ``[(place in the pass, sample)]`` of its streams, states the newest state of each of its
+    streams whose step share it finished reading (``{stream: state}``, on a step's last
+    pass)."""
+
+    def __init__(self, streams: Streams, plan: BatchPlan, passes: Callable, epoch: int,
+                 position: int, steps: int, known: dict, seed: int):
+        self.streams, self.plan, self.passes = streams, plan, passes
+        self.epoch, self.position, self.steps = epoch, position, steps
+        self.known, self.seed = known, seed
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        me, of = (info.id, info.num_workers) if info is not None else (0, 1)
+        readers: dict[int, StreamReader] = {}
+        epoch, position = self.epoch, self.position
+        for _ in range(self.steps):
+            parts = self.passes(self.plan.batch(epoch, position))
+            for n, (_, chunk) in enumerate(parts):
+                pieces = self._read(chunk.tolist(), epoch, readers, me, of)
+                states = self._states(readers, epoch, position) if n == len(parts) - 1 else {}
+                yield pieces, states
+            epoch, position = self.plan.advance(epoch, position)
+
+    def _read(self, indices: list[int], epoch: int, readers: dict, me: int, of: int) -> list:
+        generator = torch.default_generator
+        in_loader = torch.utils.data.get_worker_info() is not None
+        saved = generator.get_state()  # once per pass, not per sample
+        restore_host = None if in_loader else host_generators_restorer()
+        try:
+            pieces = []
+            for place, index in enumerate(indices):
+                stream, offset = self.streams.locate(index)
+                if stream % of != me:
+                    continue
+                reader = readers.get(stream)
+                if reader is None or reader.epoch != epoch or reader.at > offset:
+                    reader = readers[stream] = StreamReader(
+                        self.streams, stream, epoch, offset, self.known.get(stream))
+                value = sample_seed(self.seed, epoch, index)
+                generator.manual_seed(value)
+                seed_host_generators(value)
+                pieces.append((place, reader.read(offset)))
+            return pieces
+        finally:
+            generator.set_state(saved)
+            if restore_host is not None:
+                restore_host()
+
+    def _states(self, readers: dict, epoch: int, position: int) -> dict:
+        """The states of the streams this process read to their step share's end."""
+        return {stream: state for stream, reader in readers.items()
+                if reader.epoch == epoch and reader.at == self.streams.step_end(stream, position)
+                and (state := reader.state()) is not None}
+
+
+class StreamPipeline:
+    """One rank's input pipeline over the run's streams, with engine.loader.InputPipeline's
+    calls (:meth:`next`, :meth:`moved_to`, :meth:`stop`) and :meth:`share`.
+
+    Args:
+        streams: the cell's dataset as streams.
+        plan: the run's batch plan (in order: ``shuffle=False``).
+        seed: the run's seed (each sample's generators).
+        workers: reading processes (0: read in this process).
+        collate_fn, worker_init_fn: the cell's.
+        pin_memory: batches in pinned memory (GPU slots).
+        progress: the Worker's progress now (its ``streams`` holds the committed states).
+    """
+
+    def __init__(self, streams: Streams, plan: BatchPlan, seed: int, workers: int,
+                 collate_fn: Callable, worker_init_fn: Callable | None, pin_memory: bool,
+                 progress: Callable[[], Progress]):
+        self.streams, self.plan, self.seed, self.workers = streams, plan, seed, workers
+        self.collate_fn, self.worker_init_fn = collate_fn, worker_init_fn
+        self.pin_memory, self.progress = pin_memory, progress
+        self._items: Iterator | None = None
+        self._at: tuple[int, int, int, int] | None = None
+        self._read: dict[int, dict] = {}  # states read in the step in flight
+
+    def next(self, at: tuple[int, int, int, int], passes: Callable, steps: int):
+        """The next pass's collated batch of the step at `at` (rank, world size, epoch,
+        position); started here, for `steps` steps, when the pipeline does not stand there."""
+        if self._items is None or self._at != at:
+            self._start(at, passes, steps)
+        assert self._items is not None
+        pieces: list = []
+        for _ in range(max(1, self.workers)):  # one item from each process, in turn
+            got, states = next(self._items)
+            pieces += got
+            self._read.update(states)
+        batch = self.collate_fn([sample for _, sample in sorted(pieces, key=lambda p: p[0])])
+        return _pinned(batch) if self.pin_memory else batch
+
+    def _start(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
+        known = self._states()["states"]
+        pieces = _PassPieces(self.streams, self.plan, passes, at[2], at[3], steps,
+                             dict(known), self.seed)
+        self._read = {}
+        if not self.workers:
+            self._items = iter(pieces)
+        else:
+            context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+            self._items = iter(torch.utils.data.DataLoader(
+                pieces, batch_size=None, num_workers=self.workers, collate_fn=_as_is,
+                worker_init_fn=self.worker_init_fn, multiprocessing_context=context,
+                generator=torch.Generator().manual_seed(self.seed % 2**63)))
+        self._at = at
+
+    def moved_to(self, at: tuple[int, int, int, int]) -> None:
+        """The step it was reading committed: it stands at the step at `at` now, and the
+        states its reading reached are the run's."""
+        if self._items is not None:
+            self._at = at
+        self._states()["states"].update(self._read)
+        self._read = {}
+
+    def stop(self) -> None:
+        """Stop it (its reading processes end): the next :meth:`next` starts it again."""
+        self._items = self._at = None
+        self._read = {}
+
+    def share(self, rank: int, world_size: int, opening: bool) -> dict | None:
+        """Every rank's newest committed stream states, merged into each rank's progress (a
+        collective: every rank calls it); states past where the run stands (a sharded run went
+        back) are dropped. With `opening` (a generation's start), rank 0 returns the
+        ``streams`` event: which streams resume from a state (``resumed``) and how many
+        samples each reads again to reach its position (``reread``, by stream)."""
+        kept = self._states()
+        if world_size > 1:
+            every: list = [None] * world_size
+            with collective("sharing the streams' states"):
+                dist.all_gather_object(every, kept["states"])
+        else:
+            every = [kept["states"]]
+        p = self.progress()
+        merged: dict = {}
+        for states in every:
+            for stream, state in states.items():
+                limit = (p.epoch, self.streams.offset(stream, p.position))
+                key = (state["epoch"], state["offset"])
+                if key <= limit and (stream not in merged or key > (
+                        merged[stream]["epoch"], merged[stream]["offset"])):
+                    merged[stream] = state
+        kept["states"] = merged
+        return self._opening_event(merged) if opening and rank == 0 else None
+
+    def _opening_event(self, states: dict) -> dict | None:
+        p, s = self.progress(), self.streams
+        if p.epoch == 0 and p.position == 0:
+            return None
+        reread, resumed = [], []
+        for stream in range(s.count):
+            offset, state = s.offset(stream, p.position), states.get(stream)
+            usable = state is not None and state["epoch"] == p.epoch and s.resumable
+            start = state["offset"] if usable and state is not None else 0
+            resumed += [stream] if usable else []
+            reread.append(offset - start)
+        return {"kind": "streams", "step": p.step, "streams": s.count, "resumed": resumed,
+                "reread": reread, "message": (
+                    f"{len(resumed)} of {s.count} streams resume from a state; "
+                    + (f"{sum(reread)} samples are read again to reach the streams' positions"
+                       if any(reread) else "no sample is read again"))}
+
+    def _states(self) -> dict:
+        """``Progress.streams`` of the Worker's progress, made with the stream count when it
+        has none; a restored one's count is the run's (it fixed the data's order)."""
+        p = self.progress()
+        if p.streams is None:
+            p.streams = {"count": self.streams.count, "states": {}}
+        elif p.streams["count"] != self.streams.count:
+            self.streams.count = p.streams["count"]
+        return p.streams
+
+
+def _pinned(batch):
+    """`batch` with its tensors in pinned memory (the copy to the GPU is then asynchronous),
+    as a DataLoader with ``pin_memory=True`` pins the map-style passes' batches."""
+    # DataLoader's own pinning of a collated batch
+    return torch.utils.data._utils.pin_memory.pin_memory(batch)  # pylint: disable=protected-access
