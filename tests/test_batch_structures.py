@@ -147,7 +147,7 @@ def test_each_structure_trains_and_evaluates(kind):
             w.history.append(w.train_step(0, 1)[0])
     # 3 steps x 4 micro-batches (5, 5, 5, 1), then evaluation of 48 samples in chunks of 5
     assert worker.evaluate(0, 1)["val_mse"] == reference.evaluate(0, 1)["val_mse"]
-    assert worker.loss_fn.__globals__["seen"] == [expected] * (12 + 10)
+    assert worker.objects.loss_fn.__globals__["seen"] == [expected] * (12 + 10)
     assert [r["loss"] for r in worker.history] == [r["loss"] for r in reference.history]
     for p, q in zip(worker.model.parameters(), reference.model.parameters()):
         assert torch.equal(p, q)

@@ -54,7 +54,7 @@ def test_measuring_leaves_no_trace():
     assert worker.progress.cut is None
     state = {k: v.clone() for k, v in worker.model.state_dict().items()}
     rng = torch.get_rng_state()
-    event = worker.record_cut(0, 1)
+    event = worker.cut_choice.record(worker.plan, worker.progress, 0, 1)
     assert all(torch.equal(v, state[k]) for k, v in worker.model.state_dict().items())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in worker.model.parameters())
@@ -72,7 +72,7 @@ def test_the_default_cut_is_a_rule_and_a_restore_keeps_the_states_cut():
     BatchNorm), on every engine; a state's recorded cut wins over this run's options."""
     worker = Worker(cell_namespace(CELL, 3), config(global_batch=32, steps=2, pool_min_size=1,
                                                     pool_max_size=4), "cpu")
-    event = worker.record_cut(0, 1)
+    event = worker.cut_choice.record(worker.plan, worker.progress, 0, 1)
     assert event["micro_batches"] == 4 and event["floor"] == 8 and event["pass_cost"] is None
     assert "4 micro-batches of 8 (one per virtual worker: the pool's --max 4; floor 8: " \
         "BatchNorm" in event["message"]

@@ -288,7 +288,7 @@ def test_sync_batchnorm_runs_the_backward_of_a_pass_without_items():
     batch = worker.plan.batch(0, 0)
     assert len(worker.plan.rank_micro_batches(batch, 0, 1)) == 2
     parts = worker._passes(batch, 0, 1)
-    loss, extras = worker._local_pass(parts, len(batch), 0, 1)
+    loss, extras = worker._local_pass(parts, len(batch), 0, 1, worker.objects.substeps[0], [])
     assert ns["backward_calls"] == [1]  # one pass: the rank's share at once
     assert (loss, extras) == (0.0, [])
     worker.reducer.drop_unused(worker.reducer.finish(1))  # its pass added nothing: no

@@ -14,6 +14,7 @@ from conftest import DIGITS_CELL
 from worlds import cell_namespace, config
 
 from elastic_jupyter import RunConfig, RunSetupError, TrainingRun
+from elastic_jupyter.engine.trials import SetupTrials
 from elastic_jupyter.engine.worker import SetupError, Worker
 
 # the issue's typo: top-50 accuracy over 10 classes
@@ -56,11 +57,16 @@ def _everything(w: Worker) -> list:
             torch.get_rng_state(), random.getstate(), str(np.random.get_state())]
 
 
+def _try(worker):
+    """The setup's trials of the functions the run calls later (engine.entrypoints runs them)."""
+    SetupTrials(worker.config, worker.objects, worker.plan, worker.device).run()
+
+
 def test_the_trials_change_nothing():
     tried = Worker(cell_namespace(STATEFUL_CELL, 3), config(steps=4), "cpu")
     plain = Worker(cell_namespace(STATEFUL_CELL, 3), config(steps=4), "cpu")
     before = _everything(tried)
-    tried.try_user_functions()
+    _try(tried)
     after = _everything(tried)
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
     assert before[1:4] == after[1:4] and torch.equal(before[4], after[4])
@@ -90,7 +96,7 @@ def test_the_trials_change_nothing():
 def test_a_function_called_later_fails_at_setup(change, words):
     w = Worker(cell_namespace(DIGITS_CELL + change, 3), config(steps=4), "cpu")
     with pytest.raises(SetupError) as raised:
-        w.try_user_functions()
+        _try(w)
     assert str(raised.value).startswith(words), str(raised.value)
 
 
@@ -100,7 +106,7 @@ def test_plateau_metric_missing_from_metric_fn_fails_at_setup():
     w = Worker(cell_namespace(cell, 3), config(steps=4, plateau_metric="val_accuracy"), "cpu")
     with pytest.raises(SetupError, match="--plateau-metric val_accuracy: metric_fn, tried at setup, "
                                          "gives val_top5"):
-        w.try_user_functions()
+        _try(w)
 
 
 # ------------------------------------------------------------------------- runs on the pool

@@ -115,7 +115,7 @@ def test_a_plateau_metric_the_evaluation_lacks_is_refused_at_setup_naming_those_
     config = RunConfig(name=f"plateau-{uuid.uuid4().hex[:6]}", global_batch=B, steps=10,
                        eval_every=5, plateau_metric="val_los", seed=SEED)
     run = TrainingRun(idle_pool, config, source=cell(PLATEAU), workspace=str(tmp_path))
-    # metric_fn is tried when the cell runs (Worker.try_user_functions)
+    # metric_fn is tried when the cell runs (engine.trials.SetupTrials, from engine.entrypoints)
     with pytest.raises(RunSetupError, match="--plateau-metric val_los: metric_fn, tried at "
                                             "setup, gives val_accuracy, val_loss"):
         run.start()

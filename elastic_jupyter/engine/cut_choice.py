@@ -147,7 +147,7 @@ class CutChoice:
         def run_pass(size: int) -> None:
             with micro_batch_stream(self.config.seed, p.step, CALIBRATION_STREAM, self.device):
                 with self.precision.autocast():
-                    loss = read_loss(cell.loss_fn(model, batches[size]), size)[0]
+                    loss = read_loss(cell.substeps[0].loss_fn(model, batches[size]), size)[0]
                 if loss.requires_grad:
                     loss.backward()
             if self.device.type == "cuda":

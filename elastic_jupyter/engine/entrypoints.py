@@ -34,6 +34,7 @@ from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .interface import use_interface_towards
 from .protocol import EngineConfig, GenerationSpec
+from .trials import SetupTrials
 from .worker import SetupError, Worker
 
 
@@ -311,10 +312,11 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
 def _check_worker(worker: Worker, trials: bool = True) -> None:
     """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
     scheduler options do not fit, or (with `trials`) whose functions the run calls later fail
-    when tried (Worker.try_user_functions)."""
+    when tried once, on a small batch (engine.trials.SetupTrials.run: nothing they change
+    stays)."""
     schedulers.check(worker)
     if trials:
-        worker.try_user_functions()
+        SetupTrials(worker.config, worker.objects, worker.plan, worker.device).run()
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
                               worker.progress, worker.history.records, worker.config_record(),
                               copy_tensors=False, grad_scaler=worker.precision.scaler)

@@ -34,8 +34,9 @@ def fault_point(phase: str, worker: Engine | None) -> None:
 
     Args:
         phase: "join" (before the process group forms), "resize" (just after), "broadcast",
-            "forward", "backward", "allreduce", "vote", "optimizer", "evaluate" or
-            "checkpoint"; under --shard also "reduce_scatter" (as a gradient lands in the
+            "forward", "backward", "allreduce", "vote", "optimizer", "evaluate",
+            "checkpoint", or "substep" (with several optimizers, before a sub-step that
+            follows a committed one); under --shard also "reduce_scatter" (as a gradient lands in the
             backward that reduce-scatters), "refresh" (before the partner replicas' exchange)
             and "handover" (at a generation's end, before the rows go to the ranks that stay).
         worker: the engine's Worker (its config, slot and progress), or None.

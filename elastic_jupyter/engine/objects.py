@@ -3,7 +3,8 @@
 A cell must define ``model``, ``optimizer``, ``dataset`` and ``loss_fn(model, batch)``; the
 dataset is map-style, or iterable with ``shard(num_shards, index)`` (engine.streams: then
 ``len(dataset)`` or the cell's ``dataset_length`` says an epoch's samples, else the run needs
-``--steps``). It may define ``lr_scheduler``, ``collate_fn``, ``worker_init_fn``,
+``--steps``); several optimizers are a dict {name: optimizer} with ``loss_fn`` a dict of losses
+of the same names (engine.optimizers). It may define ``lr_scheduler``, ``collate_fn``, ``worker_init_fn``,
 ``eval_dataset`` with ``metric_fn(model, batch)``, ``min_micro_batch``, ``after_step``,
 ``extra_state`` and ``shard_fn(model, mesh)``. A mistake in their kinds is a :class:`SetupError` naming what to change.
 
@@ -17,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from .optimizers import NamedOptimizers, OptimizersError, Substep, schedulers, substeps
 from .protocol import EngineConfig
 from .streams import Streams, declared_length, is_iterable_dataset
 
@@ -47,6 +49,8 @@ class CellObjects:
     after_step: Callable | None = None  # called after each committed step
     extra_state: dict = dataclasses.field(default_factory=dict)
     shard_fn: Callable | None = None  # shard_fn(model, mesh) under shard=True (engine.sharding)
+    # each optimizer's part of a step, in order (engine.optimizers): one for a single optimizer
+    substeps: list[Substep] = dataclasses.field(default_factory=list)
 
     @classmethod
     def of(cls, namespace: dict, config: EngineConfig) -> CellObjects:
@@ -58,14 +62,18 @@ class CellObjects:
             raise SetupError(
                 f"the cell did not define {', '.join(missing)}: it must define "
                 "model, optimizer, dataset and loss_fn(model, batch)")
+        try:  # several optimizers: named, each with its loss (engine.optimizers)
+            optimizer, lr_scheduler, substeps = _optimizers(namespace, config)
+        except OptimizersError as e:
+            raise SetupError(str(e)) from None
         objects = cls(
-            namespace["model"], namespace["optimizer"], namespace["dataset"],
-            namespace["loss_fn"], namespace.get("lr_scheduler"),
+            namespace["model"], optimizer, namespace["dataset"],
+            namespace["loss_fn"], lr_scheduler,
             namespace.get("collate_fn") or torch.utils.data.default_collate,
             namespace.get("worker_init_fn"), namespace.get("eval_dataset"),
             namespace.get("metric_fn"), namespace.get("min_micro_batch"),
             namespace.get("after_step"), namespace.get("extra_state") or {},
-            namespace.get("shard_fn"))
+            namespace.get("shard_fn"), substeps)
         if is_iterable_dataset(objects.dataset):
             objects.dataset = _streams(objects.dataset, namespace, config)
         objects._check(config.global_batch)
@@ -74,10 +82,11 @@ class CellObjects:
     def _check(self, global_batch: int) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise SetupError(f"model must be a torch.nn.Module, got {type(self.model).__name__}")
-        if not isinstance(self.optimizer, torch.optim.Optimizer):
+        if not isinstance(self.optimizer, (torch.optim.Optimizer, NamedOptimizers)):
             raise SetupError(
-                f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__}")
-        if not callable(self.loss_fn):
+                f"optimizer must be a torch.optim.Optimizer, got {type(self.optimizer).__name__} "
+                "(several optimizers: a dict {name: optimizer}, with loss_fn a dict of losses)")
+        if not all(callable(sub.loss_fn) for sub in self.substeps):
             raise SetupError("loss_fn must be a function loss_fn(model, batch) -> loss")
         try:
             n = len(self.dataset)
@@ -139,6 +148,22 @@ class CellObjects:
                 f"{n} or leaves a remainder of at least {most}")
         # the converted layers keep the same Parameter objects, so the optimizer still holds them
         self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
+
+
+def _optimizers(namespace: dict, config: EngineConfig) -> tuple[Any, Any, list[Substep]]:
+    """(optimizer, lr_scheduler, sub-steps) of the cell: its own for one optimizer, their
+    named wrappers for several (engine.optimizers). Raises OptimizersError."""
+    optimizer, lr_scheduler = namespace["optimizer"], namespace.get("lr_scheduler")
+    steps = substeps(optimizer, namespace["loss_fn"])
+    if steps[0].name is None:
+        return optimizer, lr_scheduler, steps
+    if config.shard:
+        raise OptimizersError("--shard trains one optimizer: several optimizers would each "
+                              "need their own sharded state; train without --shard")
+    if config.precision == "fp16":
+        raise OptimizersError("--precision fp16 scales one optimizer's gradients: with several "
+                              "optimizers use bf16 (no gradient scaling) or float32")
+    return NamedOptimizers(optimizer), schedulers(lr_scheduler, optimizer), steps
 
 
 def _streams(dataset, namespace: dict, config: EngineConfig) -> Streams:

@@ -36,7 +36,9 @@ class Progress:
     dict; None until the first generation fixes it); ``pass_cost``, the pass cost that cut
     uses (None unless it balances by one); ``streams``, for an iterable dataset
     (engine.streams), ``{"count": S, "states": {stream: {"epoch", "offset", "state"}}}``: the
-    stream count and each stream's newest committed state to resume reading from."""
+    stream count and each stream's newest committed state to resume reading from; with
+    several optimizers (engine.optimizers), ``substep`` the sub-steps of step ``step + 1``
+    already committed and ``losses`` their ``[loss, *extras]`` by optimizer name."""
 
     step: int = 0
     epoch: int = 0
@@ -46,13 +48,16 @@ class Progress:
     pass_cost: float | None = None
     cut: dict | None = None
     streams: dict | None = None
+    substep: int = 0
+    losses: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return dict(step=self.step, epoch=self.epoch, position=self.position,
                     samples=self.samples, metric_names=list(self.metric_names),
                     pass_cost=self.pass_cost,
                     cut=dict(self.cut) if self.cut is not None else None,
-                    streams=copy.deepcopy(self.streams))
+                    streams=copy.deepcopy(self.streams), substep=self.substep,
+                    losses={k: list(v) for k, v in self.losses.items()})
 
 
 def rng_state() -> dict:

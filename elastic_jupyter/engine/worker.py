@@ -43,6 +43,7 @@ from .loader import input_pipeline
 from .losses import floats, weighted
 from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
+from .optimizers import Substep, optimized
 from .precision import Precision, PrecisionError
 from .protocol import EngineConfig
 from .randomness import host_generators_kept, micro_batch_stream
@@ -52,7 +53,6 @@ from .sharded_mode import ShardedMode, is_pad, pad_source
 from .sharding import move_model
 from .streams import Streams
 from .transfer import to_device
-from .trials import SetupTrials
 from .vote import Vote
 from .weighting import StepWeights
 
@@ -68,14 +68,18 @@ def _group_lrs(optimizer) -> dict:
     return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
 
 
-def _step_record(p: state_mod.Progress, epoch: int, losses: list[float], lrs: dict,
+def _step_record(p: state_mod.Progress, epoch: int, losses: dict[str, list[float]], lrs: dict,
                  world_size: int, samples: int, seconds: float, weights: StepWeights) -> dict:
     """The history record of committed step ``p.step`` of epoch `epoch`: its loss and extra
-    metrics (`losses`), learning rates, world size and speed."""
-    record = {"step": p.step, "epoch": epoch, "loss": losses[0], **lrs,
+    metrics (`losses`: [loss, *extras] by optimizer name, "" for the cell's only one; with
+    several, ``loss`` and the extras are the first's, ``loss_<name>`` each one's), learning
+    rates, world size and speed."""
+    first = next(iter(losses.values()))
+    record = {"step": p.step, "epoch": epoch, "loss": first[0], **lrs,
               "world_size": world_size, "samples_per_s": samples / max(seconds, 1e-9),
               "time": time.time()}
-    record.update(zip(p.metric_names, losses[1:]))
+    record.update({f"loss_{name}": values[0] for name, values in losses.items() if name})
+    record.update(zip(p.metric_names, first[1:]))
     if weights.mean_over:  # what the step's loss is a mean over (an epoch's mean weighs it)
         record["items"] = int(round(weights.items))
     return record
@@ -107,6 +111,16 @@ def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
     return keep_after
 
 
+def _collectives_in_passes(worker: Worker):
+    """SyncBatchNorm's and FSDP2's collectives run inside the forward and backward passes: a
+    peer failing there (torch's DistError) is a fault, like in our own collectives."""
+    if worker.sharded is not None:
+        return collectives_within("FSDP2's all-gather or reduce-scatter")
+    if not worker.config.sync_batchnorm:
+        return contextlib.nullcontext()
+    return collectives_within("SyncBatchNorm statistics")
+
+
 class Worker:
     """One engine's share of a run: the user's objects plus the run's progress.
 
@@ -122,8 +136,7 @@ class Worker:
     """
 
     # the cell's objects (engine.objects), shared with the owners this Worker hands them to
-    model, optimizer, dataset, loss_fn = CellAttribute(), CellAttribute(), CellAttribute(), \
-        CellAttribute()
+    model, optimizer, dataset = CellAttribute(), CellAttribute(), CellAttribute()
     lr_scheduler, eval_dataset, metric_fn = CellAttribute(), CellAttribute(), CellAttribute()
     after_step, extra_state = CellAttribute(), CellAttribute()  # extra: an EMA, {name: obj}
 
@@ -175,8 +188,7 @@ class Worker:
         # carry it in their config, and a resume checks it
         self.fingerprint: dict | None = None
         self.history = History()  # the newest records only (engine.history)
-        # a step begun and not yet committed (what a fault now would lose)
-        self.in_flight = False
+        self.in_flight = False  # a step begun, not committed (what a fault now would lose)
         # whether this engine holds the run's state: a generation's rank that is sent none (its
         # setup's state at the run's start), or once a state is loaded (recovery counts these)
         self.holds_state = False
@@ -246,7 +258,9 @@ class Worker:
 
         Returns, on rank 0 of the run's first generation, the ``micro_batches`` event.
         """
-        event = self.record_cut(rank, world_size) if self.progress.cut is None else None
+        # engine.cut_choice.CutChoice.record: a collective with --pass-cost measure
+        event = self.cut_choice.record(self.plan, self.progress, rank, world_size) \
+            if self.progress.cut is None else None
         if self.sharded is not None:  # measured above on the whole model; the rows come now
             self.model = self.sharded.start(rank, world_size, self.optimizer, self.device)
             self.running_stats = RunningStats(self.model)
@@ -261,19 +275,6 @@ class Worker:
         self.staging.wait()
         if self.sharded is not None:
             self.sharded.writer.wait()
-
-    def record_cut(self, rank: int, world_size: int) -> dict | None:
-        """Fix the run's cut in its state (engine.cut_choice.CutChoice.record: a collective
-        with ``--pass-cost measure``); returns, on rank 0, the ``micro_batches`` event."""
-        return self.cut_choice.record(self.plan, self.progress, rank, world_size)
-
-    def _next_batch(self, rank: int, world_size: int):
-        """The next pass's collated batch from the input pipeline (engine.loader), started
-        where it does not stand at this step."""
-        p = self.progress
-        return self.pipeline.next((rank, world_size, p.epoch, p.position),
-                                  lambda batch: self._passes(batch, rank, world_size),
-                                  self.total_steps - p.step)
 
     # one optimizer step ----------------------------------------------------------------------
 
@@ -292,14 +293,13 @@ class Worker:
 
     def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int,
                             world_size: int):
-        """Yield (zero-weight?, sample indices) for each of this rank's passes `parts` over a
-        batch of `B` samples; the caller's loop body (forward and backward) runs inside that
-        micro-batch's random stream with its BatchNorm statistics recorded, and the last one's
-        backward starts the gradients' all-reduce as buckets fill (engine.reduce). After the
-        last one, the remaining buckets start and the running statistics are combined across
-        ranks (collectives: every rank's loop must end). An exception in the loop body closes
-        this generator as it leaves the caller (CPython frees the loop's iterator), which
-        restores the outer RNG state and the layers' momenta."""
+        """Yield (zero-weight?, sample indices) for each of this rank's passes `parts` of a
+        batch of `B` samples; the caller's loop body (forward, backward) runs in that
+        micro-batch's random stream with its BatchNorm statistics recorded, the last one's
+        backward starting the all-reduce as buckets fill (engine.reduce). Then the other
+        buckets start and the statistics are combined (collectives: every rank's loop must
+        end). An exception in the loop body closes this generator as it leaves the caller,
+        which restores the outer RNG state and the layers' momenta."""
         self.running_stats.begin()
         for n, (index, chunk) in enumerate(host_generators_kept(parts)):
             if n == len(parts) - 1:  # SyncBatchNorm's collectives run inside backward
@@ -314,24 +314,32 @@ class Worker:
         self.running_stats.combine(self.plan.micro_batch_count(B))
 
     def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int, rank: int,
-                    world_size: int) -> tuple:
-        """Forward and backward over this rank's passes (index, sample indices) of a batch of
-        `B` samples, each pass's batch from the input pipeline; returns (loss, extra metrics),
-        each weighted by the passes' fraction of the batch: float64 tensors on the device where
-        loss_fn gave tensors (read with engine.losses.floats, once per step), else floats."""
+                    world_size: int, sub: Substep, kept: list) -> tuple:
+        """Forward and backward of sub-step `sub`'s loss over this rank's passes (index, sample
+        indices) of a batch of `B` samples, each pass's batch from `kept` (the step's batches
+        an earlier sub-step read), else from the input pipeline (then kept there when more
+        sub-steps follow); returns (loss, extra metrics), each weighted by the passes' fraction
+        of the batch: float64 tensors on the device where loss_fn gave tensors (read with
+        engine.losses.floats, once per step), else floats."""
         loss_sum: torch.Tensor | float = 0.0
         extras: list[torch.Tensor | float] = [0.0] * len(self.progress.metric_names)
         # closed on the way out, also when a pass raises: that restores the generators' states
         # and the layers' momenta now, not whenever the interpreter frees the loop
         with contextlib.closing(self._micro_batch_passes(parts, B, world_size)) as passes:
-            for pad, chunk in passes:
-                batch = to_device(self._next_batch(rank, world_size), self.device)
+            for n, (pad, chunk) in enumerate(passes):
+                if n == len(kept):  # the input pipeline (engine.loader) starts where it must
+                    p = self.progress
+                    kept.append(to_device(self.pipeline.next(
+                        (rank, world_size, p.epoch, p.position),
+                        lambda batch: self._passes(batch, rank, world_size),
+                        self.total_steps - p.step), self.device))
+                batch = kept[n]
                 fault_point("forward", self)
-                with self._collectives_in_passes(), micro_batch_note(
+                with _collectives_in_passes(self), micro_batch_note(
                         len(chunk), self.progress.step + 1, B, self.plan.cut,
                         self.config.global_batch):
                     with self.precision.autocast():
-                        out = self.loss_fn(self.model, batch)
+                        out = sub.loss_fn(self.model, batch)
                     fault_point("backward", self)
                     if pad:
                         self.weights.zero_weight_backward(out)
@@ -339,6 +347,9 @@ class Worker:
                     loss, metrics, weight = self.weights.backward(
                         out, len(chunk), B, self.progress.step, self.config.sync_batchnorm)
                 loss_sum = loss_sum + loss
+                if metrics and sub is not self.objects.substeps[0]:
+                    raise ValueError(f"loss_fn[{sub.name!r}] returned extra metrics: with "
+                                     "several optimizers only the first one's loss_fn may")
                 if metrics and not self.progress.metric_names:
                     self.progress.metric_names = sorted(metrics)
                     extras = [0.0 for _ in metrics]
@@ -346,22 +357,12 @@ class Worker:
                     extras[j] = extras[j] + weighted(metrics[name], weight)
         return loss_sum, extras
 
-    def _collectives_in_passes(self):
-        """SyncBatchNorm's and FSDP2's collectives run inside the forward and backward passes:
-        a peer failing there (torch's DistError) is a fault, like in our own collectives."""
-        if self.sharded is not None:
-            return collectives_within("FSDP2's all-gather or reduce-scatter")
-        if not self.config.sync_batchnorm:
-            return contextlib.nullcontext()
-        return collectives_within("SyncBatchNorm statistics")
-
     def _reduce_and_vote(self, loss, extras: list, flag: float, B: int, world_size: int,
                          vote: Vote) -> tuple:
-        """Sum gradients across ranks, then vote: the count, loss, extra metrics, leave flag
-        and which parameters had gradients are summed by the vote itself. Returns (loss,
-        extras, leave) once every rank voted, loss and extras summed as floats (with one rank:
-        as :meth:`_local_pass` gave them); raises StepAborted (a PeerFailure) when the step is
-        not committed.
+        """Sum gradients across ranks, then vote (the count, loss, extra metrics, leave flag
+        and which parameters had gradients summed by the vote). Returns (loss, extras, leave)
+        once every rank voted, loss and extras summed as floats (with one rank: as
+        :meth:`_local_pass` gave them); raises StepAborted (a PeerFailure) when not committed.
 
         The local pass weighted each micro-batch by count / B; with MeanOver counts the total
         is not B, and multiplying by B / total makes the update the mean over every item.
@@ -388,6 +389,8 @@ class Worker:
     def train_step(self, rank: int, world_size: int, vote: Vote | None = None,
                    leave_flag: float = 0.0) -> tuple[dict, bool]:
         """One optimizer step on this rank's share of the global batch; all ranks call it.
+        With several optimizers (engine.optimizers), its sub-steps from the first one not yet
+        committed (``progress.substep``), each a transaction of its own.
 
         Args:
             vote: the generation's commit vote (engine.vote); None with one rank and no store.
@@ -395,40 +398,27 @@ class Worker:
         Returns (history record, whether any rank asked to leave after this step); the record
         is also :attr:`pending` until the generation has evaluated, recorded it and stepped
         the scheduler (engine.generation).
-        Raises PeerFailure (StepAborted among them) when the step was not committed: the
-        model, optimizer and BatchNorm statistics are then as the step found them.
+        Raises PeerFailure (StepAborted among them) when the step (or a sub-step) was not
+        committed: the model, optimizer and BatchNorm statistics are then as it found them.
         """
         t0 = time.perf_counter()
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
-        self.in_flight = True
-        self.reducer.begin_step()  # zeroed gradients: views of the reduction's buckets
-        self.weights.begin()
         parts = self._passes(batch, rank, world_size)
-        try:
-            loss, extras = self._local_pass(parts, len(batch), rank, world_size)
-            loss, extras, leave = self._reduce_and_vote(
-                loss, extras, leave_flag, len(batch), world_size, vote or Vote(None, 0, 1, 0.0))
-        except BaseException:
-            self.running_stats.undo()
-            self.pipeline.stop()  # it stands past this step
-            raise
-        # committed: every rank applies this update (a rank dying from here on changes nothing)
-        lrs = _group_lrs(self.optimizer)
-        fault_point("optimizer", self)
-        self.staging.wait()  # the last checkpoint's copies of the tensors this step changes
-        # the scheduler steps in the loop, after evaluation (schedulers.py)
-        self.precision.step(self.optimizer, self.config.clip_grad_norm, self.model.parameters(),
-                            self.reducer.clip)
-        loss, *extras = floats([loss, *extras])
+        kept: list = []  # the passes' batches, read once for every sub-step
+        lrs = _group_lrs(self.optimizer)  # the schedulers step after the whole step
+        leave = False
+        for sub in self.objects.substeps[p.substep:]:
+            leave = self._substep(sub, parts, kept, len(batch), rank, world_size,
+                                  vote or Vote(None, 0, 1, 0.0), leave_flag)
+        losses, p.substep, p.losses = p.losses, 0, {}
         epoch = p.epoch
         p.epoch, p.position = self.plan.advance(p.epoch, p.position)
         self.pipeline.moved_to((rank, world_size, p.epoch, p.position))  # its next step
         p.step += 1
         p.samples += len(batch)
-        record = _step_record(p, epoch, [loss, *extras], lrs, world_size, len(batch),
-                              time.perf_counter() - t0, self.weights)
-        self.in_flight, self.pending = False, record
+        self.pending = record = _step_record(p, epoch, losses, lrs, world_size, len(batch),
+                                             time.perf_counter() - t0, self.weights)
         if self._first_step_of_generation:  # the buckets, in the order backward filled them:
             # a collective, so only once the step is done (a peer failing here loses nothing)
             self._first_step_of_generation = False
@@ -438,21 +428,46 @@ class Worker:
                 self.after_step(self.model, self.optimizer, p.step)
         return record, leave
 
+    def _substep(self, sub: Substep, parts: list, kept: list, B: int, rank: int,
+                 world_size: int, vote: Vote, leave_flag: float) -> bool:
+        """One optimizer's update over the step's `B` samples (this rank's passes `parts`, their
+        batches `kept` once read): passes, reduction, vote, and once committed its optimizer's
+        step, its losses in ``progress.losses``. Returns whether a rank asked to leave."""
+        p = self.progress
+        if p.substep:  # a sub-step after a committed one (fault tests stop here)
+            fault_point("substep", self)
+        self.in_flight = True
+        self.reducer.begin_step()  # zeroed gradients: views of the reduction's buckets
+        self.weights.begin()
+        try:
+            loss, extras = self._local_pass(parts, B, rank, world_size, sub, kept)
+            loss, extras, leave = self._reduce_and_vote(loss, extras, leave_flag, B,
+                                                        world_size, vote)
+        except BaseException:
+            self.running_stats.undo()
+            self.pipeline.stop()  # it stands past this step
+            raise
+        # committed: every rank applies this update (a rank dying from here on changes nothing)
+        fault_point("optimizer", self)
+        self.staging.wait()  # the last checkpoint's copies of the tensors this step changes
+        # the scheduler steps in the loop, after evaluation (schedulers.py); each optimizer's
+        # gradient norm is its own parameters'
+        self.precision.step(sub.optimizer, self.config.clip_grad_norm,
+                            self.model.parameters() if sub.name is None
+                            else optimized(sub.optimizer), self.reducer.clip)
+        p.losses[sub.name or ""] = floats([loss, *extras])
+        p.substep += 1
+        self.in_flight = False
+        return leave
+
     # evaluation and the setup's trials --------------------------------------------------------
 
     def evaluate(self, rank: int, world_size: int, vote: Vote | None = None) -> dict:
-        """The mean of each ``metric_fn`` value over ``eval_dataset``: ``{"val_<name>": mean}``;
-        {} without one (engine.evaluation: the same at any world size). The chunks' sums meet
-        in a round of the commit vote (`vote`; None with one rank), so every rank returns the
-        same metrics or raises PeerFailure."""
+        """The mean of each ``metric_fn`` value over ``eval_dataset``, ``{"val_<name>": mean}``
+        ({} without one; engine.evaluation): the chunks' sums meet in a round of the commit
+        vote (`vote`; None with one rank), so every rank returns the same or raises."""
         if self.eval_dataset is None:
             return {}
         chunks = self.evaluation.local_chunks(rank, world_size, self.progress.step)
         fault_point("evaluate", self)
         return self.evaluation.combine(chunks, vote)
-
-    def try_user_functions(self) -> None:
-        """Call, once at setup, the functions the run calls later, on a small batch; nothing
-        they change stays (engine.trials.SetupTrials.run). Raises SetupError naming the
-        function."""
-        SetupTrials(self.config, self.objects, self.plan, self.device).run()
