@@ -8,6 +8,8 @@ by ``datasets`` streaming (with ``state_dict``) and by a plain IterableDataset o
 undisturbed run's samples.
 """
 import collections
+import copy
+import functools
 import glob
 import json
 import re
@@ -20,6 +22,9 @@ from test_faults import kill_in_phase, wait_for
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.batching import BatchPlan, Cut
+from elastic_jupyter.engine.state import Progress
+from elastic_jupyter.engine.stream_loader import StreamPipeline
 from elastic_jupyter.engine.streams import Streams
 from elastic_jupyter.pool.processes import alive
 
@@ -238,7 +243,9 @@ def test_a_stopped_stream_resumes_from_its_checkpoint_exactly(
 @given(st.integers(1, 40), st.integers(1, 9), st.integers(1, 300), st.booleans())
 def test_an_epoch_reads_each_stream_in_order_once(batch, count, length, drop_last):
     """The epoch's samples map one to one onto each stream's first ``needs`` offsets, each
-    stream read forwards; a step's share of a stream ends where ``step_end`` says."""
+    stream read forwards, the streams' counts within one of each other (equal shards end
+    together, whatever divides what); a step's share of a stream ends where ``step_end``
+    says."""
     streams = Streams(None, count, max(length, batch), batch, drop_last)
     n = len(streams)
     read = n - n % batch if drop_last else n
@@ -251,3 +258,110 @@ def test_an_epoch_reads_each_stream_in_order_once(batch, count, length, drop_las
             start = index - index % batch
             assert [streams.step_end(s, start) for s in range(count)] == at
     assert at == [streams.needs(s) for s in range(count)]
+    assert max(at) - min(at) <= 1
+
+
+class Numbers(torch.utils.data.IterableDataset):
+    """Numbers start..end-1, written by torch's documented pattern (``__iter__`` returns an
+    iterator and splits itself over a DataLoader's processes); with `state`, a hand-written
+    state_dict() that returns its live dict."""
+
+    def __init__(self, start=0, end=100, state=False):
+        self.start, self.end, self.stateful, self.pos = start, end, state, {"pos": 0}
+        if state:
+            self.state_dict = lambda: self.pos
+            self.load_state_dict = lambda s: self.pos.update(s)
+
+    def shard(self, num_shards, index):
+        per = (self.end - self.start) // num_shards
+        return Numbers(self.start + index * per, self.start + (index + 1) * per, self.stateful)
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        start = self.start + self.pos["pos"]
+        if info is not None:  # torch's pattern: each loader process takes a part
+            per = -(-(self.end - start) // info.num_workers)
+            start += info.id * per
+            return iter(range(start, min(start + per, self.end)))
+        return self._counting(start)
+
+    def _counting(self, start):
+        for i in range(start, self.end):
+            self.pos["pos"] += 1
+            yield i
+
+
+def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4):
+    """Train-free run of `total` steps: per generation (until step, world size), a
+    StreamPipeline per rank from the shared progress, its passes' batches by (step, k); the
+    ranks' stream states merged at each generation's end, as share() does."""
+    out, progress, epoch, position = {}, Progress(), 0, 0
+    for until, world_size in sizes:
+        ranks = []
+        for rank in range(world_size):
+            streams = Streams(Numbers(0, n, stateful), count, n, batch)
+            streams.check()
+            plan = BatchPlan(n, batch, 0, Cut(virtual=count, max_size=count), shuffle=False)
+            mine = copy.deepcopy(progress)
+            ranks.append((plan, StreamPipeline(streams, plan, 0, workers, list, None, False,
+                                               lambda mine=mine: mine), mine))
+        while progress.step < until:
+            for rank, (plan, pipe, mine) in enumerate(ranks):
+                passes = functools.partial(plan.rank_micro_batches, rank=rank,
+                                           world_size=world_size)
+                for k, _ in passes(plan.batch(epoch, position)):
+                    out[(progress.step, k)] = pipe.next((rank, world_size, epoch, position),
+                                                        passes, total - progress.step)
+            epoch, position = ranks[0][0].advance(epoch, position)
+            progress.step += 1
+            for rank, (plan, pipe, mine) in enumerate(ranks):
+                mine.step, mine.epoch, mine.position = progress.step, epoch, position
+                pipe.moved_to((rank, world_size, epoch, position))
+        merged = {}
+        for _, pipe, mine in ranks:
+            pipe.stop()
+            for stream, state in (mine.streams or {"states": {}})["states"].items():
+                if stream not in merged or state["offset"] > merged[stream]["offset"]:
+                    merged[stream] = state
+        progress = copy.deepcopy(ranks[0][2])
+        progress.streams["states"] = merged
+    return out
+
+
+@pytest.mark.parametrize("stateful", [False, True], ids=["re-read", "live state_dict"])
+def test_stream_pipelines_read_alike_at_any_world_size_and_number_of_loader_processes(
+        stateful):
+    """A global batch of 14 over 4 streams (shares of 3 and 4, an epoch's last step of 2),
+    resized 2 -> 3 -> 1 -> 4, with 0 and 2 loader processes: the batches of a run at one rank,
+    and every number once per epoch."""
+    expected = _simulate([(17, 1)], 0, stateful)
+    ids = sorted(i for (step, _), b in expected.items() if step < 8 for i in b)
+    assert ids == list(range(100))  # 8 steps an epoch (7 of 14, one of 2)
+    for workers in (0, 2):
+        assert _simulate([(3, 2), (7, 3), (11, 1), (17, 4)], workers, stateful) == expected
+
+
+def test_a_datasets_stream_with_a_shuffle_buffer_is_read_again_not_resumed(shard_files):
+    """datasets does not save a shuffle buffer in its state: the setup's trial finds that the
+    stream does not resume where its state was taken, so it is re-read instead."""
+    import datasets  # pylint: disable=import-outside-toplevel
+    plain = datasets.load_dataset("json", data_files=shard_files, streaming=True,
+                                  split="train")
+    streams = Streams(plain, 4, 480, 32)
+    streams.check()
+    assert streams.resumable and streams.resume_note == ""
+    shuffled = Streams(plain.shuffle(seed=0, buffer_size=16), 4, 480, 32)
+    shuffled.check()
+    assert not shuffled.resumable
+    assert shuffled.resume_note == "its shuffle buffer is not part of its state_dict()"
+    unseeded = Streams(ShuffledEachTime(), 4, 480, 32)
+    with pytest.raises(ValueError, match="gives other samples each time it is read"):
+        unseeded.check()
+
+
+class ShuffledEachTime(torch.utils.data.IterableDataset):
+    def shard(self, num_shards, index):
+        return self
+
+    def __iter__(self):
+        return iter(torch.randperm(100).tolist())

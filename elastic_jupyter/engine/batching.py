@@ -232,7 +232,8 @@ class BatchPlan:
         cut: how a step is cut into micro-batches (:class:`Cut`); the run may set another
             (its state's) before the first step.
         drop_last: leave out an epoch's short last step (its samples wait for a later epoch's
-            permutation), as ``DataLoader(drop_last=True)`` does.
+            permutation; in order, they are never read), as ``DataLoader(drop_last=True)``
+            does.
         shuffle: False keeps the dataset's order in every epoch (``--no-shuffle``, as
             ``DataLoader(shuffle=False)``; a stream's, engine.streams, is always kept).
     """

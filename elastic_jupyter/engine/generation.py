@@ -314,10 +314,6 @@ class Generation:
         Before the final evaluation, rank 0 writes the final state (:meth:`_keep_final_state`):
         an error there (the user's metric_fn) fails the run but loses no training."""
         w, step = self.worker, self.worker.progress.step
-        checkpoints = w.config.checkpoint_every or 0
-        if w.config.checkpoint_dir and (
-                (checkpoints and step % checkpoints == 0) or step >= w.total_steps):
-            w.pipeline.share(self.rank, self.world_size, opening=False)  # checkpointed whole
         every = w.config.eval_every
         if (every and step % every == 0) or step >= w.total_steps:
             if step >= w.total_steps and self.rank == 0:
@@ -338,6 +334,12 @@ class Generation:
         if step % ACKNOWLEDGED_EVERY == 0 or self._acknowledged_step is None:
             self._acknowledged_step = self._acknowledged()
         w.forget_history(self._acknowledged_step)
+        checkpoints = w.config.checkpoint_every or 0
+        if w.config.checkpoint_dir and (
+                (checkpoints and step % checkpoints == 0) or step >= w.total_steps):
+            # every stream's newest state in the checkpoint (a collective: after the step is
+            # finished everywhere, so a peer failing here leaves every survivor alike)
+            w.pipeline.share(self.rank, self.world_size, opening=False)
         if self.rank == 0:
             self._maybe_checkpoint(step)
         every = w.config.checkpoint_every or 0

@@ -5,9 +5,10 @@ all its passes of a generation as it does for a map-style dataset (engine.loader
 sample is its stream's next. With ``--workers N`` a torch DataLoader runs N processes, each
 reading the rank's streams s with ``s % N`` equal to its id, ahead of training (``prefetch_factor``
 items each); every process yields one item per pass (its samples of that pass, maybe none), so
-the DataLoader's round robin hands the items back pass by pass. The pass's samples are put in
-order and collated here, with the cell's ``collate_fn``. With 0 the training process reads them
-when the pass asks for its batch.
+the DataLoader's round robin hands the items back pass by pass. A process that read a whole pass
+collates it with the cell's ``collate_fn`` (so a batch, not each sample, crosses to the training
+process); a pass read by several is put in order and collated here. With 0 the training process
+reads them when the pass asks for its batch.
 
 Each sample is read under torch's CPU generator, Python's ``random`` and numpy's global
 generator seeded by (seed, epoch, its number in the epoch) (engine.randomness.sample_seed), as
@@ -39,16 +40,17 @@ def _as_is(item):
 
 class _PassPieces(torch.utils.data.IterableDataset):
     """The samples one reading process takes from a rank's passes, step after step, from the
-    step at (`epoch`, `position`) for `steps` steps: per pass ``(pieces, states)``, pieces
-    ``[(place in the pass, sample)]`` of its streams, states the newest state of each of its
-    streams whose step share it finished reading (``{stream: state}``, on a step's last
-    pass)."""
+    step at (`epoch`, `position`) for `steps` steps: per pass ``(batch, pieces, states)``:
+    in a loader process that read the whole pass, its batch (`collate_fn`'s) and no pieces;
+    else None and ``[(place in the pass, sample)]`` of its streams; states the newest state of
+    each of its streams whose step share it finished reading (``{stream: state}``, on a step's
+    last pass)."""
 
     def __init__(self, streams: Streams, plan: BatchPlan, passes: Callable, epoch: int,
-                 position: int, steps: int, known: dict, seed: int):
+                 position: int, steps: int, known: dict, seed: int, collate_fn: Callable):
         self.streams, self.plan, self.passes = streams, plan, passes
         self.epoch, self.position, self.steps = epoch, position, steps
-        self.known, self.seed = known, seed
+        self.known, self.seed, self.collate_fn = known, seed, collate_fn
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
@@ -60,7 +62,10 @@ class _PassPieces(torch.utils.data.IterableDataset):
             for n, (_, chunk) in enumerate(parts):
                 pieces = self._read(chunk.tolist(), epoch, readers, me, of)
                 states = self._states(readers, epoch, position) if n == len(parts) - 1 else {}
-                yield pieces, states
+                if info is not None and pieces and len(pieces) == len(chunk):
+                    yield self.collate_fn([sample for _, sample in pieces]), [], states
+                else:
+                    yield None, pieces, states
             epoch, position = self.plan.advance(epoch, position)
 
     def _read(self, indices: list[int], epoch: int, readers: dict, me: int, of: int) -> list:
@@ -125,18 +130,22 @@ class StreamPipeline:
         if self._items is None or self._at != at:
             self._start(at, passes, steps)
         assert self._items is not None
-        pieces: list = []
+        batch, pieces = None, []
         for _ in range(max(1, self.workers)):  # one item from each process, in turn
-            got, states = next(self._items)
+            collated, got, states = next(self._items)
+            batch = collated if collated is not None else batch
             pieces += got
             self._read.update(states)
-        batch = self.collate_fn([sample for _, sample in sorted(pieces, key=lambda p: p[0])])
-        return _pinned(batch) if self.pin_memory else batch
+        if batch is None:
+            batch = self.collate_fn([sample for _, sample in sorted(pieces, key=lambda p: p[0])])
+        # pinned in the training process, as a DataLoader with pin_memory pins (its thread)
+        return _pinned(batch) if self.pin_memory and self.workers else batch
 
     def _start(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
         known = self._states()["states"]
+        self.streams.close()  # the setup's readers: none is needed (nor forked) from here
         pieces = _PassPieces(self.streams, self.plan, passes, at[2], at[3], steps,
-                             dict(known), self.seed)
+                             dict(known), self.seed, self.collate_fn)
         self._read = {}
         if not self.workers:
             self._items = iter(pieces)
@@ -197,9 +206,10 @@ class StreamPipeline:
             start = state["offset"] if usable and state is not None else 0
             resumed += [stream] if usable else []
             reread.append(offset - start)
+        why = f" ({s.resume_note})" if s.resume_note else ""
         return {"kind": "streams", "step": p.step, "streams": s.count, "resumed": resumed,
                 "reread": reread, "message": (
-                    f"{len(resumed)} of {s.count} streams resume from a state; "
+                    f"{len(resumed)} of {s.count} streams resume from a state{why}; "
                     + (f"{sum(reread)} samples are read again to reach the streams' positions"
                        if any(reread) else "no sample is read again"))}
 

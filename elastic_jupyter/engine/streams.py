@@ -4,26 +4,28 @@ A map-style dataset is read in the order of a permutation (engine.batching); an 
 (shards of token files, ``datasets`` streaming, WebDataset) can only be read forwards. A run
 splits it once into S streams, stream s being ``dataset.shard(num_shards=S, index=s)`` (the
 protocol of ``datasets.IterableDataset.shard``), with S fixed at the run's start (the pool's
-``--max``, at most the dataset's ``num_shards``) and kept in its state. A step of b samples
-takes from each stream s its next ``bounds[s + 1] - bounds[s]`` samples (``bounds =
-micro_batch_bounds(b, S)``), stream after stream: the step's j-th sample is a fixed stream's
-fixed offset whatever the world size, as EasyScale's virtual workers fix a step's work
-(Li et al., SC'23). With the default cut (one micro-batch per slot of ``--max``) micro-batch k
-of a full step is stream k's share, so a rank reads only the streams of its micro-batches.
+``--max``, at most the dataset's ``num_shards``) and kept in its state. Once the epoch's first
+t samples are read, stream s has given ``(t + S - 1 - s) // S`` of them (the streams' counts
+differ by at most one, so shards of equal size end together); a step takes from each stream
+what that count grows by, stream after stream. So the step's j-th sample is a fixed stream's
+fixed offset whatever the world size, as EasyScale's virtual workers fix a step's work (Li et
+al., SC'23). With the default cut (one micro-batch per slot of ``--max``) and a global batch
+that S divides, micro-batch k is stream k's share, so a rank reads only its streams.
 
 :class:`Streams` numbers the samples of an epoch as a map-style dataset's are (its length is
 the declared one, or ENDLESS), step by step in that stream-major order, so the batch plan, the
 cut, the passes and the weighting treat a stream as a map-style dataset read in order
-(``BatchPlan(shuffle=False)``); only reading differs (engine.loader.StreamPipeline).
+(``BatchPlan(shuffle=False)``); only reading differs (engine.stream_loader.StreamPipeline).
 
 Where a stream stands follows from the run's (epoch, position). What the run keeps besides, in
 ``Progress.streams``, is where reading can resume cheaply: a stream with ``state_dict()`` and
-``load_state_dict()`` (``datasets.IterableDataset``, torchdata's nodes) resumes from its newest
-state that a step committed, then skips to its position; any other stream is read again from
-its epoch's start and skips the samples before its position (the ``streams`` event says how
-many). No elastic trainer we know keeps exact stream positions across a change of world size:
-torchdata's StatefulDataLoader keeps one state per rank, torchtitan refuses to reshard its
-dataloader.
+``load_state_dict()`` (``datasets.IterableDataset``) resumes from its newest state that a step
+committed, then skips to its position, once a trial at setup showed that it resumes exactly
+(:meth:`Streams.check`: a shuffle buffer, which ``datasets`` does not save, fails it); any
+other stream is read again from its epoch's start and skips the samples before its position
+(the ``streams`` event says how many). No elastic trainer we know keeps exact stream positions
+across a change of world size: torchdata's StatefulDataLoader keeps one state per rank,
+torchtitan refuses to reshard its dataloader.
 
 This module imports nothing from IPython or the UI.
 """
@@ -31,11 +33,13 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import copy
 from typing import Any
 
 import torch
 
-from .batching import micro_batch_bounds
+from .checkpoint import unloadable
+from .digest import items_digest
 
 ENDLESS = 2**62  # the epoch length of a stream without a declared one: it never ends
 
@@ -57,7 +61,7 @@ def declared_length(dataset: Any, namespace: dict) -> int | None:
     ``dataset_length``, else None (an endless stream)."""
     try:
         return len(dataset)
-    except TypeError:
+    except (TypeError, NotImplementedError):
         return namespace.get("dataset_length")
 
 
@@ -86,31 +90,16 @@ class Streams:
         drop_last: an epoch's short last step is left out (``--drop-last``).
     ``len()`` is the epoch's length (ENDLESS without one). ``streams[i]`` reads sample i of
     epoch 0 from its stream, opened anew unless it stands before it: for the setup's trials
-    and the first samples, never for training (engine.loader.StreamPipeline reads those).
+    and the first samples, never for training (engine.stream_loader reads those).
+    ``resumable`` is set by :meth:`check`.
     """
 
     def __init__(self, source: Any, count: int, length: int | None, global_batch: int,
                  drop_last: bool = False):
         self.source, self.length, self.global_batch = source, length, global_batch
-        self.drop_last = drop_last
-        self.count = count
+        self.drop_last, self.count = drop_last, count
+        self.resumable, self.resume_note = False, "not checked"
         self._opened: dict[int, StreamReader] = {}  # streams[i]'s readers
-
-    @property
-    def count(self) -> int:
-        return self._count
-
-    @count.setter
-    def count(self, count: int) -> None:
-        self._count = count
-        self._full = micro_batch_bounds(self.global_batch, count)  # a full step's shares
-        self._opened = {}
-
-    @property
-    def resumable(self) -> bool:
-        """Whether a stream resumes from a state (``state_dict``/``load_state_dict``)."""
-        return all(callable(getattr(self.source, name, None))
-                   for name in ("state_dict", "load_state_dict"))
 
     def __len__(self) -> int:
         return self.length if self.length is not None else ENDLESS
@@ -122,62 +111,125 @@ class Streams:
             reader = self._opened[stream] = StreamReader(self, stream, 0, offset, None)
         return reader.read(offset)
 
+    def close(self) -> None:
+        """Forget the readers ``streams[i]`` opened (training reads with its own)."""
+        self._opened = {}
+
     def head(self, count: int) -> list:
         """The dataset's first `count` samples in its own order (its fingerprint's)."""
         out: list = []
         with outside_loader():
-            for sample in self.source:
-                if len(out) == count:
+            samples = iter(self.source)
+            while len(out) < count:
+                try:
+                    out.append(next(samples))
+                except StopIteration:
                     break
-                out.append(sample)
         return out
+
+    def check(self) -> None:
+        """Read stream 0 at setup: twice from its start (the same samples, else ValueError:
+        re-reading could not find a position again), and where it has ``state_dict()`` and
+        ``load_state_dict()``, once more from a state taken after its first sample (the same
+        next sample, and a state a checkpoint can keep: else it is read again instead, and
+        ``resume_note`` says why). Sets ``resumable``."""
+        first = [items_digest(_take(self.open(0, 0, None), 3)) for _ in range(2)]
+        if first[0] != first[1]:
+            raise ValueError(
+                "dataset.shard(...) gives other samples each time it is read (a shuffle without "
+                "a seed?): a stream must read alike each time, so a run can find a position "
+                "again after a resize or fault; give its shuffle a seed")
+        part, note = self.open(0, 0, None), ""
+        if not all(callable(getattr(part, name, None))
+                   for name in ("state_dict", "load_state_dict")):
+            note = "it has no state_dict()/load_state_dict()"
+        else:
+            with outside_loader():
+                samples = iter(part)
+            state = copy.deepcopy(part.state_dict()) if _take(samples, 1) else None
+            expected, why = _take(samples, 1), unloadable({"state": state})
+            if not expected:
+                note = "its stream 0 is too short to try resuming"
+            elif _shuffle_buffer(part):
+                note = "its shuffle buffer is not part of its state_dict()"
+            elif why is not None:
+                note = f"its state_dict() is not plain data: {why}"
+            elif items_digest(_take(self.open(0, 0, state), 1)) != items_digest(expected):
+                note = ("its load_state_dict() does not resume where state_dict() was taken "
+                        "(a shuffle buffer is not saved)")
+        self.resumable, self.resume_note = not note, note
 
     def locate(self, index: int) -> tuple[int, int]:
         """(stream, offset in the stream's epoch) of the epoch's sample `index`."""
-        B = self.global_batch
-        step, within = divmod(index, B)
-        bounds = self._bounds(step)
-        stream = bisect.bisect_right(bounds, within) - 1
-        return stream, self.offset(stream, step * B) + within - bounds[stream]
+        start = index - index % self.global_batch
+        bounds = self._bounds(start)
+        stream = bisect.bisect_right(bounds, index - start) - 1
+        return stream, self.offset(stream, start) + index - start - bounds[stream]
 
     def offset(self, stream: int, position: int) -> int:
-        """Where `stream` stands once the epoch's first `position` samples (whole steps of
-        B) are read."""
-        full = self._full
-        return position // self.global_batch * (full[stream + 1] - full[stream])
+        """Where `stream` stands once the epoch's first `position` samples are read."""
+        return (position + self.count - 1 - stream) // self.count
 
     def step_end(self, stream: int, position: int) -> int:
         """Where `stream` stands after the step at `position`."""
-        bounds = self._bounds(position // self.global_batch)
-        return self.offset(stream, position) + bounds[stream + 1] - bounds[stream]
+        return self.offset(stream, position + min(self.global_batch, len(self) - position))
 
-    def _bounds(self, step: int) -> list[int]:
-        n, B = len(self), self.global_batch
-        size = min(B, n - step * B)
-        return self._full if size == B else micro_batch_bounds(size, self.count)
+    def _bounds(self, position: int) -> list[int]:
+        """Where each stream's share starts in the step at `position` (and where the last
+        ends)."""
+        bounds = [0]
+        for stream in range(self.count):
+            bounds.append(bounds[-1] + self.step_end(stream, position)
+                          - self.offset(stream, position))
+        return bounds
 
     def needs(self, stream: int) -> int:
         """The samples `stream` gives in one epoch of the declared length."""
-        n, B = len(self), self.global_batch
-        last = [0] * (self.count + 1) if self.drop_last or not n % B else \
-            micro_batch_bounds(n % B, self.count)
-        return self.offset(stream, n - n % B) + last[stream + 1] - last[stream]
+        n = len(self)
+        return self.offset(stream, n - n % self.global_batch if self.drop_last else n)
 
     def open(self, stream: int, epoch: int, state: dict | None):
-        """Stream `stream` for `epoch` (``set_epoch`` where it has one: a new shuffle),
-        resumed from `state` where given."""
-        part = self.source.shard(num_shards=self.count, index=stream)
-        if callable(getattr(part, "set_epoch", None)):
-            part.set_epoch(epoch)
-        if state is not None:
-            part.load_state_dict(state)
+        """Stream `stream` for `epoch` (``set_epoch`` where it has one: ``datasets`` then
+        shuffles its files and buffer anew), resumed from `state` where given."""
+        with outside_loader():
+            part = self.source.shard(num_shards=self.count, index=stream)
+            if callable(getattr(part, "set_epoch", None)):
+                part.set_epoch(epoch)
+            if state is not None:
+                part.load_state_dict(copy.deepcopy(state))
         return part
+
+
+def _shuffle_buffer(part) -> bool:
+    """Whether `part` is a ``datasets`` stream with a shuffle buffer: its state leaves the
+    buffer out (datasets warns so when it loads one), and a trial of a few samples cannot tell
+    while the buffer's first filling is still read out exactly."""
+    layer = getattr(part, "_ex_iterable", None)  # datasets' chain of example iterables
+    while layer is not None:
+        if type(layer).__name__ == "BufferShuffledExamplesIterable":
+            return True
+        layer = getattr(layer, "ex_iterable", None)
+    return False
+
+
+def _take(samples, count: int) -> list:
+    """The next `count` samples of `samples` (a stream: its first; fewer where it ends)."""
+    out: list = []
+    with outside_loader():
+        samples = iter(samples)
+        for _ in range(count):
+            try:
+                out.append(next(samples))
+            except StopIteration:
+                break
+    return out
 
 
 class StreamReader:
     """One stream of one epoch, read forwards from `offset`: from `known`, the newest committed
     state of that stream (``{"epoch", "offset", "state"}``), where it is of this epoch and not
-    past `offset`, else from the epoch's start (reading again the samples before)."""
+    past `offset` and the streams resume (``Streams.resumable``), else from the epoch's start
+    (reading again the samples before)."""
 
     def __init__(self, streams: Streams, stream: int, epoch: int, offset: int,
                  known: dict | None):
@@ -188,19 +240,22 @@ class StreamReader:
             known = {"offset": 0, "state": None}
         self.part = streams.open(stream, epoch, known["state"])
         self.at = known["offset"]
-        self._samples = iter(self.part)
+        with outside_loader():
+            self._samples = iter(self.part)
         self._skip_to(offset)
 
     def read(self, offset: int):
         """The stream's sample at `offset` (not before where it stands); raises StreamEnded."""
+        assert offset >= self.at, (offset, self.at)
         self._skip_to(offset)
         return self._next()
 
     def state(self) -> dict | None:
-        """Where it stands, as the run keeps it (None for a stream without a state)."""
+        """Where it stands, as the run keeps it (None for a stream that does not resume)."""
         if not self.streams.resumable:
             return None
-        return {"epoch": self.epoch, "offset": self.at, "state": self.part.state_dict()}
+        return {"epoch": self.epoch, "offset": self.at,
+                "state": copy.deepcopy(self.part.state_dict())}
 
     def _skip_to(self, offset: int) -> None:
         while self.at < offset:
@@ -224,7 +279,7 @@ class StreamReader:
                     f"declare dataset_length = the samples of one epoch in the cell (each "
                     f"epoch then reads every stream again)")
         return (f"{where}, but the declared length {streams.length} takes "
-                f"{streams.needs(s)} samples from it each epoch (a step of "
-                f"{streams.global_batch} samples takes its part from each of the "
-                f"{streams.count} streams): give shards of equal size, or declare a smaller "
-                "dataset_length")
+                f"{streams.needs(s)} samples from it each epoch (the {streams.count} streams "
+                "give a step's samples in turn, their counts differing by at most one): give "
+                f"the dataset {streams.count} shards (files) of equal size, or declare a "
+                "smaller dataset_length")
