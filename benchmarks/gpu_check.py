@@ -826,7 +826,9 @@ def pipeline_pinned(ctx: Ctx) -> bool:
                "dataset": Pairs(64, 8, torch.float32), "loss_fn": mse_loss}
     worker = Worker(objects, config(steps=2, workers=1), str(ctx.device))
     try:
-        x, _ = worker._next_batch(0, 1)  # the next pass's batch, before its copy to the device
+        # the next pass's batch, before its copy to the device
+        x, _ = worker.pipeline.next((0, 1, 0, 0), lambda b: worker._passes(b, 0, 1),
+                                    worker.total_steps)
         return x.is_pinned()
     finally:
         worker.end_generation()

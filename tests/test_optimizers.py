@@ -20,7 +20,10 @@ X, _ = load_digits(return_X_y=True)
 dataset = torch.utils.data.TensorDataset(torch.tensor(X[:512], dtype=torch.float64) / 16)
 G = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 64),
                         torch.nn.Sigmoid())
-D = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LeakyReLU(0.2), torch.nn.Linear(32, 1))
+# BatchNorm, called on the real batch, then on the fake one (no bias before it, as DCGAN: its
+# gradient is round-off, which Adam would scale up to whole steps)
+D = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.BatchNorm1d(32),
+                        torch.nn.LeakyReLU(0.2), torch.nn.Linear(32, 1))
 model = torch.nn.ModuleDict({"generator": G, "discriminator": D}).double()
 optimizer = {"discriminator": torch.optim.Adam(D.parameters(), lr=2e-3, betas=(0.5, 0.999)),
              "generator": torch.optim.Adam(G.parameters(), lr=2e-3, betas=(0.5, 0.999))}
@@ -90,7 +93,8 @@ def test_a_gan_resized_killed_between_its_optimizers_and_resumed_equals_the_undi
         assert r["loss_generator"] == pytest.approx(clean["loss_generator"], rel=1e-9)
         assert r["loss_discriminator"] == pytest.approx(clean["loss_discriminator"], rel=1e-9)
     # the generator's rate in the last step: its scheduler halved it after steps 8 and 16
-    assert records[-1]["lr_1"] == pytest.approx(2e-3 * 0.5 ** 2)
+    assert records[-1]["lr_generator"] == pytest.approx(2e-3 * 0.5 ** 2)
+    assert records[-1]["lr"] == records[-1]["lr_discriminator"] == 2e-3
     assert hit_step >= 8
 
 
@@ -104,6 +108,10 @@ def _objects(source: str, **options):
     ('optimizer["generator"] = torch.optim.SGD(model.parameters(), lr=0.1)', {},
      "optimizer 'generator' holds a parameter (shape (32, 64)) that optimizer 'discriminator' "
      "holds too: each parameter is stepped by one optimizer"),
+    ('optimizer = {"": optimizer["generator"]}\nloss_fn = {"": g_loss}', {},
+     "optimizer must be a torch.optim.Optimizer, or a dict {name: optimizer}"),
+    ('optimizer = optimizer["generator"]\nloss_fn = g_loss', {},
+     "lr_scheduler is a dict of schedulers but optimizer is one optimizer"),
     ('loss_fn = {"discriminator": d_loss}', {},
      "loss_fn has no loss for optimizer 'generator': give loss_fn = {name: loss_fn(model, "
      "batch)} for each of 'discriminator', 'generator'"),

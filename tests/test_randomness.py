@@ -1,6 +1,7 @@
 """Randomness independent of the world size: a random stream per micro-batch, BatchNorm running
 statistics replayed in micro-batch order (engine.randomness, engine.running_stats)."""
 import collections
+import copy
 import glob
 import random
 
@@ -188,14 +189,33 @@ def test_running_statistics_replay_the_sequential_updates(momentum):
     assert int(replayed[0].num_batches_tracked) == 5 and int(replayed[1].num_batches_tracked) == 0
 
 
-def test_a_layer_run_twice_in_one_micro_batch_is_refused():
-    model = torch.nn.BatchNorm1d(3)
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_called_twice_a_micro_batch_keeps_a_plain_loops_running_statistics(momentum):
+    """A GAN's discriminator normalises the real batch, then the fake one, in one micro-batch:
+    the running statistics after a step are those of a plain loop over the micro-batches in
+    order (engine.running_stats folds the two updates); without a momentum (a cumulative
+    average) that is refused, on every rank."""
+    torch.manual_seed(0)
+    model = torch.nn.BatchNorm1d(4, momentum=momentum).double()
+    plain = copy.deepcopy(model)
+    parts = [torch.randn(8, 4, dtype=torch.float64) for _ in range(3)]
+    for x in parts:
+        plain(x)
+        plain(2 * x + 1)
     stats = RunningStats(model)
     stats.begin()
-    with stats.micro_batch(0):
-        model(torch.randn(4, 3)), model(torch.randn(4, 3))
-    with pytest.raises(RuntimeError, match="ran 2 times"):
-        stats.combine(1)
+    for k, x in enumerate(parts):
+        with stats.micro_batch(k):
+            model(x)
+            model(2 * x + 1)
+    if momentum is None:
+        with pytest.raises(RuntimeError, match="ran 2 times in training mode in one micro-batch"):
+            stats.combine(len(parts))
+        return
+    stats.combine(len(parts))
+    assert torch.allclose(model.running_mean, plain.running_mean, rtol=1e-12, atol=0)
+    assert torch.allclose(model.running_var, plain.running_var, rtol=1e-12, atol=0)
+    assert int(model.num_batches_tracked) == int(plain.num_batches_tracked) == 6
 
 
 CELL = '''

@@ -39,7 +39,7 @@ class CellObjects:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     dataset: Any
-    loss_fn: Callable
+    loss_fn: Callable | dict  # with several optimizers, {name: loss_fn} (substeps hold each)
     lr_scheduler: Any = None
     collate_fn: Callable = torch.utils.data.default_collate
     worker_init_fn: Callable | None = None
@@ -156,6 +156,9 @@ def _optimizers(namespace: dict, config: EngineConfig) -> tuple[Any, Any, list[S
     optimizer, lr_scheduler = namespace["optimizer"], namespace.get("lr_scheduler")
     steps = substeps(optimizer, namespace["loss_fn"])
     if steps[0].name is None:
+        if isinstance(lr_scheduler, dict):
+            raise OptimizersError("lr_scheduler is a dict of schedulers but optimizer is one "
+                                  "optimizer: give its scheduler itself")
         return optimizer, lr_scheduler, steps
     if config.shard:
         raise OptimizersError("--shard trains one optimizer: several optimizers would each "

@@ -78,6 +78,24 @@ class NamedOptimizers:
             o.zero_grad(set_to_none=set_to_none)
 
 
+def learning_rates(optimizer) -> dict:
+    """The learning rates a step record logs: ``lr``, the first param group's, and with more
+    groups ``lr_1``, ``lr_2``... (``lr_k`` is ``optimizer.param_groups[k]``'s); with several
+    optimizers ``lr_<name>`` (and ``lr_<name>_<k>``) for each one's groups instead. A tensor
+    learning rate is logged as a float."""
+    def rates(groups: list) -> list:
+        return [float(g["lr"]) if torch.is_tensor(g["lr"]) else g["lr"] for g in groups]
+    if not isinstance(optimizer, NamedOptimizers):
+        lrs = rates(optimizer.param_groups)
+        return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
+    out = {}
+    for name, o in optimizer.optimizers.items():
+        lrs = rates(o.param_groups)
+        out.update({f"lr_{name}": lrs[0], **{f"lr_{name}_{k}": lr
+                                             for k, lr in enumerate(lrs[1:], 1)}})
+    return {"lr": next(iter(out.values())), **out}
+
+
 class NamedSchedulers:
     """The cell's schedulers by optimizer name, stepped together once per training step;
     ``state_dict()`` is ``{name: its state_dict()}``."""
@@ -108,9 +126,10 @@ def substeps(optimizer: Any, loss_fn: Any) -> list[Substep]:
             raise OptimizersError("loss_fn is a dict of losses but optimizer is one optimizer: "
                                   "give optimizer = {name: optimizer} with the same names")
         return [Substep(None, optimizer, loss_fn)]
-    if not optimizer or not all(isinstance(k, str) for k in optimizer):
+    if not optimizer or not all(isinstance(k, str) and k for k in optimizer):
         raise OptimizersError("optimizer must be a torch.optim.Optimizer, or a dict {name: "
-                              "optimizer} of them (stepped in its order), with string names")
+                              "optimizer} of them (stepped in its order), with non-empty "
+                              "string names")
     for name, o in optimizer.items():
         if not isinstance(o, torch.optim.Optimizer):
             raise OptimizersError(f"optimizer[{name!r}] must be a torch.optim.Optimizer, got "

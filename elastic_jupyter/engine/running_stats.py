@@ -12,13 +12,18 @@ tables of all ranks (each row has one contributor and zeros elsewhere, so the su
 every rank replays the K updates in micro-batch order from the buffers the step started with.
 Every rank ends the step with the buffers a single process would have, to float round-off.
 
-A layer must run at most once in training mode per micro-batch (a second call would overwrite
-s_k); more raises RuntimeError on every rank. SyncBatchNorm layers are left alone: their
-statistics already span the global batch.
+A layer that runs several times in one micro-batch (a GAN's discriminator on the real batch,
+then on the fake one) has each call's statistics recorded by a forward hook, and its row holds
+their updates folded into one: C calls with momentum f move R to (1 - f)^C R + sum_j f (1 - f)^(C-1-j)
+s_j, which the replay applies. With momentum None (a cumulative average, whose factor depends on
+the count so far) a layer must run at most once per micro-batch; more raises RuntimeError on
+every rank. SyncBatchNorm layers are left alone: their statistics already span the global
+batch.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import cast
 
 import torch
@@ -26,6 +31,27 @@ import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from .collective import collective
+
+
+def _record(seen: list, module: _BatchNorm, inputs, output) -> None:
+    """A forward hook: the call's statistics (the buffers, at momentum 1)."""
+    if module.training:
+        seen.append((cast(torch.Tensor, module.running_mean).clone(),
+                     cast(torch.Tensor, module.running_var).clone()))
+
+
+def _folded(seen: list, momentum: float | None, like: torch.Tensor) -> tuple:
+    """(calls, mean, var) of a micro-batch's row: one call's statistics as they are; several
+    calls' updates with momentum f folded, sum_j f (1 - f)^(C-1-j) s_j (combine applies them
+    after (1 - f)^C of the buffers); none, zeros."""
+    if not seen:
+        return 0, torch.zeros_like(like), torch.zeros_like(like)
+    if len(seen) == 1 or momentum is None:  # several without a momentum: refused in combine
+        return len(seen), seen[-1][0], seen[-1][1]
+    count = len(seen)
+    weights = [momentum * (1 - momentum) ** (count - 1 - j) for j in range(count)]
+    return (count, sum(w * mean.double() for w, (mean, _) in zip(weights, seen)),
+            sum(w * var.double() for w, (_, var) in zip(weights, seen)))
 
 
 class RunningStats:
@@ -60,25 +86,31 @@ class RunningStats:
 
     @contextlib.contextmanager
     def micro_batch(self, index: int):
-        """Run the block (micro-batch `index`'s forward and backward) recording its statistics."""
+        """Run the block (micro-batch `index`'s forward and backward) recording its statistics:
+        each training layer's, call by call (a forward hook)."""
         momenta = [m.momentum for _, m, *_ in self._start]
-        tracked = [int(m.num_batches_tracked) for _, m, *_ in self._start]
+        calls: list[list] = [[] for _ in self._start]
+        hooks = [m.register_forward_hook(functools.partial(_record, seen))
+                 for (_, m, *_), seen in zip(self._start, calls)]
         for _, m, *_ in self._start:
-            m.momentum = 1.0  # the buffers then hold exactly this micro-batch's statistics
+            m.momentum = 1.0  # the buffers then hold exactly the call's statistics
         try:
             yield
         finally:
+            for hook in hooks:
+                hook.remove()
             for (_, m, *_), momentum in zip(self._start, momenta):
                 m.momentum = momentum
-        self._rows[index] = [(int(m.num_batches_tracked) - before, m.running_mean.clone(),
-                              m.running_var.clone())
-                             for (_, m, *_), before in zip(self._start, tracked)]
+        self._rows[index] = [_folded(seen, momentum, mean)
+                             for (_, _, mean, _, _), seen, momentum
+                             in zip(self._start, calls, momenta)]
 
     def combine(self, count: int) -> None:
         """Gather the statistics of the step's `count` micro-batches from every rank and set
         every layer's buffers to the result of applying them in micro-batch order.
 
-        Raises RuntimeError (on every rank) if a layer ran more than once in one micro-batch.
+        Raises RuntimeError (on every rank) if a layer without a momentum ran more than once
+        in one micro-batch.
         """
         if not self._start:
             return
@@ -91,11 +123,17 @@ class RunningStats:
             width = mean.numel()
             for row in table[:, offset:offset + 1 + 2 * width]:
                 calls = int(row[0])
-                if calls > 1:
+                if calls > 1 and m.momentum is None:
                     raise RuntimeError(
-                        f"BatchNorm layer {name!r} ran {calls} times in training mode in one "
-                        "micro-batch: running statistics in micro-batch order need at most one")
-                if calls:
+                        f"BatchNorm layer {name!r} (momentum=None: a cumulative average) ran "
+                        f"{calls} times in training mode in one micro-batch: give it a "
+                        "momentum, or call it once per micro-batch")
+                if calls > 1:  # the row holds its calls' updates folded (_folded)
+                    tracked += calls
+                    keep = (1 - m.momentum) ** calls
+                    mean = row[1:1 + width].to(mean.dtype) + mean * keep
+                    var = row[1 + width:].to(var.dtype) + var * keep
+                elif calls:
                     tracked += 1
                     f = m.momentum if m.momentum is not None else 1.0 / tracked
                     mean = row[1:1 + width].to(mean.dtype) * f + mean * (1 - f)

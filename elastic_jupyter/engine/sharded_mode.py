@@ -167,7 +167,7 @@ class ShardedMode:
         try:
             with torch.random.fork_rng(devices=[]):
                 batch = cell.collate_fn([cell.dataset[i] for i in range(samples)])
-                return activation_bytes(self.model.skeleton, cell.loss_fn,
+                return activation_bytes(self.model.skeleton, cell.substeps[0].loss_fn,
                                         to_device(batch, torch.device("meta")))
         except Exception as e:  # pylint: disable=broad-except  # the trials report it
             return 0, f"activations not counted: reading a micro-batch failed ({e})"

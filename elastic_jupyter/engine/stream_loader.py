@@ -31,7 +31,7 @@ from .batching import BatchPlan
 from .collective import collective
 from .randomness import host_generators_restorer, sample_seed, seed_host_generators
 from .state import Progress
-from .streams import StreamReader, Streams
+from .streams import StreamReader, Streams, outside_loader
 
 
 def _as_is(item):
@@ -74,24 +74,29 @@ class _PassPieces(torch.utils.data.IterableDataset):
         saved = generator.get_state()  # once per pass, not per sample
         restore_host = None if in_loader else host_generators_restorer()
         try:
-            pieces = []
-            for place, index in enumerate(indices):
-                stream, offset = self.streams.locate(index)
-                if stream % of != me:
-                    continue
-                reader = readers.get(stream)
-                if reader is None or reader.epoch != epoch or reader.at > offset:
-                    reader = readers[stream] = StreamReader(
-                        self.streams, stream, epoch, offset, self.known.get(stream))
-                value = sample_seed(self.seed, epoch, index)
-                generator.manual_seed(value)
-                seed_host_generators(value)
-                pieces.append((place, reader.read(offset)))
-            return pieces
+            with outside_loader():  # one context a pass (engine.streams.StreamReader)
+                return self._read_pass(indices, epoch, readers, me, of, generator)
         finally:
             generator.set_state(saved)
             if restore_host is not None:
                 restore_host()
+
+    def _read_pass(self, indices: list[int], epoch: int, readers: dict, me: int, of: int,
+                   generator: torch.Generator) -> list:
+        pieces = []
+        for place, index in enumerate(indices):
+            stream, offset = self.streams.locate(index)
+            if stream % of != me:
+                continue
+            reader = readers.get(stream)
+            if reader is None or reader.epoch != epoch or reader.at > offset:
+                reader = readers[stream] = StreamReader(self.streams, stream, epoch, offset,
+                                                        self.known.get(stream))
+            value = sample_seed(self.seed, epoch, index)
+            generator.manual_seed(value)
+            seed_host_generators(value)
+            pieces.append((place, reader.read(offset)))
+        return pieces
 
     def _states(self, readers: dict, epoch: int, position: int) -> dict:
         """The states of the streams this process read to their step share's end."""

@@ -100,6 +100,8 @@ class Streams:
         self.drop_last, self.count = drop_last, count
         self.resumable, self.resume_note = False, "not checked"
         self._opened: dict[int, StreamReader] = {}  # streams[i]'s readers
+        # the last step's bounds, by (stream count, position): a resume may set another count
+        self._step_bounds: tuple[tuple[int, int], list[int]] = ((0, -1), [])
 
     def __len__(self) -> int:
         return self.length if self.length is not None else ENDLESS
@@ -107,9 +109,10 @@ class Streams:
     def __getitem__(self, index: int):
         stream, offset = self.locate(index)
         reader = self._opened.get(stream)
-        if reader is None or reader.epoch != 0 or reader.at > offset:
-            reader = self._opened[stream] = StreamReader(self, stream, 0, offset, None)
-        return reader.read(offset)
+        with outside_loader():
+            if reader is None or reader.epoch != 0 or reader.at > offset:
+                reader = self._opened[stream] = StreamReader(self, stream, 0, offset, None)
+            return reader.read(offset)
 
     def close(self) -> None:
         """Forget the readers ``streams[i]`` opened (training reads with its own)."""
@@ -176,12 +179,14 @@ class Streams:
 
     def _bounds(self, position: int) -> list[int]:
         """Where each stream's share starts in the step at `position` (and where the last
-        ends)."""
-        bounds = [0]
-        for stream in range(self.count):
-            bounds.append(bounds[-1] + self.step_end(stream, position)
-                          - self.offset(stream, position))
-        return bounds
+        ends); the last step's are kept (every sample of a step asks)."""
+        if self._step_bounds[0] != (self.count, position):
+            bounds = [0]
+            for stream in range(self.count):
+                bounds.append(bounds[-1] + self.step_end(stream, position)
+                              - self.offset(stream, position))
+            self._step_bounds = ((self.count, position), bounds)
+        return self._step_bounds[1]
 
     def needs(self, stream: int) -> int:
         """The samples `stream` gives in one epoch of the declared length."""
@@ -229,7 +234,8 @@ class StreamReader:
     """One stream of one epoch, read forwards from `offset`: from `known`, the newest committed
     state of that stream (``{"epoch", "offset", "state"}``), where it is of this epoch and not
     past `offset` and the streams resume (``Streams.resumable``), else from the epoch's start
-    (reading again the samples before)."""
+    (reading again the samples before). Made and read inside :func:`outside_loader` (once
+    per pass: a context per sample would cost a tenth of the reading)."""
 
     def __init__(self, streams: Streams, stream: int, epoch: int, offset: int,
                  known: dict | None):
@@ -240,8 +246,7 @@ class StreamReader:
             known = {"offset": 0, "state": None}
         self.part = streams.open(stream, epoch, known["state"])
         self.at = known["offset"]
-        with outside_loader():
-            self._samples = iter(self.part)
+        self._samples = iter(self.part)
         self._skip_to(offset)
 
     def read(self, offset: int):
@@ -262,11 +267,10 @@ class StreamReader:
             self._next()
 
     def _next(self):
-        with outside_loader():
-            try:
-                sample = next(self._samples)
-            except StopIteration:
-                raise StreamEnded(self._ended()) from None
+        try:
+            sample = next(self._samples)
+        except StopIteration:
+            raise StreamEnded(self._ended()) from None
         self.at += 1
         return sample
 

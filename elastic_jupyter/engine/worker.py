@@ -43,7 +43,7 @@ from .loader import input_pipeline
 from .losses import floats, weighted
 from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
-from .optimizers import Substep, optimized
+from .optimizers import Substep, learning_rates, optimized
 from .precision import Precision, PrecisionError
 from .protocol import EngineConfig
 from .randomness import host_generators_kept, micro_batch_stream
@@ -57,15 +57,6 @@ from .vote import Vote
 from .weighting import StepWeights
 
 __all__ = ["SetupError", "Worker"]  # SetupError is engine.objects'; the Worker raises it too
-
-
-def _group_lrs(optimizer) -> dict:
-    """The learning rates a step record logs: ``lr``, the first param group's, and with more
-    groups ``lr_1``, ``lr_2``... (``lr_k`` is ``optimizer.param_groups[k]``'s). A tensor
-    learning rate is logged as a float."""
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    lrs = [float(lr) if torch.is_tensor(lr) else lr for lr in lrs]
-    return {"lr": lrs[0], **{f"lr_{k}": lr for k, lr in enumerate(lrs[1:], 1)}}
 
 
 def _step_record(p: state_mod.Progress, epoch: int, losses: dict[str, list[float]], lrs: dict,
@@ -109,6 +100,21 @@ def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
         if start is not None:
             keep_after = min(keep_after, start - 1)
     return keep_after
+
+
+def _add_metrics(p: state_mod.Progress, sub: Substep, first: bool, metrics: dict, weight,
+                 extras: list) -> list:
+    """`extras` with a pass's extra `metrics` added, weighted by `weight`; the first pass that
+    gives any names the run's (``p.metric_names``). Raises ValueError for a later sub-step's
+    loss_fn that gives metrics (a record has the first optimizer's only)."""
+    if not first:
+        if metrics:
+            raise ValueError(f"loss_fn[{sub.name!r}] returned extra metrics: with several "
+                             "optimizers only the first one's loss_fn may")
+        return extras
+    if metrics and not p.metric_names:
+        p.metric_names, extras = sorted(metrics), [0.0 for _ in metrics]
+    return [e + weighted(metrics[name], weight) for e, name in zip(extras, p.metric_names)]
 
 
 def _collectives_in_passes(worker: Worker):
@@ -314,26 +320,30 @@ class Worker:
         self.running_stats.combine(self.plan.micro_batch_count(B))
 
     def _local_pass(self, parts: list[tuple[int, torch.Tensor]], B: int, rank: int,
-                    world_size: int, sub: Substep, kept: list) -> tuple:
+                    world_size: int, sub: Substep, kept: list | None) -> tuple:
         """Forward and backward of sub-step `sub`'s loss over this rank's passes (index, sample
         indices) of a batch of `B` samples, each pass's batch from `kept` (the step's batches
-        an earlier sub-step read), else from the input pipeline (then kept there when more
-        sub-steps follow); returns (loss, extra metrics), each weighted by the passes' fraction
-        of the batch: float64 tensors on the device where loss_fn gave tensors (read with
-        engine.losses.floats, once per step), else floats."""
+        an earlier sub-step read), else from the input pipeline (then kept, when `kept` is a
+        list: more sub-steps follow); returns (loss, extra metrics), each weighted by the
+        passes' fraction of the batch: float64 tensors on the device where loss_fn gave
+        tensors (read with engine.losses.floats, once per step), else floats."""
         loss_sum: torch.Tensor | float = 0.0
-        extras: list[torch.Tensor | float] = [0.0] * len(self.progress.metric_names)
+        first = sub is self.objects.substeps[0]  # only its loss_fn may give extra metrics
+        extras: list = [0.0] * len(self.progress.metric_names) if first else []
         # closed on the way out, also when a pass raises: that restores the generators' states
         # and the layers' momenta now, not whenever the interpreter frees the loop
         with contextlib.closing(self._micro_batch_passes(parts, B, world_size)) as passes:
             for n, (pad, chunk) in enumerate(passes):
-                if n == len(kept):  # the input pipeline (engine.loader) starts where it must
+                if kept is not None and n < len(kept):
+                    batch = kept[n]
+                else:  # the input pipeline (engine.loader) starts where it must
                     p = self.progress
-                    kept.append(to_device(self.pipeline.next(
+                    batch = to_device(self.pipeline.next(
                         (rank, world_size, p.epoch, p.position),
                         lambda batch: self._passes(batch, rank, world_size),
-                        self.total_steps - p.step), self.device))
-                batch = kept[n]
+                        self.total_steps - p.step), self.device)
+                    if kept is not None:
+                        kept.append(batch)
                 fault_point("forward", self)
                 with _collectives_in_passes(self), micro_batch_note(
                         len(chunk), self.progress.step + 1, B, self.plan.cut,
@@ -347,14 +357,7 @@ class Worker:
                     loss, metrics, weight = self.weights.backward(
                         out, len(chunk), B, self.progress.step, self.config.sync_batchnorm)
                 loss_sum = loss_sum + loss
-                if metrics and sub is not self.objects.substeps[0]:
-                    raise ValueError(f"loss_fn[{sub.name!r}] returned extra metrics: with "
-                                     "several optimizers only the first one's loss_fn may")
-                if metrics and not self.progress.metric_names:
-                    self.progress.metric_names = sorted(metrics)
-                    extras = [0.0 for _ in metrics]
-                for j, name in enumerate(self.progress.metric_names):
-                    extras[j] = extras[j] + weighted(metrics[name], weight)
+                extras = _add_metrics(self.progress, sub, first, metrics, weight, extras)
         return loss_sum, extras
 
     def _reduce_and_vote(self, loss, extras: list, flag: float, B: int, world_size: int,
@@ -405,8 +408,9 @@ class Worker:
         p = self.progress
         batch = self.plan.batch(p.epoch, p.position)
         parts = self._passes(batch, rank, world_size)
-        kept: list = []  # the passes' batches, read once for every sub-step
-        lrs = _group_lrs(self.optimizer)  # the schedulers step after the whole step
+        # the passes' batches, read once for the step's sub-steps (none kept for one)
+        kept: list | None = [] if len(self.objects.substeps) - p.substep > 1 else None
+        lrs = learning_rates(self.optimizer)  # the schedulers step after the whole step
         leave = False
         for sub in self.objects.substeps[p.substep:]:
             leave = self._substep(sub, parts, kept, len(batch), rank, world_size,
@@ -428,7 +432,7 @@ class Worker:
                 self.after_step(self.model, self.optimizer, p.step)
         return record, leave
 
-    def _substep(self, sub: Substep, parts: list, kept: list, B: int, rank: int,
+    def _substep(self, sub: Substep, parts: list, kept: list | None, B: int, rank: int,
                  world_size: int, vote: Vote, leave_flag: float) -> bool:
         """One optimizer's update over the step's `B` samples (this rank's passes `parts`, their
         batches `kept` once read): passes, reduction, vote, and once committed its optimizer's
