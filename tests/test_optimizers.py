@@ -146,3 +146,16 @@ def test_a_later_optimizers_loss_with_metrics_fails_at_its_step(idle_pool, tmp_p
     assert ("loss_fn['generator'] returned extra metrics: with several optimizers only the "
             "first one's loss_fn may" in run.error), run.error
     assert idle_pool.run is None
+
+
+def test_a_state_between_sub_steps_resumes_only_with_its_optimizers_in_order():
+    """A state taken after the discriminator's sub-step goes on only where the discriminator
+    steps first: another order would step it twice and skip the generator."""
+    from elastic_jupyter.engine.optimizers import check_resumed
+    steps = _objects(GAN_CELL.replace("time.sleep(PAUSE)", "")).substeps
+    check_resumed(steps, 1, {"discriminator": [0.7]})
+    check_resumed(steps, 0, {})
+    swapped = list(reversed(steps))
+    with pytest.raises(ValueError, match="resume with the optimizers in the order it was "
+                                         "trained with"):
+        check_resumed(swapped, 1, {"discriminator": [0.7]})

@@ -67,9 +67,11 @@ class NamedOptimizers:
         return {name: o.state_dict() for name, o in self.optimizers.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        held = "one optimizer" if "param_groups" in state else f"optimizers {sorted(state)}"
         if set(state) != set(self.optimizers):
-            raise ValueError(f"the state holds optimizers {sorted(state)}, the cell "
-                             f"{sorted(self.optimizers)}")
+            raise ValueError(f"the state holds {held}, the cell names optimizers "
+                             f"{sorted(self.optimizers)}: resume with the optimizers it was "
+                             "trained with")
         for name, o in self.optimizers.items():
             o.load_state_dict(state[name])
 
@@ -114,6 +116,10 @@ class NamedSchedulers:
         return {name: s.state_dict() for name, s in self.schedulers.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or set(state) != set(self.schedulers):
+            raise ValueError(f"the state holds other schedulers than the cell's "
+                             f"{sorted(self.schedulers)}: resume with the schedulers it was "
+                             "trained with")
         for name, s in self.schedulers.items():
             s.load_state_dict(state[name])
 
@@ -152,6 +158,18 @@ def substeps(optimizer: Any, loss_fn: Any) -> list[Substep]:
             raise OptimizersError(f"loss_fn[{name!r}] must be a function loss_fn(model, batch)")
     _check_disjoint(optimizer)
     return [Substep(name, o, loss_fn[name]) for name, o in optimizer.items()]
+
+
+def check_resumed(steps: list[Substep], substep: int, losses: dict) -> None:
+    """Raise ValueError when a state taken between sub-steps (``substep`` committed, their
+    `losses` by name) is not of these sub-steps: another order or other names would step an
+    optimizer twice and skip another."""
+    done = [s.name or "" for s in steps[:substep]]
+    if list(losses) != done:
+        raise ValueError(f"the state was taken after the sub-steps of {list(losses)} in its "
+                         f"step, but the cell's optimizers step in the order "
+                         f"{[s.name for s in steps]}: resume with the optimizers in the order "
+                         "it was trained with")
 
 
 def optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

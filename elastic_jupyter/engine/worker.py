@@ -43,7 +43,7 @@ from .loader import input_pipeline
 from .losses import floats, weighted
 from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
-from .optimizers import Substep, learning_rates, optimized
+from .optimizers import Substep, check_resumed, learning_rates, optimized
 from .precision import Precision, PrecisionError
 from .protocol import EngineConfig
 from .randomness import host_generators_kept, micro_batch_stream
@@ -239,6 +239,7 @@ class Worker:
             self.extra_state, load_model=(lambda weights: self.frozen.load(weights, state))
             if self.sharded is None else lambda weights: None)  # rows: at the generation
         self.history = History(records)
+        check_resumed(self.objects.substeps, self.progress.substep, self.progress.losses)
         if self.writer is not None:  # what it wrote before may be of another timeline
             self.writer.saved_step = None
         self.holds_state = True
