@@ -78,12 +78,14 @@ def test_a_sharded_step_equals_the_replicated_one_at_any_cut(tmp_path, world_siz
             [r["loss"] for r in replicated.history], rel=1e-9)
 
 
-def test_a_sharded_run_equals_a_plain_loop(tmp_path):
+@pytest.mark.parametrize("no_shuffle", [False, True], ids=["shuffled", "--no-shuffle"])
+def test_a_sharded_run_equals_a_plain_loop(tmp_path, no_shuffle):
     # the whole batch in one pass, as the loop's (BatchNorm's statistics over 16 samples), on
-    # rank 0; rank 1 runs a zero-weight pass only. No dropout: the loop has no random streams
+    # rank 0; rank 1 runs a zero-weight pass only. No dropout: the loop has no random streams.
+    # --no-shuffle: the loop reads a DataLoader(shuffle=False)
     cell = CELL.replace("0.2)", "0.0)")
-    expected = reference(cell, config(), 6)
-    got = train(cell, config(micro_batch=16, shard=True), 2, 6, tmp_path)
+    expected = reference(cell, config(no_shuffle=no_shuffle), 6)
+    got = train(cell, config(micro_batch=16, shard=True, no_shuffle=no_shuffle), 2, 6, tmp_path)
     for rank, result in enumerate(got):
         for k, value in expected.params.items():
             assert torch.allclose(result.params[k], value, rtol=1e-9, atol=1e-12), (rank, k)

@@ -126,3 +126,18 @@ def test_a_zygote_whose_imports_start_a_thread_forks_no_more(tmp_path, caplog):
         assert z._proc.poll() is None  # and goes on reaping the engines it forked
     finally:
         z.close()
+
+
+def test_pyarrow_loaded_by_a_runs_imports_leaves_the_zygote_forking(tmp_path, caplog):
+    """pandas and datasets import pyarrow, whose jemalloc would start a thread: the zygote
+    starts it without one, and goes on forking."""
+    z = zygote.Zygote(dict(os.environ), threads=1)
+    try:
+        assert z.wait_ready(60)
+        z.preload(["pyarrow"])
+        fork = {"argv": ["--help"], "env": dict(os.environ), "cwd": str(tmp_path),
+                "output": str(tmp_path / "out")}
+        assert z._request(fork)["pid"] > 0  # the preload's reply came before this one
+        assert "refuses to fork" not in caplog.text
+    finally:
+        z.close()

@@ -11,6 +11,7 @@ without this package: the whole global batch in one forward pass, ``loss.backwar
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import random
 import sys
@@ -131,15 +132,20 @@ def train(cell: str, cfg: dict, world_size: int, steps: int, tmp_path) -> list[R
 
 
 def reference(cell: str, cfg: dict, steps: int) -> Result:
-    """The same cell in a plain single-process loop: the result this package must give."""
+    """The same cell in a plain single-process loop: the result this package must give (with
+    ``no_shuffle``, over a ``DataLoader(shuffle=False)``'s batches)."""
     ns = cell_namespace(cell, cfg["seed"])
     model, optimizer, data, loss_fn = ns["model"], ns["optimizer"], ns["dataset"], ns["loss_fn"]
     collate = ns.get("collate_fn") or torch.utils.data.default_collate
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.get("precision"))
     scaler = torch.amp.GradScaler("cpu") if cfg.get("precision") == "fp16" else None
     plan, epoch, position, losses = BatchPlan(len(data), cfg["global_batch"], cfg["seed"]), 0, 0, []
+    # --no-shuffle: the batches of a DataLoader(shuffle=False), epoch after epoch
+    ordered = (b for _ in itertools.count() for b in torch.utils.data.DataLoader(
+        data, batch_size=cfg["global_batch"], shuffle=False, collate_fn=collate))
     for _ in range(steps):
-        batch = collate([data[int(i)] for i in plan.batch(epoch, position)])
+        batch = next(ordered) if cfg.get("no_shuffle") else collate(
+            [data[int(i)] for i in plan.batch(epoch, position)])
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
             loss = loss_fn(model, batch)

@@ -204,9 +204,12 @@ class Zygote:
     def __init__(self, environ: dict[str, str], threads: int):
         self.environ = environ
         # OpenBLAS (numpy's, scipy's) starts its worker threads as it loads: one, so the
-        # zygote stays without threads; each engine gets its count back (_become)
+        # zygote stays without threads; each engine gets its count back (_become). pyarrow's
+        # jemalloc (pandas and datasets import it) starts a purging thread as it loads, unless
+        # told to purge as it allocates
         env = dict(environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                    OPENBLAS_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
+        env.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
         self._lock = threading.Lock()  # held by a request and its reply
         self._proc = subprocess.Popen(
             [sys.executable, "-u", "-m", __name__], stdin=subprocess.PIPE,
