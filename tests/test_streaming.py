@@ -12,6 +12,7 @@ import copy
 import functools
 import glob
 import json
+import random
 import re
 
 import pytest
@@ -53,6 +54,7 @@ dataset = datasets.load_dataset("json", data_files=SHARD_FILES, streaming=True,
 ''' + COMMON
 PLAIN_CELL = '''
 import json
+import time
 import torch
 
 class ShardFiles(torch.utils.data.IterableDataset):
@@ -68,6 +70,7 @@ class ShardFiles(torch.utils.data.IterableDataset):
         for path in self.files:
             with open(path) as f:
                 for line in f:
+                    time.sleep(SLOW_READ if path == SLOW_FILE else 0.0)
                     row = json.loads(line)
                     yield {"id": row["id"], "x": torch.tensor(row["x"], dtype=torch.float64),
                            "y": row["y"]}
@@ -92,13 +95,13 @@ def shard_files(tmp_path_factory):
 
 
 def start(pool, kind, files, tmp_path, name, engines=2, samples=SHARDS * PER_SHARD,
-          schedule=None, resume=False, pause=0.0, **options):
+          schedule=None, resume=False, pause=0.0, epochs=EPOCHS, slow_read=0.0, **options):
     fault_dir = tmp_path / "faults"
     fault_dir.mkdir(exist_ok=True)
-    config = RunConfig(name=name, global_batch=BATCH, epochs=EPOCHS, seed=11, pass_cost=0.0,
+    config = RunConfig(name=name, global_batch=BATCH, epochs=epochs, seed=11, pass_cost=0.0,
                        collective_timeout=5, fault_dir=str(fault_dir), **options)
     push = {"SHARD_FILES": files, "SAMPLES": samples, "LOG_PREFIX": str(tmp_path / "ids"),
-            "PAUSE": pause}
+            "PAUSE": pause, "SLOW_READ": slow_read, "SLOW_FILE": files[0]}
     return TrainingRun(pool, config, source=CELLS[kind], push=push, engines=engines,
                        schedule=schedule, workspace=str(tmp_path), resume=resume).start()
 
@@ -153,6 +156,22 @@ def test_a_stream_resized_and_killed_mid_epoch_trains_each_sample_once(
         assert grow["resumed"] == list(range(SHARDS)) and grow["reread"] == [0] * SHARDS, grow
     else:  # read again: 5 steps of 8 samples from each stream
         assert grow["resumed"] == [] and grow["reread"] == [40] * SHARDS, grow
+
+
+def test_a_long_reread_positions_the_streams_before_the_first_collective(
+        idle_pool, shard_files, tmp_path, undisturbed):
+    _, clean_batches = undisturbed
+    # stream 0 reads a sample in 60 ms: after the grow at step 12 its rank reads its 96
+    # samples again (5.8 s), longer than the collective timeout (5 s) the others would wait
+    run = start(idle_pool, "plain", shard_files, tmp_path, "stream-reread", epochs=1,
+                schedule=[(12, 3)], checkpoint_every=0, slow_read=0.06, workers=2)
+    assert run.wait(timeout=180) == "finished", run.logs()
+    assert not [e for e in run.events if e["kind"] == "fault"], run.events
+    grow = [e for e in run.events if e["kind"] == "streams"][0]
+    assert grow["step"] == 12 and grow["reread"] == [96] * SHARDS, grow
+    batches = micro_batches(tmp_path)
+    assert all(clean_batches[key] == ids for key, ids in batches.items())
+    assert sorted(i for ids in batches.values() for i in ids) == list(range(SHARDS * PER_SHARD))
 
 
 def test_a_stream_shorter_than_declared_fails_at_its_step_and_keeps_the_checkpoints(
@@ -253,6 +272,7 @@ def test_an_epoch_reads_each_stream_in_order_once(batch, count, length, drop_las
     for index in range(read):
         stream, offset = streams.locate(index)
         assert offset == at[stream]  # the next of its stream: read forwards, none skipped
+        assert streams.index(stream, offset) == index
         at[stream] += 1
         if index % batch == batch - 1 or index == read - 1:  # the step's last sample
             start = index - index % batch
@@ -262,9 +282,10 @@ def test_an_epoch_reads_each_stream_in_order_once(batch, count, length, drop_las
 
 
 class Numbers(torch.utils.data.IterableDataset):
-    """Numbers start..end-1, written by torch's documented pattern (``__iter__`` returns an
-    iterator and splits itself over a DataLoader's processes); with `state`, a hand-written
-    state_dict() that returns its live dict."""
+    """Numbers start..end-1, each plus a random fraction below 1/2 (a random transform),
+    written by torch's documented pattern (``__iter__`` returns an iterator and splits itself
+    over a DataLoader's processes); with `state`, a hand-written state_dict() that returns its
+    live dict."""
 
     def __init__(self, start=0, end=100, state=False):
         self.start, self.end, self.stateful, self.pos = start, end, state, {"pos": 0}
@@ -288,7 +309,7 @@ class Numbers(torch.utils.data.IterableDataset):
     def _counting(self, start):
         for i in range(start, self.end):
             self.pos["pos"] += 1
-            yield i
+            yield i + float(torch.rand(())) / 2  # a random transform: the sample's own draw
 
 
 def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4):
@@ -335,7 +356,7 @@ def test_stream_pipelines_read_alike_at_any_world_size_and_number_of_loader_proc
     resized 2 -> 3 -> 1 -> 4, with 0 and 2 loader processes: the batches of a run at one rank,
     and every number once per epoch."""
     expected = _simulate([(17, 1)], 0, stateful)
-    ids = sorted(i for (step, _), b in expected.items() if step < 8 for i in b)
+    ids = sorted(int(i) for (step, _), b in expected.items() if step < 8 for i in b)
     assert ids == list(range(100))  # 8 steps an epoch (7 of 14, one of 2)
     for workers in (0, 2):
         assert _simulate([(3, 2), (7, 3), (11, 1), (17, 4)], workers, stateful) == expected
@@ -354,14 +375,26 @@ def test_a_datasets_stream_with_a_shuffle_buffer_is_read_again_not_resumed(shard
     shuffled.check()
     assert not shuffled.resumable
     assert shuffled.resume_note == "its shuffle buffer is not part of its state_dict()"
-    unseeded = Streams(ShuffledEachTime(), 4, 480, 32)
+    unseeded = Streams(Shuffled(random.Random), 4, 480, 32)
     with pytest.raises(ValueError, match="gives other samples each time it is read"):
         unseeded.check()
+    # shuffled by the global generators as it starts: the run's seeds make it read alike
+    Streams(Shuffled(lambda: torch.default_generator), 4, 480, 32).check()
 
 
-class ShuffledEachTime(torch.utils.data.IterableDataset):
+class Shuffled(torch.utils.data.IterableDataset):
+    """Numbers 0..99, shuffled as iteration starts by the generator `make()` gives."""
+
+    def __init__(self, make):
+        self.make = make
+
     def shard(self, num_shards, index):
         return self
 
     def __iter__(self):
-        return iter(torch.randperm(100).tolist())
+        generator = self.make()
+        if isinstance(generator, torch.Generator):
+            return iter(torch.randperm(100, generator=generator).tolist())
+        numbers = list(range(100))
+        generator.shuffle(numbers)
+        return iter(numbers)

@@ -32,6 +32,7 @@ from .schedulers import step_lr_scheduler
 from .sharded_checkpoint import PART_TIMEOUT_S
 from .state_transfer import broadcast_state
 from .vote import Vote
+from .work_barrier import work_then_wait
 from .worker import Worker
 
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
@@ -150,10 +151,26 @@ class Generation:
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
             event = w.start_generation(self.rank, self.world_size)
         self.events += [event] if event else []
+        self._position_input()
         if w.sharded is not None:  # replicas of the new layout, at once
             self._refresh_replicas()
         with _out_of_memory_hint(w.config):
             return self._loop()
+
+    def _position_input(self) -> None:
+        """Stand the input pipeline at the generation's first step. Streams read again from
+        their epoch's start (engine.stream_loader) take as long as they take, on some ranks
+        only: the others wait for them here, while they live, instead of in the step's first
+        collective, whose timeout would count them hung."""
+        w = self.worker
+
+        def position() -> None:
+            w.pipeline.position(*w.input_at(self.rank, self.world_size))
+        if w.pipeline.rereading:
+            work_then_wait(self.control, self.rank, self.world_size, "reading streams again",
+                           position, self.spec.timeout)
+        else:
+            position()
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker

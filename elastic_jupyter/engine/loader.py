@@ -23,18 +23,16 @@ from typing import Callable
 import torch
 
 from .batching import BatchPlan
-from .randomness import host_generators_restorer, sample_seed, seed_host_generators
+from .randomness import caller_generators_kept, seed_sample
 from .stream_loader import StreamPipeline
 from .streams import Streams
 
 
 class SeededSamples(torch.utils.data.Dataset):
     """The cell's dataset indexed by (epoch, index) pairs; each sample fetched under torch's
-    CPU generator, Python's ``random`` and numpy's global generator seeded by
-    :func:`sample_seed` (engine.randomness.seed_host_generators). The caller's generator states
-    are kept; in a loader process only torch's (Python's and numpy's there are seeded again
-    by the next sample, and not worth 0.1 ms a pass, so collate_fn draws from them as the
-    pass's last sample left them)."""
+    CPU generator, Python's ``random`` and numpy's global generator seeded by (seed, epoch,
+    index) (engine.randomness.seed_sample), the caller's generator states kept
+    (engine.randomness.caller_generators_kept)."""
 
     def __init__(self, dataset, seed: int):
         self.dataset, self.seed = dataset, seed
@@ -50,23 +48,12 @@ class SeededSamples(torch.utils.data.Dataset):
 
     def __getitems__(self, keys: list[tuple[int, int]]) -> list:
         """The samples of one pass (DataLoader calls this with a whole batch's keys)."""
-        generator = torch.default_generator
-        saved = generator.get_state()  # once per pass, not per sample
-        in_loader = torch.utils.data.get_worker_info() is not None
-        restore_host = host_generators_restorer() if self.host and not in_loader else None
-        try:
-            out = []
+        out = []
+        with caller_generators_kept(self.host):
             for epoch, index in keys:
-                value = sample_seed(self.seed, epoch, index)
-                generator.manual_seed(value)
-                if self.host:
-                    seed_host_generators(value)
+                seed_sample(self.seed, epoch, index, self.host)
                 out.append(self.dataset[index])
-            return out
-        finally:
-            generator.set_state(saved)
-            if restore_host is not None:
-                restore_host()
+        return out
 
 
 def _draws_nothing(dataset) -> bool:
@@ -160,6 +147,14 @@ class InputPipeline:
                                          pin_memory=self.pin_memory)
             self._at = at
         return next(self._batches)
+
+    # a map-style dataset fetches any sample at once: nothing to read before a generation's
+    # first step (engine.stream_loader.StreamPipeline reads streams again there)
+    rereading = False
+
+    def position(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
+        """Nothing to do: the first :meth:`next` starts it (its first batch comes in the step,
+        as a DataLoader's)."""
 
     def moved_to(self, at: tuple[int, int, int, int]) -> None:
         """The step it was reading committed: it stands at the step at `at` now (if running)."""

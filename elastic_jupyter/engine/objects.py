@@ -197,7 +197,8 @@ def _streams(dataset, namespace: dict, config: EngineConfig) -> Streams:
     shards = getattr(dataset, "num_shards", None)  # a datasets.IterableDataset's files
     if isinstance(shards, int) and 0 < shards < count:
         count = shards  # datasets splits by files: no more streams than files
-    streams = Streams(dataset, count, length, config.global_batch, bool(config.drop_last))
+    streams = Streams(dataset, count, length, config.global_batch, bool(config.drop_last),
+                      seed=config.seed)
     try:
         streams.check()
     except ValueError as e:

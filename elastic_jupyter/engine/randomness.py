@@ -27,6 +27,7 @@ import functools
 import hashlib
 import random
 import struct
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -105,6 +106,35 @@ def set_host_generator_state(state: tuple) -> None:
     python, numpy = state
     random.setstate(python)
     np.random.set_state(numpy)
+
+
+def seed_sample(seed: int, epoch: int, index: int, host: bool = True) -> None:
+    """Seed torch's CPU generator for sample `index` of epoch `epoch` (:func:`sample_seed`),
+    and with `host` Python's and numpy's from it: what each sample is read under
+    (engine.loader, engine.streams), inside :func:`caller_generators_kept`."""
+    value = sample_seed(seed, epoch, index)
+    torch.default_generator.manual_seed(value)
+    if host:
+        seed_host_generators(value)
+
+
+@contextlib.contextmanager
+def caller_generators_kept(host: bool = True) -> Iterator[None]:
+    """Run the block (a pass's samples read, each under :func:`seed_sample`) and give torch's
+    CPU generator back the state it had, once for the block rather than per sample; with
+    `host`, Python's and numpy's too, outside a loader process (in one they are seeded again
+    by the next sample, and not worth 0.1 ms a pass, so collate_fn draws from them as the
+    pass's last sample left them)."""
+    generator = torch.default_generator
+    saved = generator.get_state()
+    in_loader = torch.utils.data.get_worker_info() is not None
+    restore_host = host_generators_restorer() if host and not in_loader else None
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
+        if restore_host is not None:
+            restore_host()
 
 
 # how many host_generators_kept loops are running: their micro-batch streams leave restoring

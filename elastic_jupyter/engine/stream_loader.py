@@ -10,10 +10,17 @@ collates it with the cell's ``collate_fn`` (so a batch, not each sample, crosses
 process); a pass read by several is put in order and collated here. With 0 the training process
 reads them when the pass asks for its batch.
 
-Each sample is read under torch's CPU generator, Python's ``random`` and numpy's global
-generator seeded by (seed, epoch, its number in the epoch) (engine.randomness.sample_seed), as
-a map-style one is fetched: a random transform inside the stream gives the same sample at any
-world size and any number of loader processes.
+The pipeline starts at a generation's start (:meth:`StreamPipeline.position`): each reading
+process first stands its streams where the rank's first step reads them, which reads a stream
+without a usable state again from its epoch's start. That may take minutes on some ranks only,
+so it happens before the step's collectives, and the ranks wait for each other while they live
+(engine.work_barrier), not for the collective timeout.
+
+Each sample, read or skipped, is read under torch's CPU generator, Python's ``random`` and
+numpy's global generator seeded by (seed, epoch, its number in the epoch)
+(engine.randomness.seed_sample, in engine.streams.StreamReader), as a map-style one is fetched:
+a random transform inside the stream gives the same sample at any world size, any number of
+loader processes and after reading again.
 
 A stream's newest state that a committed step reached goes into ``Progress.streams``; the
 ranks share theirs (:meth:`StreamPipeline.share`, a collective) where the run's state may move
@@ -21,6 +28,7 @@ on without them: at a generation's start, at its checkpoints and before ranks le
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 from collections.abc import Callable, Iterator
 
@@ -29,13 +37,26 @@ import torch.distributed as dist
 
 from .batching import BatchPlan
 from .collective import collective
-from .randomness import host_generators_restorer, sample_seed, seed_host_generators
+from .randomness import caller_generators_kept
 from .state import Progress
 from .streams import StreamReader, Streams, outside_loader
 
 
+# what each reading process yields first, once its streams stand where the first step reads
+POSITIONED = "positioned"
+
+
 def _as_is(item):
     return item
+
+
+@contextlib.contextmanager
+def _reading() -> Iterator[None]:
+    """Read streams inside (one context a pass: engine.streams.StreamReader): their random
+    draws leave the training process's generators as they were, and the loader's worker info
+    is hidden."""
+    with caller_generators_kept(), outside_loader():
+        yield
 
 
 class _PassPieces(torch.utils.data.IterableDataset):
@@ -47,16 +68,18 @@ class _PassPieces(torch.utils.data.IterableDataset):
     last pass)."""
 
     def __init__(self, streams: Streams, plan: BatchPlan, passes: Callable, epoch: int,
-                 position: int, steps: int, known: dict, seed: int, collate_fn: Callable):
+                 position: int, steps: int, known: dict, collate_fn: Callable):
         self.streams, self.plan, self.passes = streams, plan, passes
         self.epoch, self.position, self.steps = epoch, position, steps
-        self.known, self.seed, self.collate_fn = known, seed, collate_fn
+        self.known, self.collate_fn = known, collate_fn
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         me, of = (info.id, info.num_workers) if info is not None else (0, 1)
-        readers: dict[int, StreamReader] = {}
         epoch, position = self.epoch, self.position
+        with _reading():
+            readers = self._position(me, of)
+        yield POSITIONED
         for _ in range(self.steps):
             parts = self.passes(self.plan.batch(epoch, position))
             for n, (_, chunk) in enumerate(parts):
@@ -68,34 +91,36 @@ class _PassPieces(torch.utils.data.IterableDataset):
                     yield None, pieces, states
             epoch, position = self.plan.advance(epoch, position)
 
-    def _read(self, indices: list[int], epoch: int, readers: dict, me: int, of: int) -> list:
-        generator = torch.default_generator
-        in_loader = torch.utils.data.get_worker_info() is not None
-        saved = generator.get_state()  # once per pass, not per sample
-        restore_host = None if in_loader else host_generators_restorer()
-        try:
-            with outside_loader():  # one context a pass (engine.streams.StreamReader)
-                return self._read_pass(indices, epoch, readers, me, of, generator)
-        finally:
-            generator.set_state(saved)
-            if restore_host is not None:
-                restore_host()
+    def _position(self, me: int, of: int) -> dict[int, StreamReader]:
+        """Readers of the streams this process reads in the first step, each standing where
+        the step starts reading it: a stream without a usable state is read again here,
+        before the rank's first collective (engine.work_barrier), not inside its step."""
+        if self.steps <= 0:
+            return {}
+        starts: dict[int, int] = {}
+        for _, chunk in self.passes(self.plan.batch(self.epoch, self.position)):
+            for index in chunk.tolist():
+                stream, offset = self.streams.locate(index)
+                if stream % of == me:
+                    starts[stream] = min(offset, starts.get(stream, offset))
+        return {stream: StreamReader(self.streams, stream, self.epoch, offset,
+                                     self.known.get(stream))
+                for stream, offset in sorted(starts.items())}
 
-    def _read_pass(self, indices: list[int], epoch: int, readers: dict, me: int, of: int,
-                   generator: torch.Generator) -> list:
+    def _read(self, indices: list[int], epoch: int, readers: dict, me: int, of: int) -> list:
+        """[(place in the pass, sample)] of the pass's samples `indices` in this process's
+        streams, each read by its stream's reader (made where there is none for `epoch`)."""
         pieces = []
-        for place, index in enumerate(indices):
-            stream, offset = self.streams.locate(index)
-            if stream % of != me:
-                continue
-            reader = readers.get(stream)
-            if reader is None or reader.epoch != epoch or reader.at > offset:
-                reader = readers[stream] = StreamReader(self.streams, stream, epoch, offset,
-                                                        self.known.get(stream))
-            value = sample_seed(self.seed, epoch, index)
-            generator.manual_seed(value)
-            seed_host_generators(value)
-            pieces.append((place, reader.read(offset)))
+        with _reading():
+            for place, index in enumerate(indices):
+                stream, offset = self.streams.locate(index)
+                if stream % of != me:
+                    continue
+                reader = readers.get(stream)
+                if reader is None or reader.epoch != epoch or reader.at > offset:
+                    reader = readers[stream] = StreamReader(self.streams, stream, epoch,
+                                                            offset, self.known.get(stream))
+                pieces.append((place, reader.read(offset)))
         return pieces
 
     def _states(self, readers: dict, epoch: int, position: int) -> dict:
@@ -112,7 +137,7 @@ class StreamPipeline:
     Args:
         streams: the cell's dataset as streams.
         plan: the run's batch plan (in order: ``shuffle=False``).
-        seed: the run's seed (each sample's generators).
+        seed: the run's seed (the loader processes' own seeds follow it).
         workers: reading processes (0: read in this process).
         collate_fn, worker_init_fn: the cell's.
         pin_memory: batches in pinned memory (GPU slots).
@@ -128,6 +153,16 @@ class StreamPipeline:
         self._items: Iterator | None = None
         self._at: tuple[int, int, int, int] | None = None
         self._read: dict[int, dict] = {}  # states read in the step in flight
+        # set by share() at a generation's start, alike on every rank: a stream is read again
+        self.rereading = False
+
+    def position(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
+        """Start it at the step at `at` (rank, world size, epoch, position), for `steps` steps:
+        returns once every stream this rank reads in that step stands where the step reads it.
+        Call it at a generation's start, after :meth:`share`, before the first step's
+        collectives: where :attr:`rereading`, this reads streams again from their epoch's
+        start, for as long as that takes (engine.work_barrier waits for it)."""
+        self._start(at, passes, steps)
 
     def next(self, at: tuple[int, int, int, int], passes: Callable, steps: int):
         """The next pass's collated batch of the step at `at` (rank, world size, epoch,
@@ -150,7 +185,7 @@ class StreamPipeline:
         known = self._states()["states"]
         self.streams.close()  # the setup's readers: none is needed (nor forked) from here
         pieces = _PassPieces(self.streams, self.plan, passes, at[2], at[3], steps,
-                             dict(known), self.seed, self.collate_fn)
+                             dict(known), self.collate_fn)
         self._read = {}
         if not self.workers:
             self._items = iter(pieces)
@@ -160,6 +195,9 @@ class StreamPipeline:
                 pieces, batch_size=None, num_workers=self.workers, collate_fn=_as_is,
                 worker_init_fn=self.worker_init_fn, multiprocessing_context=context,
                 generator=torch.Generator().manual_seed(self.seed % 2**63)))
+        for _ in range(max(1, self.workers)):  # each process's streams stand in place
+            if next(self._items) != POSITIONED:
+                raise AssertionError("a stream reader yielded before it stood in place")
         self._at = at
 
     def moved_to(self, at: tuple[int, int, int, int]) -> None:
@@ -198,12 +236,15 @@ class StreamPipeline:
                         merged[stream]["epoch"], merged[stream]["offset"])):
                     merged[stream] = state
         kept["states"] = merged
-        return self._opening_event(merged) if opening and rank == 0 else None
-
-    def _opening_event(self, states: dict) -> dict | None:
-        p, s = self.progress(), self.streams
-        if p.epoch == 0 and p.position == 0:
+        if not opening:
             return None
+        resumed, reread = self._resumes(merged)
+        self.rereading = any(reread)
+        return self._opening_event(resumed, reread) if rank == 0 else None
+
+    def _resumes(self, states: dict) -> tuple[list[int], list[int]]:
+        """The streams that resume from a state, and how many samples each reads again."""
+        p, s = self.progress(), self.streams
         reread, resumed = [], []
         for stream in range(s.count):
             offset, state = s.offset(stream, p.position), states.get(stream)
@@ -211,6 +252,12 @@ class StreamPipeline:
             start = state["offset"] if usable and state is not None else 0
             resumed += [stream] if usable else []
             reread.append(offset - start)
+        return resumed, reread
+
+    def _opening_event(self, resumed: list[int], reread: list[int]) -> dict | None:
+        p, s = self.progress(), self.streams
+        if p.epoch == 0 and p.position == 0:
+            return None
         why = f" ({s.resume_note})" if s.resume_note else ""
         return {"kind": "streams", "step": p.step, "streams": s.count, "resumed": resumed,
                 "reread": reread, "message": (

@@ -34,12 +34,14 @@ from __future__ import annotations
 import bisect
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from .checkpoint import unloadable
 from .digest import items_digest
+from .randomness import caller_generators_kept, seed_sample
 
 ENDLESS = 2**62  # the epoch length of a stream without a declared one: it never ends
 
@@ -88,6 +90,9 @@ class Streams:
         length: the samples of one epoch (declared), or None: endless.
         global_batch: B, the samples of a step.
         drop_last: an epoch's short last step is left out (``--drop-last``).
+        seed: the run's seed: every sample read, or skipped, is read under the generators
+            seeded by (seed, epoch, its index) (engine.randomness.seed_sample), so a random
+            transform inside a stream gives a sample alike whoever reads it, from wherever.
     ``len()`` is the epoch's length (ENDLESS without one). ``streams[i]`` reads sample i of
     epoch 0 from its stream, opened anew unless it stands before it: for the setup's trials
     and the first samples, never for training (engine.stream_loader reads those).
@@ -95,13 +100,14 @@ class Streams:
     """
 
     def __init__(self, source: Any, count: int, length: int | None, global_batch: int,
-                 drop_last: bool = False):
+                 drop_last: bool = False, seed: int = 0):
         self.source, self.length, self.global_batch = source, length, global_batch
-        self.drop_last, self.count = drop_last, count
+        self.drop_last, self.count, self.seed = drop_last, count, seed
         self.resumable, self.resume_note = False, "not checked"
         self._opened: dict[int, StreamReader] = {}  # streams[i]'s readers
-        # the last step's bounds, by (stream count, position): a resume may set another count
-        self._step_bounds: tuple[tuple[int, int], list[int]] = ((0, -1), [])
+        # the newest steps' bounds, by (stream count, position): a resume may set another
+        # count, and a stream read again asks of the steps before the one read
+        self._step_bounds: dict[tuple[int, int], list[int]] = {}
 
     def __len__(self) -> int:
         return self.length if self.length is not None else ENDLESS
@@ -109,7 +115,7 @@ class Streams:
     def __getitem__(self, index: int):
         stream, offset = self.locate(index)
         reader = self._opened.get(stream)
-        with outside_loader():
+        with caller_generators_kept(), outside_loader():
             if reader is None or reader.epoch != 0 or reader.at > offset:
                 reader = self._opened[stream] = StreamReader(self, stream, 0, offset, None)
             return reader.read(offset)
@@ -120,15 +126,7 @@ class Streams:
 
     def head(self, count: int) -> list:
         """The dataset's first `count` samples in its own order (its fingerprint's)."""
-        out: list = []
-        with outside_loader():
-            samples = iter(self.source)
-            while len(out) < count:
-                try:
-                    out.append(next(samples))
-                except StopIteration:
-                    break
-        return out
+        return _take(self.source, count)
 
     def check(self) -> None:
         """Read stream 0 at setup: twice from its start (the same samples, else ValueError:
@@ -136,7 +134,7 @@ class Streams:
         ``load_state_dict()``, once more from a state taken after its first sample (the same
         next sample, and a state a checkpoint can keep: else it is read again instead, and
         ``resume_note`` says why). Sets ``resumable``."""
-        first = [items_digest(_take(self.open(0, 0, None), 3)) for _ in range(2)]
+        first = [items_digest(self._trial(self.open(0, 0, None), 0, 3)) for _ in range(2)]
         if first[0] != first[1]:
             raise ValueError(
                 "dataset.shard(...) gives other samples each time it is read (a shuffle without "
@@ -147,20 +145,28 @@ class Streams:
                    for name in ("state_dict", "load_state_dict")):
             note = "it has no state_dict()/load_state_dict()"
         else:
-            with outside_loader():
+            with caller_generators_kept(), outside_loader():
+                seed_sample(self.seed, 0, self.index(0, 0))  # as StreamReader starts it
                 samples = iter(part)
-            state = copy.deepcopy(part.state_dict()) if _take(samples, 1) else None
-            expected, why = _take(samples, 1), unloadable({"state": state})
+            state = copy.deepcopy(part.state_dict()) if self._trial(samples, 0, 1) else None
+            expected, why = self._trial(samples, 1, 1), unloadable({"state": state})
             if not expected:
                 note = "its stream 0 is too short to try resuming"
             elif _shuffle_buffer(part):
                 note = "its shuffle buffer is not part of its state_dict()"
             elif why is not None:
                 note = f"its state_dict() is not plain data: {why}"
-            elif items_digest(_take(self.open(0, 0, state), 1)) != items_digest(expected):
+            elif (items_digest(self._trial(self.open(0, 0, state), 1, 1))
+                  != items_digest(expected)):
                 note = ("its load_state_dict() does not resume where state_dict() was taken "
                         "(a shuffle buffer is not saved)")
         self.resumable, self.resume_note = not note, note
+
+    def _trial(self, samples, offset: int, count: int) -> list:
+        """The next `count` samples of stream 0 from `samples`, which stands at `offset`, each
+        read under its seeds as training reads it (a random transform reads alike)."""
+        return _take(samples, count,
+                     lambda j: seed_sample(self.seed, 0, self.index(0, offset + j)))
 
     def locate(self, index: int) -> tuple[int, int]:
         """(stream, offset in the stream's epoch) of the epoch's sample `index`."""
@@ -168,6 +174,17 @@ class Streams:
         bounds = self._bounds(start)
         stream = bisect.bisect_right(bounds, index - start) - 1
         return stream, self.offset(stream, start) + index - start - bounds[stream]
+
+    def index(self, stream: int, offset: int) -> int:
+        """The epoch's sample index of `stream`'s sample at `offset` (:meth:`locate`'s inverse).
+
+        Its step starts at the last multiple t of B with ``offset(stream, t) <= offset``, that
+        is ``t <= offset * S + stream``."""
+        start = offset * self.count + stream
+        start -= start % self.global_batch
+        if self.length is not None:  # not past the epoch's last step
+            start = min(start, (self.length - 1) // self.global_batch * self.global_batch)
+        return start + self._bounds(start)[stream] + offset - self.offset(stream, start)
 
     def offset(self, stream: int, position: int) -> int:
         """Where `stream` stands once the epoch's first `position` samples are read."""
@@ -179,14 +196,17 @@ class Streams:
 
     def _bounds(self, position: int) -> list[int]:
         """Where each stream's share starts in the step at `position` (and where the last
-        ends); the last step's are kept (every sample of a step asks)."""
-        if self._step_bounds[0] != (self.count, position):
+        ends); the newest steps' are kept (every sample of a step asks)."""
+        bounds = self._step_bounds.get((self.count, position))
+        if bounds is None:
             bounds = [0]
             for stream in range(self.count):
                 bounds.append(bounds[-1] + self.step_end(stream, position)
                               - self.offset(stream, position))
-            self._step_bounds = ((self.count, position), bounds)
-        return self._step_bounds[1]
+            if len(self._step_bounds) >= 8:
+                self._step_bounds.clear()
+            self._step_bounds[(self.count, position)] = bounds
+        return bounds
 
     def needs(self, stream: int) -> int:
         """The samples `stream` gives in one epoch of the declared length."""
@@ -217,12 +237,18 @@ def _shuffle_buffer(part) -> bool:
     return False
 
 
-def _take(samples, count: int) -> list:
-    """The next `count` samples of `samples` (a stream: its first; fewer where it ends)."""
+def _take(samples, count: int, before: Callable[[int], None] | None = None) -> list:
+    """The next `count` samples of `samples` (a stream: its first; fewer where it ends), with
+    ``before(j)`` run before the j-th is read (and before ``iter()``, as ``before(0)``); the
+    caller's generators are kept."""
     out: list = []
-    with outside_loader():
+    with caller_generators_kept(), outside_loader():
+        if before is not None:
+            before(0)
         samples = iter(samples)
-        for _ in range(count):
+        for j in range(count):
+            if before is not None:
+                before(j)
             try:
                 out.append(next(samples))
             except StopIteration:
@@ -234,8 +260,9 @@ class StreamReader:
     """One stream of one epoch, read forwards from `offset`: from `known`, the newest committed
     state of that stream (``{"epoch", "offset", "state"}``), where it is of this epoch and not
     past `offset` and the streams resume (``Streams.resumable``), else from the epoch's start
-    (reading again the samples before). Made and read inside :func:`outside_loader` (once
-    per pass: a context per sample would cost a tenth of the reading)."""
+    (reading again the samples before). Made and read inside :func:`outside_loader` and
+    engine.randomness.caller_generators_kept (once per pass: a context per sample would cost a
+    tenth of the reading)."""
 
     def __init__(self, streams: Streams, stream: int, epoch: int, offset: int,
                  known: dict | None):
@@ -246,6 +273,9 @@ class StreamReader:
             known = {"offset": 0, "state": None}
         self.part = streams.open(stream, epoch, known["state"])
         self.at = known["offset"]
+        # a stream that draws as it starts (a shuffle of its files by torch's generator)
+        # draws under its first sample's seeds
+        seed_sample(streams.seed, epoch, streams.index(stream, self.at))
         self._samples = iter(self.part)
         self._skip_to(offset)
 
@@ -267,6 +297,10 @@ class StreamReader:
             self._next()
 
     def _next(self):
+        # each sample under its own seeds, skipped or not: a stream's random draws (a
+        # transform, a shuffle drawn at its start) are the same whoever reads it from where
+        s = self.streams
+        seed_sample(s.seed, self.epoch, s.index(self.stream, self.at))
         try:
             sample = next(self._samples)
         except StopIteration:

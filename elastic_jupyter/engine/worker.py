@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -80,6 +80,14 @@ def _before_write(worker: Worker) -> None:
     """Before each checkpoint write, on the writer's thread."""
     fault_point("checkpoint", worker)
     worker.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
+
+
+def _place_extra_state(extra: dict, device: torch.device) -> None:
+    """Move the cell's extra modules to the model's device: an EMA updates from the model where
+    it is, unless it says where it lives (timm's ModelEmaV3(device="cpu"))."""
+    for obj in extra.values():
+        if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
+            obj.to(device)
 
 
 def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
@@ -159,10 +167,7 @@ class Worker:
         self.objects = cell
         move_model(self.model, self.device, config.shard, not config.move_frozen)
         self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
-        for obj in self.extra_state.values():  # an EMA updates from the model where it is,
-            # unless it says where it lives (timm's ModelEmaV3(device="cpu"))
-            if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
-                obj.to(self.device)
+        _place_extra_state(self.extra_state, self.device)
         # shard=True: the model sharded over each generation (engine.sharded_mode)
         self.sharded = ShardedMode(cell, config, self.device) if config.shard else None
         if self.sharded is not None:  # a fault point in backward, between reduce-scatters
@@ -275,6 +280,13 @@ class Worker:
         self._first_step_of_generation = True
         return event
 
+    def input_at(self, rank: int, world_size: int) -> tuple[tuple, Callable, int]:
+        """Where this rank's input pipeline reads next, as its calls take it: (rank, world
+        size, epoch, position), the cut of a step's samples into its passes, the steps left."""
+        p = self.progress
+        return ((rank, world_size, p.epoch, p.position),
+                lambda batch: self._passes(batch, rank, world_size), self.total_steps - p.step)
+
     def end_generation(self) -> None:
         """The generation ended (or failed): stop its input pipeline's loader processes, finish
         a checkpoint's copies and a sharded one's write (engine.generation gives it up)."""
@@ -338,11 +350,8 @@ class Worker:
                 if kept is not None and n < len(kept):
                     batch = kept[n]
                 else:  # the input pipeline (engine.loader) starts where it must
-                    p = self.progress
-                    batch = to_device(self.pipeline.next(
-                        (rank, world_size, p.epoch, p.position),
-                        lambda batch: self._passes(batch, rank, world_size),
-                        self.total_steps - p.step), self.device)
+                    batch = to_device(self.pipeline.next(*self.input_at(rank, world_size)),
+                                      self.device)
                     if kept is not None:
                         kept.append(batch)
                 fault_point("forward", self)
