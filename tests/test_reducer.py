@@ -144,3 +144,62 @@ def test_a_gradient_that_comes_twice_in_one_backward_turns_overlap_off():
     the first would carry half its gradient, so buckets then start only after backward."""
     assert _checkpointed_step(reentrant=True).overlaps is False
     assert _checkpointed_step(reentrant=False).overlaps is True
+
+
+def _gan_rank(rank: int, store: str, out: str) -> None:
+    """Two sub-steps of a GAN (discriminator, then generator through it) on 2 ranks, with
+    each optimizer's parameters in buckets of their own; every all-reduce's elements counted."""
+    files = dist.FileStore(store, 2)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg/", files), rank=rank,
+                            world_size=2)
+    try:
+        torch.manual_seed(0)
+        g, d = torch.nn.Linear(3, 4).double(), torch.nn.Linear(4, 1).double()
+        model = torch.nn.ModuleDict({"g": g, "d": d})
+        owners = {id(p): k for k, part in enumerate((d, g)) for p in part.parameters()}
+        reducer = GradReducer(model, torch.device("cpu"), owners=owners)
+        sent, all_reduce = [], dist.all_reduce
+
+        def counted(tensor, *args, **kwargs):
+            sent.append(tensor.numel())
+            return all_reduce(tensor, *args, **kwargs)
+        dist.all_reduce = counted
+        torch.manual_seed(rank)
+        z, real = torch.randn(5, 3, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+        got = []
+        for owner, loss in ((0, lambda: d(real).mean() - d(g(z).detach()).mean()),
+                            (1, lambda: d(g(z)).mean())):
+            reducer.begin_step(owner)
+            reducer.last_pass(True)
+            loss().backward()
+            _reduce(reducer, [], 2)
+            got.append({n: None if p.grad is None else p.grad.clone()
+                        for n, p in model.named_parameters()})
+        expected = []  # the plain way: every gradient summed
+        for loss in (lambda: d(real).mean() - d(g(z).detach()).mean(), lambda: d(g(z)).mean()):
+            model.zero_grad(set_to_none=True)
+            loss().backward()
+            sums = {}
+            for name, p in model.named_parameters():
+                sums[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                all_reduce(sums[name])
+            expected.append(sums)
+        torch.save((sent, got, expected, [b.owner for b in reducer.buckets]),
+                   f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sub_step_sums_only_its_optimizers_buckets(tmp_path):
+    spawn(_gan_rank, (str(tmp_path / "store"), str(tmp_path)), 2)
+    results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for sent, got, expected, owners in results:
+        assert sorted(owners) == [0, 1]  # a bucket per optimizer: d's, g's
+        # the discriminator's step sums its 5 gradients, the generator's its 16: not all 21
+        assert sent == [5, 16], sent
+        for step, own in ((0, "d."), (1, "g.")):
+            for name, grad in got[step].items():
+                if name.startswith(own):  # the sum a plain all-reduce gives
+                    assert torch.allclose(grad, expected[step][name], rtol=1e-12), name
+                else:  # the other optimizer's: not summed, so left None
+                    assert grad is None, name

@@ -177,6 +177,14 @@ def optimized(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def owners(steps: list[Substep]) -> dict[int, int]:
+    """``{id(parameter): its sub-step's index}`` with several optimizers (engine.reduce sums
+    a sub-step's own parameters only), else ``{}``."""
+    if len(steps) < 2:
+        return {}
+    return {id(p): k for k, sub in enumerate(steps) for p in optimized(sub.optimizer)}
+
+
 def _check_disjoint(optimizers: dict[str, torch.optim.Optimizer]) -> None:
     owner: dict[int, str] = {}
     for name, o in optimizers.items():

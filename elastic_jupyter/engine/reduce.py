@@ -75,6 +75,7 @@ class _Bucket:
             self.views.append((offset, offset + p.numel()))
             offset += p.numel()
         self.ready: set = set()  # ids of the parameters whose gradient of the last pass is in
+        self.owner: int | None = None  # the optimizer that steps its parameters (_buckets)
 
     def attach(self) -> None:
         """Zero the buffer and make each parameter's ``.grad`` its view of it."""
@@ -96,11 +97,12 @@ class _Bucket:
             p.grad = view.view_as(p)
 
 
-def _buckets(params: list, limit: int) -> list[_Bucket]:
-    """Buckets of at most `limit` bytes per (device, dtype), in the order of `params`."""
+def _buckets(params: list, limit: int, owners: dict[int, int]) -> list[_Bucket]:
+    """Buckets of at most `limit` bytes per (device, dtype, owner: `owners[id(p)]`, the
+    optimizer that steps the parameter), in the order of `params`."""
     groups: dict = {}
     for p in params:
-        groups.setdefault((p.device, p.dtype), []).append(p)
+        groups.setdefault((p.device, p.dtype, owners.get(id(p))), []).append(p)
     buckets = []
     for group in groups.values():
         current: list[torch.Tensor] = []
@@ -113,6 +115,8 @@ def _buckets(params: list, limit: int) -> list[_Bucket]:
             current.append(p)
             used += nbytes
         buckets.append(_Bucket(current))
+    for bucket in buckets:
+        bucket.owner = owners.get(id(bucket.params[0]))
     return buckets
 
 
@@ -129,13 +133,18 @@ class GradReducer:
             reducer after the model reached its device.
         device: the rank's device; the sparse gradients' sizes travel there.
         bucket_bytes: the most bytes of gradients in one bucket.
+        owners: with several optimizers (engine.optimizers), the index of the one that steps
+            each parameter, by ``id``: a bucket holds one optimizer's parameters, and a
+            sub-step (``begin_step(owner)``) sums only its optimizer's buckets.
     Raises:
         LayoutError: a parameter that is not dense or has a dtype outside SUPPORTED_DTYPES.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device,
-                 bucket_bytes: int = BUCKET_BYTES):
+                 bucket_bytes: int = BUCKET_BYTES, owners: dict[int, int] | None = None):
         self.device = device
+        self._owners = owners or {}
+        self._owner: int | None = None  # the sub-step's optimizer (begin_step)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for name, p in named:
             _check_layout(name, p)
@@ -172,7 +181,8 @@ class GradReducer:
     def _build(self, order: list[int]) -> None:
         """Buckets of the dense parameters, in `order` (indices into ``self.params``)."""
         self._order = order
-        self.buckets = _buckets([self.params[i] for i in order], self._bucket_bytes)
+        self.buckets = _buckets([self.params[i] for i in order], self._bucket_bytes,
+                                self._owners)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
 
     @property
@@ -204,8 +214,13 @@ class GradReducer:
         if order != self._order:  # new buckets cost memory while the old gradients live
             self._build(order)
 
-    def begin_step(self) -> None:
-        """Start a step: every dense gradient a zeroed view of its bucket, sparse ones None."""
+    def begin_step(self, owner: int | None = None) -> None:
+        """Start a step: every dense gradient a zeroed view of its bucket, sparse ones None.
+        With `owner`, a sub-step of optimizer `owner` (every rank runs the same): the buckets
+        of another optimizer's parameters are not summed, and :meth:`finish` leaves their
+        gradients None (that optimizer does not step now: in a GAN's generator step, the
+        discriminator's gradients are not needed)."""
+        self._owner = owner
         # all-reduces a failed step left behind belong to a destroyed process group, whose
         # destruction waited for them: nothing writes into the buckets any more
         self._works = []
@@ -248,9 +263,14 @@ class GradReducer:
         if bucket is None:
             return
         bucket.ready.add(id(p))
-        while self._overlap and self._next < len(self.buckets) and \
-                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+        while self._overlap and self._next < len(self.buckets) and (
+                self._skipped(self.buckets[self._next])
+                or len(self.buckets[self._next].ready) == len(self.buckets[self._next].params)):
             self._start(self._next)
+
+    def _skipped(self, bucket: _Bucket) -> bool:
+        """Whether `bucket` holds another optimizer's parameters than the sub-step's."""
+        return self._owner is not None and bucket.owner not in (None, self._owner)
 
     def flush(self, world_size: int) -> None:
         """Start every bucket not started yet. Call it after the rank's backward passes and
@@ -275,9 +295,10 @@ class GradReducer:
 
     def _start(self, index: int) -> None:
         bucket = self.buckets[index]
-        bucket.gather()
-        with collective("gradient all-reduce"):
-            self._works.append(dist.all_reduce(bucket.flat, async_op=True))
+        if not self._skipped(bucket):
+            bucket.gather()
+            with collective("gradient all-reduce"):
+                self._works.append(dist.all_reduce(bucket.flat, async_op=True))
         self._next = index + 1
 
 
@@ -301,6 +322,10 @@ class GradReducer:
                 for work in works:
                     work.wait()
             self._reduce_sparse(world_size)
+        for bucket in self.buckets:
+            if self._skipped(bucket):  # this rank's own sums: no one may read them
+                for p in bucket.params:
+                    p.grad = None
         return [float(id(p) in self._used) for p in self.params]
 
     def clip(self, parameters, max_norm: float) -> None:

@@ -118,9 +118,9 @@ class ShardedReducer:
     def sync_order(self, world_size: int) -> None:
         """Nothing to align: FSDP2's units reduce in the order backward reaches them."""
 
-    def begin_step(self) -> None:
+    def begin_step(self, owner: int | None = None) -> None:
         """Start a step: no gradients; passes accumulate without a reduction until the last
-        (unless ``per_pass``)."""
+        (unless ``per_pass``). `owner` is GradReducer's: ``--shard`` has one optimizer."""
         for p in self.params:
             p.grad = None
         self._used.clear()

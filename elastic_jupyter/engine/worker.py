@@ -43,7 +43,7 @@ from .loader import input_pipeline
 from .losses import floats, weighted
 from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
-from .optimizers import Substep, check_resumed, learning_rates, optimized
+from .optimizers import Substep, check_resumed, learning_rates, optimized, owners
 from .precision import Precision, PrecisionError
 from .protocol import EngineConfig
 from .randomness import host_generators_kept, micro_batch_stream
@@ -173,8 +173,8 @@ class Worker:
         if self.sharded is not None:  # a fault point in backward, between reduce-scatters
             self.sharded.reducer.fault = functools.partial(fault_point, "reduce_scatter", self)
         try:
-            self.reducer = (self.sharded.reducer if self.sharded is not None
-                            else GradReducer(self.model, self.device))
+            self.reducer = (self.sharded.reducer if self.sharded is not None else
+                            GradReducer(self.model, self.device, owners=owners(cell.substeps)))
             self.precision = Precision(config.precision, self.device)
         except (LayoutError, PrecisionError) as e:
             raise SetupError(str(e)) from None
@@ -451,7 +451,7 @@ class Worker:
         if p.substep:  # a sub-step after a committed one (fault tests stop here)
             fault_point("substep", self)
         self.in_flight = True
-        self.reducer.begin_step()  # zeroed gradients: views of the reduction's buckets
+        self.reducer.begin_step(p.substep)  # zeroed gradients: views of its buckets
         self.weights.begin()
         try:
             loss, extras = self._local_pass(parts, B, rank, world_size, sub, kept)
