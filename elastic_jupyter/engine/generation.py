@@ -159,18 +159,13 @@ class Generation:
 
     def _position_input(self) -> None:
         """Stand the input pipeline at the generation's first step. Streams read again from
-        their epoch's start (engine.stream_loader) take as long as they take, on some ranks
-        only: the others wait for them here, while they live, instead of in the step's first
-        collective, whose timeout would count them hung."""
+        their epoch's start, or catching up from a state (engine.stream_loader), take as long
+        as they take, on some ranks only: the others wait for them here, while they live,
+        instead of in the step's first collective, whose timeout would count them hung."""
         w = self.worker
-
-        def position() -> None:
-            w.pipeline.position(*w.input_at(self.rank, self.world_size))
-        if w.pipeline.rereading:
-            work_then_wait(self.control, self.rank, self.world_size, "reading streams again",
-                           position, self.spec.timeout)
-        else:
-            position()
+        work_then_wait(self.control, self.rank, self.world_size, "positioning the input",
+                       lambda: w.pipeline.position(*w.input_at(self.rank, self.world_size)),
+                       self.spec.timeout)
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker

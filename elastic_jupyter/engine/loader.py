@@ -148,13 +148,9 @@ class InputPipeline:
             self._at = at
         return next(self._batches)
 
-    # a map-style dataset fetches any sample at once: nothing to read before a generation's
-    # first step (engine.stream_loader.StreamPipeline reads streams again there)
-    rereading = False
-
     def position(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
-        """Nothing to do: the first :meth:`next` starts it (its first batch comes in the step,
-        as a DataLoader's)."""
+        """Nothing to do: a map-style dataset fetches any sample at once, and the first
+        :meth:`next` starts it (engine.stream_loader.StreamPipeline reads streams here)."""
 
     def moved_to(self, at: tuple[int, int, int, int]) -> None:
         """The step it was reading committed: it stands at the step at `at` now (if running)."""

@@ -93,8 +93,9 @@ class _PassPieces(torch.utils.data.IterableDataset):
 
     def _position(self, me: int, of: int) -> dict[int, StreamReader]:
         """Readers of the streams this process reads in the first step, each standing where
-        the step starts reading it: a stream without a usable state is read again here,
-        before the rank's first collective (engine.work_barrier), not inside its step."""
+        the step starts reading it, its first sample read: a stream without a usable state is
+        read again here, before the rank's first collective (engine.work_barrier), not
+        inside its step."""
         if self.steps <= 0:
             return {}
         starts: dict[int, int] = {}
@@ -103,9 +104,12 @@ class _PassPieces(torch.utils.data.IterableDataset):
                 stream, offset = self.streams.locate(index)
                 if stream % of == me:
                     starts[stream] = min(offset, starts.get(stream, offset))
-        return {stream: StreamReader(self.streams, stream, self.epoch, offset,
-                                     self.known.get(stream))
-                for stream, offset in sorted(starts.items())}
+        readers = {stream: StreamReader(self.streams, stream, self.epoch, offset,
+                                        self.known.get(stream))
+                   for stream, offset in sorted(starts.items())}
+        for reader in readers.values():
+            reader.prime()  # one resumed from a state catches up here too
+        return readers
 
     def _read(self, indices: list[int], epoch: int, readers: dict, me: int, of: int) -> list:
         """[(place in the pass, sample)] of the pass's samples `indices` in this process's
@@ -132,7 +136,7 @@ class _PassPieces(torch.utils.data.IterableDataset):
 
 class StreamPipeline:
     """One rank's input pipeline over the run's streams, with engine.loader.InputPipeline's
-    calls (:meth:`next`, :meth:`moved_to`, :meth:`stop`) and :meth:`share`.
+    calls (:meth:`position`, :meth:`next`, :meth:`moved_to`, :meth:`stop`, :meth:`share`).
 
     Args:
         streams: the cell's dataset as streams.
@@ -153,15 +157,13 @@ class StreamPipeline:
         self._items: Iterator | None = None
         self._at: tuple[int, int, int, int] | None = None
         self._read: dict[int, dict] = {}  # states read in the step in flight
-        # set by share() at a generation's start, alike on every rank: a stream is read again
-        self.rereading = False
 
     def position(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
         """Start it at the step at `at` (rank, world size, epoch, position), for `steps` steps:
         returns once every stream this rank reads in that step stands where the step reads it.
         Call it at a generation's start, after :meth:`share`, before the first step's
-        collectives: where :attr:`rereading`, this reads streams again from their epoch's
-        start, for as long as that takes (engine.work_barrier waits for it)."""
+        collectives (engine.work_barrier waits for it): a stream without a usable state is read
+        again from its epoch's start here, for as long as that takes."""
         self._start(at, passes, steps)
 
     def next(self, at: tuple[int, int, int, int], passes: Callable, steps: int):
@@ -236,15 +238,12 @@ class StreamPipeline:
                         merged[stream]["epoch"], merged[stream]["offset"])):
                     merged[stream] = state
         kept["states"] = merged
-        if not opening:
-            return None
-        resumed, reread = self._resumes(merged)
-        self.rereading = any(reread)
-        return self._opening_event(resumed, reread) if rank == 0 else None
+        return self._opening_event(merged) if opening and rank == 0 else None
 
-    def _resumes(self, states: dict) -> tuple[list[int], list[int]]:
-        """The streams that resume from a state, and how many samples each reads again."""
+    def _opening_event(self, states: dict) -> dict | None:
         p, s = self.progress(), self.streams
+        if p.epoch == 0 and p.position == 0:
+            return None
         reread, resumed = [], []
         for stream in range(s.count):
             offset, state = s.offset(stream, p.position), states.get(stream)
@@ -252,12 +251,6 @@ class StreamPipeline:
             start = state["offset"] if usable and state is not None else 0
             resumed += [stream] if usable else []
             reread.append(offset - start)
-        return resumed, reread
-
-    def _opening_event(self, resumed: list[int], reread: list[int]) -> dict | None:
-        p, s = self.progress(), self.streams
-        if p.epoch == 0 and p.position == 0:
-            return None
         why = f" ({s.resume_note})" if s.resume_note else ""
         return {"kind": "streams", "step": p.step, "streams": s.count, "resumed": resumed,
                 "reread": reread, "message": (

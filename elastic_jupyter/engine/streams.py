@@ -277,6 +277,7 @@ class StreamReader:
         # draws under its first sample's seeds
         seed_sample(streams.seed, epoch, streams.index(stream, self.at))
         self._samples = iter(self.part)
+        self._ahead: tuple | None = None  # (the sample at `at`,), read ahead by prime()
         self._skip_to(offset)
 
     def read(self, offset: int):
@@ -285,11 +286,19 @@ class StreamReader:
         self._skip_to(offset)
         return self._next()
 
+    def prime(self) -> None:
+        """Read the sample it stands at now, kept for the next :meth:`read`: a stream resumed
+        from a state may catch up in its first read (``datasets`` reads its file again up to
+        the saved example), which then happens here. Raises StreamEnded."""
+        if self._ahead is None:
+            self._ahead = (self._pull(),)
+
     def state(self) -> dict | None:
         """Where it stands, as the run keeps it (None for a stream that does not resume)."""
         if not self.streams.resumable:
             return None
-        return {"epoch": self.epoch, "offset": self.at,
+        # a sample read ahead is past where it stands: the stream's own state is one further
+        return {"epoch": self.epoch, "offset": self.at + (self._ahead is not None),
                 "state": copy.deepcopy(self.part.state_dict())}
 
     def _skip_to(self, offset: int) -> None:
@@ -297,16 +306,23 @@ class StreamReader:
             self._next()
 
     def _next(self):
+        if self._ahead is not None:
+            (sample,), self._ahead = self._ahead, None
+        else:
+            sample = self._pull()
+        self.at += 1
+        return sample
+
+    def _pull(self):
+        """The stream's next sample, the one at `at`."""
         # each sample under its own seeds, skipped or not: a stream's random draws (a
         # transform, a shuffle drawn at its start) are the same whoever reads it from where
         s = self.streams
         seed_sample(s.seed, self.epoch, s.index(self.stream, self.at))
         try:
-            sample = next(self._samples)
+            return next(self._samples)
         except StopIteration:
             raise StreamEnded(self._ended()) from None
-        self.at += 1
-        return sample
 
     def _ended(self) -> str:
         s, streams = self.stream, self.streams

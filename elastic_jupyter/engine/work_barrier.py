@@ -82,17 +82,18 @@ class _Beats:
 
 def _wait(control, peers: list[int], name: str, timeout: float) -> None:
     """Until each of `peers` set its done key; raises GenerationAborted at the owner's abort
-    and DistStoreError when a peer's beat stood still for `timeout` seconds."""
+    and DistStoreError when a peer's beat stood still for `timeout` seconds. Two store calls
+    a poll (every done key at once, the abort key); the peers' beats every LOOK seconds."""
     seen: dict[int, tuple[int, float]] = {}  # peer: (its beat count, when it last moved)
     looked = 0.0
-    while peers:
-        peers = [r for r in peers if not control.check([f"{name}/done/{r}"])]
+    while peers and not control.check([f"{name}/done/{r}" for r in peers]):
         if control.check([ABORT_KEY]):
             raise GenerationAborted(f"the owner aborted the generation while this rank waited "
                                     f"for every rank to finish {name}: a peer died")
         now = time.monotonic()
-        if peers and now - looked >= LOOK:
+        if now - looked >= LOOK:
             looked = now
+            peers = [r for r in peers if not control.check([f"{name}/done/{r}"])]
             for r in peers:
                 count = control.add(f"{name}/beat/{r}", 0)  # read: add 0
                 if seen.get(r, (None, 0.0))[0] != count:
@@ -101,5 +102,4 @@ def _wait(control, peers: list[int], name: str, timeout: float) -> None:
                     raise dist.DistStoreError(
                         f"rank {r} showed no sign of life for {timeout:.0f} s while it worked "
                         f"on {name}")
-        if peers:
-            time.sleep(POLL)
+        time.sleep(POLL)
