@@ -309,13 +309,21 @@ class Numbers(torch.utils.data.IterableDataset):
     def _counting(self, start):
         for i in range(start, self.end):
             self.pos["pos"] += 1
+            READS[PHASE[0]] += 1
             yield i + float(torch.rand(())) / 2  # a random transform: the sample's own draw
 
 
-def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4):
+READS: collections.Counter = collections.Counter()  # samples Numbers gave, by PHASE[0]
+PHASE = ["step"]  # "position" while the pipelines stand in place, else "step"
+
+
+def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4, inside=None):
     """Train-free run of `total` steps: per generation (until step, world size), a
     StreamPipeline per rank from the shared progress, its passes' batches by (step, k); the
-    ranks' stream states merged at each generation's end, as share() does."""
+    ranks' stream states merged at each generation's end, as share() does. Each step is
+    positioned first where engine.generation does (the generation's first, and where
+    ``opens`` says so); with `inside` (no loader processes), ``inside[(step, rank)]`` counts
+    the samples the rank's streams gave inside the step beyond its own."""
     out, progress, epoch, position = {}, Progress(), 0, 0
     for until, world_size in sizes:
         ranks = []
@@ -326,13 +334,25 @@ def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4):
             mine = copy.deepcopy(progress)
             ranks.append((plan, StreamPipeline(streams, plan, 0, workers, list, None, False,
                                                lambda mine=mine: mine), mine))
+        first = True
         while progress.step < until:
+            opens = {pipe.opens(epoch, position, world_size) for _, pipe, _ in ranks}
+            assert len(opens) == 1  # every rank's answer alike
             for rank, (plan, pipe, mine) in enumerate(ranks):
                 passes = functools.partial(plan.rank_micro_batches, rank=rank,
                                            world_size=world_size)
-                for k, _ in passes(plan.batch(epoch, position)):
+                if first or opens == {True}:
+                    PHASE[0] = "position"
+                    pipe.position((rank, world_size, epoch, position), passes,
+                                  total - progress.step)
+                PHASE[0], before, own = "step", READS["step"], 0
+                for k, chunk in passes(plan.batch(epoch, position)):
                     out[(progress.step, k)] = pipe.next((rank, world_size, epoch, position),
                                                         passes, total - progress.step)
+                    own += len(chunk)
+                if inside is not None:
+                    inside[(progress.step, rank)] = READS["step"] - before - own
+            first = False
             epoch, position = ranks[0][0].advance(epoch, position)
             progress.step += 1
             for rank, (plan, pipe, mine) in enumerate(ranks):
@@ -360,6 +380,20 @@ def test_stream_pipelines_read_alike_at_any_world_size_and_number_of_loader_proc
     assert ids == list(range(100))  # 8 steps an epoch (7 of 14, one of 2)
     for workers in (0, 2):
         assert _simulate([(3, 2), (7, 3), (11, 1), (17, 4)], workers, stateful) == expected
+
+
+def test_a_rank_opens_streams_mid_epoch_only_before_a_step():
+    """Streams that move between ranks (14 samples over 4 streams: shares of 3 and 4; an
+    epoch's last step of 6) are opened, and read again from their epoch's start, only where
+    the ranks stand their input in place before a step; inside a step a rank reads beyond
+    its own samples only what other ranks took from a stream it holds since its last read of
+    it, less than a global batch here."""
+    inside: dict = {}
+    expected = _simulate([(40, 1)], 0, False, total=40, n=160, batch=14, count=4)
+    resized = _simulate([(5, 2), (13, 3), (26, 2), (40, 3)], 0, False, total=40, n=160,
+                        batch=14, count=4, inside=inside)
+    assert resized == expected
+    assert max(inside.values()) < 14, sorted(inside.items(), key=lambda kv: -kv[1])[:5]
 
 
 def test_a_datasets_stream_with_a_shuffle_buffer_is_read_again_not_resumed(shard_files):

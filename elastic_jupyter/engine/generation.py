@@ -151,21 +151,25 @@ class Generation:
         with _out_of_memory_hint(w.config):  # measuring the pass cost runs passes
             event = w.start_generation(self.rank, self.world_size)
         self.events += [event] if event else []
-        self._position_input()
+        self._position_input(first=True)
         if w.sharded is not None:  # replicas of the new layout, at once
             self._refresh_replicas()
         with _out_of_memory_hint(w.config):
             return self._loop()
 
-    def _position_input(self) -> None:
-        """Stand the input pipeline at the generation's first step. Streams read again from
-        their epoch's start, or catching up from a state (engine.stream_loader), take as long
-        as they take, on some ranks only: the others wait for them here, while they live,
-        instead of in the step's first collective, whose timeout would count them hung."""
-        w = self.worker
-        work_then_wait(self.control, self.rank, self.world_size, "positioning the input",
-                       lambda: w.pipeline.position(*w.input_at(self.rank, self.world_size)),
-                       self.spec.timeout)
+    def _position_input(self, first: bool) -> None:
+        """Stand the input pipeline at the coming step: the generation's `first`, or one in
+        which a rank opens a stream mid-epoch (engine.stream_loader.StreamPipeline.opens,
+        the same answer on every rank). Streams read again from their epoch's start, or
+        catching up from a state, take as long as they take, on some ranks only: the others
+        wait for them here, while they live, instead of in the step's first collective, whose
+        timeout would count them hung."""
+        w, p = self.worker, self.worker.progress
+        if w.pipeline.opens(p.epoch, p.position, self.world_size) or first:
+            work_then_wait(self.control, self.rank, self.world_size,
+                           f"positioning the input of step {p.step + 1}",
+                           lambda: w.pipeline.position(*w.input_at(self.rank, self.world_size)),
+                           self.spec.timeout)
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker
@@ -213,7 +217,10 @@ class Generation:
             self.control.add(VERSION_KEY, 0)
         if w.pending is not None:  # a fault hit the evaluation of the last committed step
             self._finish_step(w.pending)
+        positioned = p.step  # the first step's input stands in place (_train)
         while p.step < w.total_steps:
+            if p.step != positioned:
+                self._position_input(first=False)
             # a rank told to go (SIGTERM) votes to leave like rank 0 does for the owner
             flag = max(self._leave_flag(), float(drain.requested()))
             record, leave = w.train_step(rank, world_size, self.vote, flag)

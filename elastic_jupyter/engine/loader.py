@@ -148,6 +148,10 @@ class InputPipeline:
             self._at = at
         return next(self._batches)
 
+    def opens(self, epoch: int, position: int, world_size: int) -> bool:
+        """Never: nothing is read before a step (engine.stream_loader.StreamPipeline.opens)."""
+        return False
+
     def position(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
         """Nothing to do: a map-style dataset fetches any sample at once, and the first
         :meth:`next` starts it (engine.stream_loader.StreamPipeline reads streams here)."""

@@ -10,10 +10,12 @@ collates it with the cell's ``collate_fn`` (so a batch, not each sample, crosses
 process); a pass read by several is put in order and collated here. With 0 the training process
 reads them when the pass asks for its batch.
 
-The pipeline starts at a generation's start (:meth:`StreamPipeline.position`): each reading
-process first stands its streams where the rank's first step reads them, which reads a stream
-without a usable state again from its epoch's start. That may take minutes on some ranks only,
-so it happens before the step's collectives, and the ranks wait for each other while they live
+Before each step's samples, each reading process stands the streams it has not read in the
+step's epoch where the step reads them (a marker, POSITIONED, says it did), which reads a
+stream without a usable state again from its epoch's start. That may take minutes on some
+ranks only, so where it happens (a generation's start, and a step in which a rank first reads a
+stream mid-epoch: :meth:`StreamPipeline.opens`) the ranks do it before the step's collectives
+(:meth:`StreamPipeline.position`) and wait for each other while they live
 (engine.work_barrier), not for the collective timeout.
 
 Each sample, read or skipped, is read under torch's CPU generator, Python's ``random`` and
@@ -35,14 +37,15 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from .batching import BatchPlan
+from .batching import BatchPlan, micro_batch_bounds, rank_share
 from .collective import collective
 from .randomness import caller_generators_kept
 from .state import Progress
 from .streams import StreamReader, Streams, outside_loader
 
 
-# what each reading process yields first, once its streams stand where the first step reads
+# what each reading process yields at each step's start, once its streams stand where the
+# step reads them
 POSITIONED = "positioned"
 
 
@@ -77,13 +80,14 @@ class _PassPieces(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         me, of = (info.id, info.num_workers) if info is not None else (0, 1)
         epoch, position = self.epoch, self.position
-        with _reading():
-            readers = self._position(me, of)
-        yield POSITIONED
+        readers: dict[int, StreamReader] = {}
         for _ in range(self.steps):
             parts = self.passes(self.plan.batch(epoch, position))
+            with _reading():
+                self._open(parts, epoch, readers, me, of)
+            yield POSITIONED
             for n, (_, chunk) in enumerate(parts):
-                pieces = self._read(chunk.tolist(), epoch, readers, me, of)
+                pieces = self._read(chunk.tolist(), readers, me, of)
                 states = self._states(readers, epoch, position) if n == len(parts) - 1 else {}
                 if info is not None and pieces and len(pieces) == len(chunk):
                     yield self.collate_fn([sample for _, sample in pieces]), [], states
@@ -91,40 +95,33 @@ class _PassPieces(torch.utils.data.IterableDataset):
                     yield None, pieces, states
             epoch, position = self.plan.advance(epoch, position)
 
-    def _position(self, me: int, of: int) -> dict[int, StreamReader]:
-        """Readers of the streams this process reads in the first step, each standing where
-        the step starts reading it, its first sample read: a stream without a usable state is
-        read again here, before the rank's first collective (engine.work_barrier), not
-        inside its step."""
-        if self.steps <= 0:
-            return {}
+    def _open(self, parts: list, epoch: int, readers: dict, me: int, of: int) -> None:
+        """Readers of the streams this process reads in the step of `parts` (the rank's
+        passes) and had none for, each standing where the step starts reading it, its first
+        sample read: a stream without a usable state is read again here, before the step
+        (engine.work_barrier, where StreamPipeline.opens says so), not inside it."""
         starts: dict[int, int] = {}
-        for _, chunk in self.passes(self.plan.batch(self.epoch, self.position)):
+        for _, chunk in parts:
             for index in chunk.tolist():
                 stream, offset = self.streams.locate(index)
                 if stream % of == me:
                     starts[stream] = min(offset, starts.get(stream, offset))
-        readers = {stream: StreamReader(self.streams, stream, self.epoch, offset,
-                                        self.known.get(stream))
-                   for stream, offset in sorted(starts.items())}
-        for reader in readers.values():
-            reader.prime()  # one resumed from a state catches up here too
-        return readers
+        for stream, offset in sorted(starts.items()):
+            reader = readers.get(stream)
+            if reader is None or reader.epoch != epoch or reader.at > offset:
+                readers[stream] = StreamReader(self.streams, stream, epoch, offset,
+                                               self.known.get(stream))
+                readers[stream].prime()  # one resumed from a state catches up here too
 
-    def _read(self, indices: list[int], epoch: int, readers: dict, me: int, of: int) -> list:
+    def _read(self, indices: list[int], readers: dict, me: int, of: int) -> list:
         """[(place in the pass, sample)] of the pass's samples `indices` in this process's
-        streams, each read by its stream's reader (made where there is none for `epoch`)."""
+        streams, each read by its stream's reader."""
         pieces = []
         with _reading():
             for place, index in enumerate(indices):
                 stream, offset = self.streams.locate(index)
-                if stream % of != me:
-                    continue
-                reader = readers.get(stream)
-                if reader is None or reader.epoch != epoch or reader.at > offset:
-                    reader = readers[stream] = StreamReader(self.streams, stream, epoch,
-                                                            offset, self.known.get(stream))
-                pieces.append((place, reader.read(offset)))
+                if stream % of == me:  # its reader opened with the step (_open)
+                    pieces.append((place, readers[stream].read(offset)))
         return pieces
 
     def _states(self, readers: dict, epoch: int, position: int) -> dict:
@@ -156,21 +153,66 @@ class StreamPipeline:
         self.pin_memory, self.progress = pin_memory, progress
         self._items: Iterator | None = None
         self._at: tuple[int, int, int, int] | None = None
+        self._positioned: tuple[int, int, int, int] | None = None  # the step's markers taken
         self._read: dict[int, dict] = {}  # states read in the step in flight
+        # by rank, the streams it has read in this generation's epoch `_held_epoch` (opens)
+        self._held: dict[int, set[int]] = {}
+        self._held_epoch: int | None = None
+
+    def opens(self, epoch: int, position: int, world_size: int) -> bool:
+        """Whether some rank of the generation opens a stream in the middle of its epoch in
+        the step at (`epoch`, `position`): one it has not read in this generation's epoch
+        (a global batch that the stream count does not divide moves the streams' shares
+        between ranks, and so does an epoch's short last step). Call it on every rank before
+        each step of a generation, its first included, in order: the answer is the same on
+        every rank, and where it is yes, the ranks :meth:`position` first, together."""
+        if epoch != self._held_epoch:
+            self._held, self._held_epoch = {}, epoch
+        size = min(self.plan.global_batch, len(self.streams) - position)
+        count = self.plan.micro_batch_count(size)
+        bounds = micro_batch_bounds(size, count)
+        opens = False
+        for rank in range(world_size):
+            mine = rank_share(count, rank, world_size)
+            if mine.start == mine.stop:
+                continue
+            first = self.streams.locate(position + bounds[mine.start])
+            last = self.streams.locate(position + bounds[mine.stop] - 1)[0]
+            held = self._held.setdefault(rank, set())
+            for stream in range(first[0], last + 1):
+                if stream not in held:
+                    held.add(stream)
+                    start = first[1] if stream == first[0] else self.streams.offset(stream,
+                                                                                   position)
+                    opens = opens or start > 0
+        return opens
 
     def position(self, at: tuple[int, int, int, int], passes: Callable, steps: int) -> None:
-        """Start it at the step at `at` (rank, world size, epoch, position), for `steps` steps:
-        returns once every stream this rank reads in that step stands where the step reads it.
-        Call it at a generation's start, after :meth:`share`, before the first step's
-        collectives (engine.work_barrier waits for it): a stream without a usable state is read
-        again from its epoch's start here, for as long as that takes."""
-        self._start(at, passes, steps)
+        """Stand it at the step at `at` (rank, world size, epoch, position), started there for
+        `steps` steps unless it stands there: returns once every stream this rank reads in
+        that step stands where the step reads it. Call it before a step's collectives, at a
+        generation's start (after :meth:`share`) and wherever :meth:`opens` says so
+        (engine.work_barrier waits for it): a stream without a usable state is read again
+        from its epoch's start here, for as long as that takes."""
+        if self._items is None or self._at != at:
+            self._start(at, passes, steps)
+        self._arrive(at)
+
+    def _arrive(self, at: tuple[int, int, int, int]) -> None:
+        """Take each reading process's marker of the step at `at`: its streams stand in place."""
+        if self._positioned == at:
+            return
+        assert self._items is not None
+        for _ in range(max(1, self.workers)):
+            if next(self._items) != POSITIONED:
+                raise AssertionError("a stream reader yielded a step's samples before its "
+                                     "streams stood in place")
+        self._positioned = at
 
     def next(self, at: tuple[int, int, int, int], passes: Callable, steps: int):
         """The next pass's collated batch of the step at `at` (rank, world size, epoch,
         position); started here, for `steps` steps, when the pipeline does not stand there."""
-        if self._items is None or self._at != at:
-            self._start(at, passes, steps)
+        self.position(at, passes, steps)
         assert self._items is not None
         batch, pieces = None, []
         for _ in range(max(1, self.workers)):  # one item from each process, in turn
@@ -197,10 +239,7 @@ class StreamPipeline:
                 pieces, batch_size=None, num_workers=self.workers, collate_fn=_as_is,
                 worker_init_fn=self.worker_init_fn, multiprocessing_context=context,
                 generator=torch.Generator().manual_seed(self.seed % 2**63)))
-        for _ in range(max(1, self.workers)):  # each process's streams stand in place
-            if next(self._items) != POSITIONED:
-                raise AssertionError("a stream reader yielded before it stood in place")
-        self._at = at
+        self._at, self._positioned = at, None
 
     def moved_to(self, at: tuple[int, int, int, int]) -> None:
         """The step it was reading committed: it stands at the step at `at` now, and the
@@ -212,7 +251,8 @@ class StreamPipeline:
 
     def stop(self) -> None:
         """Stop it (its reading processes end): the next :meth:`next` starts it again."""
-        self._items = self._at = None
+        self._items = self._at = self._positioned = None
+        self._held, self._held_epoch = {}, None  # the next generation opens all it reads
         self._read = {}
 
     def share(self, rank: int, world_size: int, opening: bool) -> dict | None:
