@@ -317,20 +317,23 @@ READS: collections.Counter = collections.Counter()  # samples Numbers gave, by P
 PHASE = ["step"]  # "position" while the pipelines stand in place, else "step"
 
 
-def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4, inside=None):
+def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4, inside=None,
+              cut=None):
     """Train-free run of `total` steps: per generation (until step, world size), a
     StreamPipeline per rank from the shared progress, its passes' batches by (step, k); the
     ranks' stream states merged at each generation's end, as share() does. Each step is
-    positioned first where engine.generation does (the generation's first, and where
-    ``opens`` says so); with `inside` (no loader processes), ``inside[(step, rank)]`` counts
-    the samples the rank's streams gave inside the step beyond its own."""
+    positioned first, as engine.generation does (where ``opens`` says so or at a generation's
+    first, that is where a stream may be read again); with `inside` (no loader processes),
+    ``inside[(step, rank)]`` counts the samples the rank's streams gave in the rest of the
+    step beyond its own."""
     out, progress, epoch, position = {}, Progress(), 0, 0
     for until, world_size in sizes:
         ranks = []
         for rank in range(world_size):
             streams = Streams(Numbers(0, n, stateful), count, n, batch)
             streams.check()
-            plan = BatchPlan(n, batch, 0, Cut(virtual=count, max_size=count), shuffle=False)
+            plan = BatchPlan(n, batch, 0, cut or Cut(virtual=count, max_size=count),
+                             shuffle=False)
             mine = copy.deepcopy(progress)
             ranks.append((plan, StreamPipeline(streams, plan, 0, workers, list, None, False,
                                                lambda mine=mine: mine), mine))
@@ -341,11 +344,10 @@ def _simulate(sizes, workers, stateful, total=17, n=100, batch=14, count=4, insi
             for rank, (plan, pipe, mine) in enumerate(ranks):
                 passes = functools.partial(plan.rank_micro_batches, rank=rank,
                                            world_size=world_size)
-                if first or opens == {True}:
-                    PHASE[0] = "position"
-                    pipe.position((rank, world_size, epoch, position), passes,
-                                  total - progress.step)
-                PHASE[0], before, own = "step", READS["step"], 0
+                PHASE[0] = "position" if first or opens == {True} else "step"
+                before = READS["step"]
+                pipe.position((rank, world_size, epoch, position), passes, total - progress.step)
+                PHASE[0], own = "step", 0
                 for k, chunk in passes(plan.batch(epoch, position)):
                     out[(progress.step, k)] = pipe.next((rank, world_size, epoch, position),
                                                         passes, total - progress.step)
@@ -382,18 +384,38 @@ def test_stream_pipelines_read_alike_at_any_world_size_and_number_of_loader_proc
         assert _simulate([(3, 2), (7, 3), (11, 1), (17, 4)], workers, stateful) == expected
 
 
-def test_a_rank_opens_streams_mid_epoch_only_before_a_step():
-    """Streams that move between ranks (14 samples over 4 streams: shares of 3 and 4; an
-    epoch's last step of 6) are opened, and read again from their epoch's start, only where
-    the ranks stand their input in place before a step; inside a step a rank reads beyond
-    its own samples only what other ranks took from a stream it holds since its last read of
-    it, less than a global batch here."""
+@pytest.mark.parametrize("n, batch, count, cut", [
+    (160, 14, 4, None),  # shares of 3 and 4 that move between ranks; a last step of 6
+    (82, 16, 2, Cut(virtual=4, max_size=4)),  # a last step of 2: a rank without a pass
+    (88, 3, 4, Cut(virtual=1, max_size=1)),  # B < S: each step skips a stream
+])
+def test_a_rank_opens_streams_mid_epoch_only_before_a_step(n, batch, count, cut):
+    """Streams that move between ranks are opened, and read again from their epoch's start,
+    only where the ranks stand their input in place together before a step (``opens``);
+    elsewhere a rank reads beyond its own samples only what other ranks took from a stream it
+    holds since its last read of it, less than a global batch."""
     inside: dict = {}
-    expected = _simulate([(40, 1)], 0, False, total=40, n=160, batch=14, count=4)
-    resized = _simulate([(5, 2), (13, 3), (26, 2), (40, 3)], 0, False, total=40, n=160,
-                        batch=14, count=4, inside=inside)
+    total = 40
+    expected = _simulate([(total, 1)], 0, False, total, n, batch, count, cut=cut)
+    resized = _simulate([(5, 2), (13, 3), (26, 2), (total, 3)], 0, False, total, n, batch,
+                        count, inside=inside, cut=cut)
     assert resized == expected
-    assert max(inside.values()) < 14, sorted(inside.items(), key=lambda kv: -kv[1])[:5]
+    assert max(inside.values()) < batch, sorted(inside.items(), key=lambda kv: -kv[1])[:5]
+
+
+def test_a_generation_with_no_step_left_positions_nothing():
+    """A generation that only finishes the final evaluation (a fault hit it) stands its input
+    in place for no step: nothing is read, nothing waits for a reading process."""
+    streams = Streams(Numbers(0, 64), 4, 64, 16)
+    streams.check()
+    plan = BatchPlan(64, 16, 0, Cut(virtual=4, max_size=4), shuffle=False)
+    progress = Progress()
+    progress.step, progress.epoch = 4, 1
+    pipe = StreamPipeline(streams, plan, 0, 0, list, None, False, lambda: progress)
+    passes = functools.partial(plan.rank_micro_batches, rank=0, world_size=2)
+    READS.clear()
+    pipe.position((0, 2, 1, 0), passes, 0)
+    assert not READS
 
 
 def test_a_datasets_stream_with_a_shuffle_buffer_is_read_again_not_resumed(shard_files):

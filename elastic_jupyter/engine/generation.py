@@ -158,18 +158,22 @@ class Generation:
             return self._loop()
 
     def _position_input(self, first: bool) -> None:
-        """Stand the input pipeline at the coming step: the generation's `first`, or one in
-        which a rank opens a stream mid-epoch (engine.stream_loader.StreamPipeline.opens,
-        the same answer on every rank). Streams read again from their epoch's start, or
+        """Stand the input pipeline at the coming step; together, in a wait, at the
+        generation's `first` and where a rank opens a stream mid-epoch
+        (engine.stream_loader.StreamPipeline.opens, the same answer on every rank). Streams read again from their epoch's start, or
         catching up from a state, take as long as they take, on some ranks only: the others
         wait for them here, while they live, instead of in the step's first collective, whose
         timeout would count them hung."""
         w, p = self.worker, self.worker.progress
+
+        def position() -> None:
+            w.pipeline.position(*w.input_at(self.rank, self.world_size))
         if w.pipeline.opens(p.epoch, p.position, self.world_size) or first:
             work_then_wait(self.control, self.rank, self.world_size,
-                           f"positioning the input of step {p.step + 1}",
-                           lambda: w.pipeline.position(*w.input_at(self.rank, self.world_size)),
+                           f"positioning the input of step {p.step + 1}", position,
                            self.spec.timeout)
+        else:  # quick: every stream the step reads stands in place already
+            position()
 
     def _broadcast_state(self, receive: bool) -> None:
         w = self.worker

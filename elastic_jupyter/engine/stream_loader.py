@@ -179,7 +179,10 @@ class StreamPipeline:
             first = self.streams.locate(position + bounds[mine.start])
             last = self.streams.locate(position + bounds[mine.stop] - 1)[0]
             held = self._held.setdefault(rank, set())
-            for stream in range(first[0], last + 1):
+            for stream in range(first[0], last + 1):  # a step reads its streams in order
+                if self.streams.step_end(stream, position) == self.streams.offset(stream,
+                                                                                 position):
+                    continue  # none of its samples in this step (B < S)
                 if stream not in held:
                     held.add(stream)
                     start = first[1] if stream == first[0] else self.streams.offset(stream,
@@ -192,8 +195,11 @@ class StreamPipeline:
         `steps` steps unless it stands there: returns once every stream this rank reads in
         that step stands where the step reads it. Call it before a step's collectives, at a
         generation's start (after :meth:`share`) and wherever :meth:`opens` says so
-        (engine.work_barrier waits for it): a stream without a usable state is read again
-        from its epoch's start here, for as long as that takes."""
+        (engine.work_barrier waits for it), and before every other step (a rank may read
+        nothing in it: the step's markers are taken here): a stream without a usable state is
+        read again from its epoch's start here, for as long as that takes."""
+        if steps <= 0:  # a generation that only finishes an evaluation reads nothing
+            return
         if self._items is None or self._at != at:
             self._start(at, passes, steps)
         self._arrive(at)

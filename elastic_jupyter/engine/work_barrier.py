@@ -1,9 +1,10 @@
 """A barrier after local work of any length: the ranks wait for each other while the ones
 still working show they live, not for the collective timeout.
 
-Some work a rank does before a generation's first step can take far longer than the collective
-timeout, and only some ranks do it: reading a stream again from its epoch's start up to its
-position (engine.stream_loader) after a resize. Were the others to wait for it in a collective,
+Some work a rank does before a step can take far longer than the collective timeout, and only
+some ranks do it: reading a stream again from its epoch's start up to its position
+(engine.stream_loader), at a generation's start after a resize or where a rank first reads a
+stream mid-epoch. Were the others to wait for it in a collective,
 they would call it hung at the timeout, and the next generation would read again and fail
 alike. Here each rank runs its work while a thread adds to its beat key in the generation's
 control store; then it marks itself done and waits until every rank is. A rank whose beat stops
@@ -33,8 +34,8 @@ def work_then_wait(control, rank: int, world_size: int, name: str, work: Callabl
                    timeout: float) -> None:
     """Run `work` on this rank, then wait until every rank of the generation ran its own.
 
-    Call it at the same point on every rank, with the same `name` (its keys'; once per
-    generation). It guarantees that when it returns, every rank's `work` has returned.
+    Call it at the same point on every rank, with the same `name` (its keys': a name once
+    per generation). It guarantees that when it returns, every rank's `work` has returned.
 
     Args:
         control: the generation's control store (a PrefixStore of the rendezvous).
