@@ -5,7 +5,7 @@ Both sides: ``--world-size`` processes (2 by default), gloo, one thread each, Ad
 library, global batch ``--global-batch`` sequences of ``--seq-len`` bytes; with
 ``--transform-ms`` each sample costs that much CPU time to fetch (benchmarks/gpt.py
 ``StdlibText``: a data-bound run), read through ``--workers`` loader processes per rank
-(ours: ``RunConfig(workers=N)``; DDP: ``DataLoader(num_workers=N)``). The elastic run
+(ours: ``RunConfig(loader_processes=N)``; DDP: ``DataLoader(num_workers=N)``). The elastic run
 trains on a fresh pool of that many engines (bounds 1..``--pool-max``, by default the world
 size; the default cut is one micro-batch per slot of ``--pool-max``, ``--cut measured`` the
 tuned one of ``--pass-cost measure``); its
@@ -58,7 +58,7 @@ def ours(size: str, args, replica_every: int | None = None) -> dict:
         with tempfile.TemporaryDirectory() as workspace:
             config = RunConfig(name=f"gpt-{size}", global_batch=args.global_batch,
                                steps=args.warmup + args.steps, checkpoint_every=0,
-                               seed=args.seed, workers=args.workers,
+                               seed=args.seed, loader_processes=args.workers,
                                pass_cost="measure" if args.cut == "measured" else None,
                                shard=args.shard,
                                **({"replica_every": replica_every} if replica_every else {}))

@@ -239,7 +239,7 @@ def gpt_objects(size: str, seq_len: int, dataset, seed: int = 0) -> dict:
 def config(**options) -> dict:
     """A Worker config as the tests build one: B=16, seed 3, fp32, a given pass cost of 0 (one
     pass over a rank's share at world size 1, no measuring passes), no checkpoints."""
-    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep": 1, "precision": None,
+    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep_checkpoints": 1, "precision": None,
             "pass_cost": 0.0}
     return {**base, **options}
 
@@ -777,7 +777,7 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
     plain = Plain(plain_objects, cfg, ctx.device)
     worker = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1), str(ctx.device))
     # the same with 2 loader processes fetching ahead into pinned memory (engine.loader)
-    fed = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1, workers=2),
+    fed = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1, loader_processes=2),
                  str(ctx.device))
     runs = {"ours": [], "plain": [], "plain_item": [], "ours_workers2": []}
     for pair in range(ctx.pairs):  # interleaved: a slow moment of the machine hits every side
@@ -791,7 +791,7 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
             ctx.device, plain.model, plain.optimizer,
             lambda: plain_window(plain, warmup, steps, read_loss=True)))
         log("  pair {}: ours {:.1f} ms, plain {:.1f} ms, plain+loss.item() {:.1f} ms, "
-            "ours --workers 2 {:.1f} ms".format(
+            "ours --loader-processes 2 {:.1f} ms".format(
             pair + 1, *(runs[k][-1]["mean"] * 1e3 for k in runs)))
     med = {k: statistics.median(r["mean"] for r in v) for k, v in runs.items()}
     ratio, ratio_item = med["ours"] / med["plain"], med["ours"] / med["plain_item"]
@@ -806,7 +806,7 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
     ok = losses_finite and (ctx.quick or ratio <= AIM)
     return Outcome(ok, f"ours/plain {ratio:.3f}",
                    f"{med['ours'] * 1e3:.1f} vs {med['plain'] * 1e3:.1f} ms/step "
-                   f"(+item {ratio_item:.3f}; --workers 2: {ratio_fed:.3f}), GPT {size} bf16 "
+                   f"(+item {ratio_item:.3f}; --loader-processes 2: {ratio_fed:.3f}), GPT {size} bf16 "
                    f"B={batch}x{seq}; {aim}{memory}",
                    {"median_step_s": med, "ratio": ratio, "ratio_vs_plain_item": ratio_item,
                     "ratio_workers2": ratio_fed,
@@ -824,7 +824,7 @@ def pipeline_pinned(ctx: Ctx) -> bool:
     model = nn.Linear(8, 1).to(ctx.device)
     objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
                "dataset": Pairs(64, 8, torch.float32), "loss_fn": mse_loss}
-    worker = Worker(objects, config(steps=2, workers=1), str(ctx.device))
+    worker = Worker(objects, config(steps=2, loader_processes=1), str(ctx.device))
     try:
         # the next pass's batch, before its copy to the device
         x, _ = worker.pipeline.next((0, 1, 0, 0), lambda b: worker._passes(b, 0, 1),

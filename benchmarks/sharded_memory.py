@@ -85,7 +85,7 @@ def _ours(engine: int, port: int, size: str, out: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, is_master=False,
                           timeout=datetime.timedelta(seconds=600))
     cfg = {"global_batch": BATCH, "micro_batch": MICRO, "seed": 0, "steps": STEPS,
-           "shard": True, "replica_every": 10, "keep": 1}
+           "shard": True, "replica_every": 10, "keep_checkpoints": 1}
     worker = None
     for generation, (members, end_at, _) in enumerate(SCHEDULE):
         if engine not in members:

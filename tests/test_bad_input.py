@@ -394,11 +394,14 @@ def test_interrupting_wait_keeps_the_run_training(idle_pool, tmp_path):
 
 
 
-def test_commit_every_is_accepted_for_one_more_release_with_a_notice(idle_pool, tmp_path):
-    """--commit-every went with transactional steps: an old call still runs, and says so."""
-    with pytest.warns(FutureWarning, match="--commit-every is ignored"):
-        run = TrainingRun(idle_pool, RunConfig(name=unique("commit"), steps=10,
-                                               checkpoint_every=0, commit_every=5),
-                          source=DIGITS_CELL, workspace=tmp_path)
-    assert run.start().wait(timeout=120) == "finished", run.summary()
-    assert [e for e in run.events if e["kind"] == "warning" and "--commit-every" in e["message"]]
+def test_commit_every_was_removed_and_saying_it_says_why(idle_pool, tmp_path):
+    """--commit-every went with transactional steps: a call or a line that gives it is refused
+    with the reason, and the pool trains on."""
+    why = r"--commit-every \(commit_every=\) was removed in 0\.2\.0: every step is committed"
+    with pytest.raises(UsageError, match=why):
+        RunConfig(name=unique("commit"), steps=10, checkpoint_every=0, commit_every=5)
+    from elastic_jupyter.ui.magics import _train_parser
+    with pytest.raises(UsageError, match=why):
+        _train_parser().parse_args(["--name", "x", "--commit-every", "5"])
+    assert idle_pool.run is None
+    assert_pool_still_trains(idle_pool, tmp_path)

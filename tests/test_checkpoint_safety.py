@@ -216,7 +216,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage)
 
 
 def _digits_config(name, **kw):
-    return RunConfig(name=name, global_batch=32, steps=30, checkpoint_every=10, keep=3, **kw)
+    return RunConfig(name=name, global_batch=32, steps=30, checkpoint_every=10, keep_checkpoints=3, **kw)
 
 
 def test_resume_skips_a_corrupted_newest_checkpoint_and_finishes(idle_pool, tmp_path):
@@ -284,7 +284,7 @@ def full_disk_run(pool, tmp_path_factory):
                 tmp = os.path.join(folder, f"{ckpt.checkpoint_name(step)}.tmp-{pid}")
                 os.symlink("/dev/full", tmp)
         config = RunConfig(name=unique("full"), global_batch=32, steps=40, checkpoint_every=10,
-                           keep=3, checkpoint_dir=folder)
+                           keep_checkpoints=3, checkpoint_dir=folder)
         run = TrainingRun(pool, config, source=BIG_CELL).start()
         state = run.wait(timeout=RUN_TIMEOUT)
         try:

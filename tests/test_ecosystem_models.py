@@ -110,7 +110,7 @@ def cell(dtype: str) -> str:
 
 
 def _run(pool, tmp_path, name, source, steps, engines=2, schedule=()):
-    config = RunConfig(name=name, global_batch=BATCH, steps=steps, workers=2,
+    config = RunConfig(name=name, global_batch=BATCH, steps=steps, loader_processes=2,
                        checkpoint_every=0, seed=0)
     run = TrainingRun(pool, config, source=source, engines=engines, schedule=list(schedule),
                       workspace=str(tmp_path / name)).start()

@@ -129,7 +129,7 @@ EVAL_CONFIG = dict(micro_batch=7, steps=1)
 
 def _evaluate_rank(rank: int, worlds: tuple, store_path: str, out: str):
     """Evaluate at each world size of `worlds` in turn (ranks beyond one leave), every world
-    with its own process group and commit vote; --workers 2 loader processes."""
+    with its own process group and commit vote; --loader-processes 2."""
     results, files = {}, dist.FileStore(store_path, max(worlds))  # one for all: see FileStore
     for world_size in worlds:
         if rank >= world_size:
@@ -139,7 +139,7 @@ def _evaluate_rank(rank: int, worlds: tuple, store_path: str, out: str):
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
         try:
             vote = Vote(dist.PrefixStore("control/", store), rank, world_size, 60.0)
-            worker = Worker(cell_namespace(TOKEN_CELL, 3), config(**EVAL_CONFIG, workers=2),
+            worker = Worker(cell_namespace(TOKEN_CELL, 3), config(**EVAL_CONFIG, loader_processes=2),
                             "cpu")
             results[world_size] = worker.evaluate(rank, world_size, vote)
         finally:
@@ -149,7 +149,7 @@ def _evaluate_rank(rank: int, worlds: tuple, store_path: str, out: str):
 
 
 def test_evaluation_is_the_exact_mean_over_the_eval_set_at_any_world_size(tmp_path):
-    """Evaluation at 1, 2 and 3 ranks (2 and 3 through --workers 2 loader processes) equals a
+    """Evaluation at 1, 2 and 3 ranks (2 and 3 through --loader-processes 2) equals a
     plain loop's mean over the eval set, token means included, and is bitwise the same."""
     ns = cell_namespace(TOKEN_CELL, 3)
     with torch.no_grad():

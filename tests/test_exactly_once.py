@@ -41,7 +41,7 @@ def test_every_sample_once_per_epoch_across_resizes(idle_pool, tmp_path, workers
     # loss_fn would log too. With loader processes, batches fetched ahead for a generation that
     # ends are fetched again by the next: what counts is what the steps trained on
     config = RunConfig(name="once", global_batch=24, epochs=3, checkpoint_every=0,
-                       pass_cost=0.0, workers=workers)
+                       pass_cost=0.0, loader_processes=workers)
     run = TrainingRun(idle_pool, config, source=CELL, push={"LOG_PREFIX": prefix}, engines=2,
                       schedule=[(7, 3), (12, 2)], workspace=str(tmp_path)).start()
     assert run.wait(timeout=240) == "finished", run.logs()

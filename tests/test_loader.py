@@ -36,9 +36,9 @@ def loss_fn(model, batch):
 
 def test_random_transforms_give_the_same_samples_at_any_world_size_and_worker_count(tmp_path):
     cfg = config(pool_max_size=3, pass_cost=0.0)  # the same micro-batches at sizes 1..3
-    alone = train(NOISY_CELL, dict(cfg, workers=0), 1, 8, tmp_path)[0]
+    alone = train(NOISY_CELL, dict(cfg, loader_processes=0), 1, 8, tmp_path)[0]
     for world_size, workers in ((2, 2), (3, 1)):
-        ranks = train(NOISY_CELL, dict(cfg, workers=workers), world_size, 8, tmp_path)
+        ranks = train(NOISY_CELL, dict(cfg, loader_processes=workers), world_size, 8, tmp_path)
         for rank in ranks:
             for name, value in alone.params.items():
                 assert torch.allclose(rank.params[name], value, rtol=1e-12, atol=0), \
@@ -75,7 +75,7 @@ def loss_fn(model, batch):
 
 def test_loader_processes_run_the_cells_collate_fn_and_worker_init_fn():
     ns = cell_namespace(PROCESS_CELL, 3)
-    worker = Worker(ns, config(steps=4, global_batch=16, workers=2, pass_cost=0.0), "cpu")
+    worker = Worker(ns, config(steps=4, global_batch=16, loader_processes=2, pass_cost=0.0), "cpu")
     for _ in range(4):
         worker.train_step(0, 1)
     rows = torch.cat([b["rows"] for b in ns["seen"]])

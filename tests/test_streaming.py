@@ -132,7 +132,7 @@ def test_a_stream_resized_and_killed_mid_epoch_trains_each_sample_once(
     # a grow after step 5 (mid-epoch 0), a SIGKILL of rank 1 in epoch 1; loader processes
     # read the streams ahead
     run = start(idle_pool, kind, shard_files, tmp_path, f"stream-{kind}", schedule=[(5, 3)],
-                workers=2, checkpoint_every=4)
+                loader_processes=2, checkpoint_every=4)
     victim = run.members[1]
     kill_in_phase(run, "forward", victim.slot, after_step=19)
     wait_for(lambda: not alive(victim), timeout=10, what="the kill")
@@ -164,7 +164,7 @@ def test_a_long_reread_positions_the_streams_before_the_first_collective(
     # stream 0 reads a sample in 60 ms: after the grow at step 12 its rank reads its 96
     # samples again (5.8 s), longer than the collective timeout (5 s) the others would wait
     run = start(idle_pool, "plain", shard_files, tmp_path, "stream-reread", epochs=1,
-                schedule=[(12, 3)], checkpoint_every=0, slow_read=0.06, workers=2)
+                schedule=[(12, 3)], checkpoint_every=0, slow_read=0.06, loader_processes=2)
     assert run.wait(timeout=180) == "finished", run.logs()
     assert not [e for e in run.events if e["kind"] == "fault"], run.events
     grow = [e for e in run.events if e["kind"] == "streams"][0]
@@ -193,9 +193,10 @@ def test_a_stream_shorter_than_declared_fails_at_its_step_and_keeps_the_checkpoi
 
 def _objects(source: str, **options):
     from elastic_jupyter.engine.objects import CellObjects
-    from elastic_jupyter.engine.protocol import EngineConfig
+    from elastic_jupyter.config import RunConfig
     from worlds import cell_namespace
-    config = EngineConfig.from_dict({"global_batch": 8, "pool_max_size": 4, **options})
+    config = RunConfig.from_dict({"name": "streams", "global_batch": 8, "pool_max_size": 4,
+                                  **options})
     return CellObjects.of(cell_namespace(source, 0), config)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import socket
 
+from ..config.environment import ARBITER
 from ..host import own_folder
 
 SYSTEM_DIR = "/run/elastic-jupyter"
@@ -46,7 +47,7 @@ def locate() -> tuple[str, bool]:
 def _configured_dir() -> str | None:
     """The folder named by ``$ELASTIC_JUPYTER_ARBITER``, else the system arbiter's when it
     serves, else None."""
-    named = os.environ.get("ELASTIC_JUPYTER_ARBITER")
+    named = ARBITER.get()
     if named:
         return named
     return SYSTEM_DIR if os.path.exists(os.path.join(SYSTEM_DIR, SOCKET)) else None

@@ -1,374 +1,173 @@
-"""Options of pools and runs, their defaults and their validation.
+"""A run's options: ``%%elastic_train``'s line, ``TrainingRun``'s config, the engines' view of
+the run and the ``config`` of every checkpoint, declared once (:class:`RunConfig`).
 
-Defaults (the README's table is generated from the same values):
-
-=====================  ===========================================================
-pool ``-n``            number of GPUs; 2 without GPUs
-pool ``--min``         1
-pool ``--max``         number of GPUs; 4 without GPUs
-pool ``--gpus``        all (``none`` forces CPU slots; ``0,2`` picks GPUs)
-engine start timeout   60 s
-``--global-batch``     64
-``--micro-batch``      none: a step is cut into one micro-batch per ``--max`` slot (N: into
-                       micro-batches of N samples)
-``--pass-cost``        none (P: the fewest micro-batches that balance when a pass costs P
-                       samples; ``measure``: P timed at the run's start)
-``--drop-last``        off: an epoch's short last step trains on the remainder
-``--epochs``           1 (unless ``--steps``)
-``--workers``          0 loader processes per engine: samples are fetched in the training
-                       process when a pass needs them (N: fetched ahead in N processes)
-``--checkpoint-every`` 100 steps, and always at the end
-``--checkpoint-dir``   ``elastic-checkpoints/<name>/`` beside the notebook
-``--keep``             3 checkpoints
-``--seed``             0
-collective timeout     30 s (a rank stuck in a collective longer is treated as hung)
-``--commit-every``     ignored: steps are transactional (engine.vote); the option is accepted,
-                       with a notice, for one more release
-``--standby``          0 engines kept set up outside the group, so a grow needs no engine start
-``--warm``             1 engine an auto run keeps set up on no slot (growth then starts none)
-``--plateau-metric``   none: a ReduceLROnPlateau steps once per epoch on the epoch's mean
-                       training loss
-``--precision``        none: fp32 (``bf16``/``fp16``: loss_fn under torch.autocast)
-``--move-frozen``      off: frozen weights stay on each engine and out of grows and
-                       checkpoints (engine.frozen)
-``--tensorboard``      off (on: ``tensorboard/`` in the run's checkpoint folder; ``DIR``: ``DIR/<name>/``)
-=====================  ===========================================================
-
-Each option a magic's line takes is declared once, as a dataclass field whose metadata holds
-its :class:`Flag` (spelling, help, parsing): ``RunConfig``'s for ``%%elastic_train``,
-``PoolOptions`` and ``LauncherOptions`` for ``%elastic_pool``; ui/options.py derives the
-magics' parsers from them, and a run's config from the parsed line.
+The kernel sends ``RunConfig.as_dict()`` to the engines, which read it back with
+:meth:`RunConfig.from_dict`; a checkpoint stores the same dict. This module imports only the
+standard library, so that engines can read it (pyproject.toml's import contracts).
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
-from dataclasses import Field, asdict, dataclass, field, fields
-from typing import Any, Callable
+import warnings
+from collections.abc import Mapping
+from dataclasses import InitVar, asdict, dataclass, field
+from typing import Any
 
-DEFAULT_CPU_SLOTS, DEFAULT_CPU_MAX = 2, 4
+from .flags import (Group, Removed, Renamed, UsageError, byte_size, flag, flag_of,
+                    positive_int, samples_or_measure)
+
 # a file name has room for 255 bytes: the run's folder and its discovery entry
 # (``<name>-<8 hex>.json.tmp``) must fit
 MAX_NAME_BYTES = 200
 PRECISIONS = (None, "bf16", "fp16")
+# the release until which renamed spellings are accepted (CHANGELOG.md)
+ALIASES_UNTIL = "0.3.0"
 
+_RUN, _DATA, _OPTIM = Group.RUN, Group.STEPS_AND_DATA, Group.OPTIMISATION
+_CKPT, _ELASTIC, _SHARDED, _TUNING = (Group.CHECKPOINTS, Group.ELASTICITY, Group.SHARDED,
+                                      Group.TUNING)
 
-class UsageError(ValueError):
-    """A request that cannot be carried out as given; the message says what to change."""
-
-
-# ---------------------------------------------------------------------- how an option is spelled
-
-NEEDS_VALUE: Any = object()  # Flag.bare's default: the flag is not given without a value
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a magic's line spells one option (ui/options.py turns it into argparse's terms).
-
-    name: the flag (``--global-batch``, ``-n``), or a positional's name (its field's).
-    help: its --help text. parse: text -> value; raises argparse.ArgumentTypeError saying
-    what was expected (None: the text as given). choices: the values allowed. metavar: the
-    value's name in --help (None: argparse's, from the flag). bare: the value of the flag
-    given alone, which makes its value optional (NEEDS_VALUE: it is not given alone).
-    after: the option (a field name) this one follows in --help, for a line that joins
-    several declarations (None: where it is declared). A bool field that defaults to False
-    and has no ``bare`` is a switch: the flag alone sets it.
-    """
-
-    name: str
-    help: str | None = None
-    parse: Callable[[str], Any] | None = None
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    bare: Any = NEEDS_VALUE
-    after: str | None = None
-
-
-def flag(name: str, text: str | None = None, **spelling: Any) -> dict[str, Flag]:
-    """A field's metadata that declares its option: ``field(default=..., metadata=flag(...))``;
-    `text`: its help, `spelling`: the other attributes of :class:`Flag`."""
-    return {"flag": Flag(name, text, **spelling)}
-
-
-def flagged(cls: type, *names: str) -> list[tuple[Field, Flag]]:
-    """The options `cls` declares (only `names`, when given), in declaration order."""
-    options = [(f, f.metadata["flag"]) for f in fields(cls) if "flag" in f.metadata]
-    return [(f, spelled) for f, spelled in options if not names or f.name in names]
-
-
-def flag_of(cls: type, name: str) -> str:
-    """How the line spells `cls`'s option `name` (``--global-batch``), for messages."""
-    return next(spelled.name for f, spelled in flagged(cls) if f.name == name)
-
-
-def positive_int(text: str) -> int:
-    """An option's text as an integer >= 1; argparse.ArgumentTypeError otherwise."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def samples_or_measure(text: str) -> float | str:
-    """``--pass-cost``'s text: a number of samples, or "measure"."""
-    if text == "measure":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of samples or 'measure', got "
-                                         f"{text!r}") from None
-
-
-_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def byte_size(text: str) -> int:
-    """A size's text in bytes: a number with K, M, G or T (binary units, as Slurm's --mem:
-    ``24G`` is 24 GiB; ``GiB``, ``GB`` and ``B`` suffixes read alike), or plain bytes."""
-    spelled = str(text).strip().upper().removesuffix("B").removesuffix("I")
-    unit = spelled[-1:] if spelled[-1:] in _UNITS else ""
-    try:
-        value = float(spelled[:len(spelled) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        value = 0
-    if not 1 <= value < 2**63:  # NaN and infinity too
-        raise argparse.ArgumentTypeError(f"expected a size like 24G, 800M or a number of bytes,"
-                                         f" got {text!r}")
-    return int(value)
-
-
-# ---------------------------------------------------------------------- pools
-
-def _gpu_ids(gpus: str) -> list[int]:
-    if gpus in ("none", "", None):
-        return []
-    try:
-        import torch
-        available = torch.cuda.device_count()
-    except Exception:
-        available = 0
-    if gpus == "all":
-        return list(range(available))
-    try:
-        ids = [int(g) for g in str(gpus).split(",")]
-    except ValueError:
-        raise UsageError(f"--gpus takes all, none or a list like 0,2; got {gpus!r}") from None
-    bad = [g for g in ids if not 0 <= g < available]
-    if bad:
-        raise UsageError(f"GPU {bad[0]} does not exist: this machine has {available} GPU(s)")
-    return ids
-
-
-@dataclass
-class PoolConfig:
-    n: int
-    min_size: int
-    max_size: int
-    gpus: list = field(default_factory=list)
-    engine_timeout: float = 60.0
-    threads_per_engine: int = 1
-
-    @staticmethod
-    def gpu_count() -> int:
-        """The GPUs this process sees."""
-        return len(_gpu_ids("all"))
-
-    @classmethod
-    def resolve(cls, n, min_size, max_size, gpus, engine_timeout) -> "PoolConfig":
-        ids = _gpu_ids(gpus)
-        if ids:
-            max_size = len(ids) if max_size is None else max_size
-            if max_size > len(ids):
-                raise UsageError(f"--max {max_size} exceeds the {len(ids)} GPU(s) selected: one "
-                                 "engine per GPU")
-            n = max_size if n is None else n
-        else:
-            max_size = DEFAULT_CPU_MAX if max_size is None else max_size
-            n = min(DEFAULT_CPU_SLOTS, max_size) if n is None else n
-        min_size = 1 if min_size is None else min_size
-        for label, v in (("-n", n), ("--min", min_size), ("--max", max_size)):
-            if not isinstance(v, int) or v < 1:
-                raise UsageError(f"{label} must be a positive integer, got {v!r}")
-        if not min_size <= n <= max_size:
-            raise UsageError(f"need --min <= -n <= --max, got {min_size} <= {n} <= {max_size}")
-        threads = max(1, (os.cpu_count() or 1) // max_size) if not ids else 4
-        return cls(n, min_size, max_size, ids, engine_timeout, threads)
-
-
-@dataclass
-class PoolOptions:
-    """A pool's options as ``%elastic_pool start`` takes them; None leaves the value to
-    :meth:`PoolConfig.resolve`. The line's weight is None when not given (the pool's is 1)."""
-
-    n: int | None = field(default=None, metadata=flag(
-        "-n", "engines to start (default: #GPUs, or 2)", parse=positive_int))
-    min_size: int | None = field(default=None, metadata=flag(
-        "--min", "smallest size (default 1)", parse=positive_int))
-    max_size: int | None = field(default=None, metadata=flag(
-        "--max", "largest size (default: #GPUs, or 4)", parse=positive_int))
-    gpus: str = field(default="all", metadata=flag(
-        "--gpus", "all | none | a list like 0,2 (default all)"))
-    engine_timeout: float = field(default=60.0, metadata=flag(
-        "--engine-timeout", "seconds to wait for an engine to start (default 60)", parse=float))
-    auto: bool = field(default=False, metadata=flag(
-        "--auto", "auto mode: the machine's arbiter sizes the pool between --min and --max by "
-        "weighted fair share with the machine's other runs (on Slurm: grow while the partition "
-        "is idle, give back while other jobs wait; over ssh: each host's arbiter grants its "
-        "slots)"))
-    weight: float | None = field(default=None, metadata=flag(
-        "--weight", "the pool's weight in that fair share among your runs (default 1)",
-        parse=float))
-    no_lend: bool = field(default=False, metadata=flag(
-        "--no-lend", "keep this pool's slots while no run trains on it (by default the "
-        "machine's arbiter lends them to auto runs after a minute, and they come back when "
-        "you train)"))
-    no_arbiter: bool = field(default=False, metadata=flag(
-        "--no-arbiter", "do not take slots from the machine's arbiter, even where the admin "
-        "runs one (for --gpus lists and --schedule)"))
-
-
-@dataclass
-class LauncherOptions:
-    """Where a pool's engines run, as ``%elastic_pool start`` takes it: ``--launcher`` and the
-    launchers' options. Which launcher takes which is the launcher's own signature
-    (pool.launchers.make_launcher refuses the others); None: the launcher's default."""
-
-    launcher: str = field(default="local", metadata=flag(
-        "--launcher", "local: processes of this host (default); ssh: processes of --hosts, "
-        "started over ssh; slurm: one batch job each", choices=("local", "ssh", "slurm")))
-    hosts: str | None = field(default=None, metadata=flag(
-        "--hosts", "ssh: hosts and their slots, like gpu1:4,gpu2:4"))
-    partition: str | None = field(default=None, metadata=flag(
-        "--partition", "slurm: the partition (default: Slurm's)"))
-    account: str | None = field(default=None, metadata=flag(
-        "--account", "slurm: the account to charge"))
-    time: str | None = field(default=None, metadata=flag(
-        "--time", "slurm: each job's time limit, like 60 or 1-00:00:00"))
-    gpus_per_engine: int | None = field(default=None, metadata=flag(
-        "--gpus-per-engine", "slurm, ssh: GPUs per engine (default 0: CPU engines, gloo)",
-        parse=int))
-    cpus_per_engine: int | None = field(default=None, metadata=flag(
-        "--cpus-per-engine", "slurm, ssh: CPU threads per engine (default 1)", parse=int))
-    grace: int | None = field(default=None, metadata=flag(
-        "--grace", "slurm: seconds before the time limit when Slurm signals the engine to "
-        "drain, and a replacement is queued (default 60)", parse=int))
-    interface: str | None = field(default=None, metadata=flag(
-        "--interface", "slurm, ssh: the network interface the engines' hosts reach this kernel "
-        "on (default: the one on the route to slurmctld, or to the first host). The rendezvous "
-        "store has no authentication: never all interfaces"))
-
-    def settings(self) -> dict[str, Any]:
-        """The launcher's options by name (pool.launchers.make_launcher's keywords)."""
-        return {k: v for k, v in asdict(self).items() if k != "launcher"}
-
-
-# ---------------------------------------------------------------------- runs
 
 @dataclass
 class RunConfig:
     """A run's options; plain data, stored in every checkpoint.
 
-    Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given.
-    How steps are cut into micro-batches (engine.batching.Cut, fixed at the run's start and kept
-    by a resume): ``micro_batch`` (N samples each), else ``pass_cost`` (a number, or
-    ``"measure"``: engine.calibration), else one per slot of the pool's ``pool_max_size``;
-    ``pool_min_size`` and ``pool_max_size`` are filled in by the run. The fields with a flag
-    are ``%%elastic_train``'s options, listed by --help in this order (save where a Flag's
-    ``after`` moves one).
+    Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given
+    (0: the engines derive it). How steps are cut into micro-batches (engine.batching.Cut,
+    fixed at the run's start and kept by a resume): ``micro_batch`` (N samples each), else
+    ``pass_cost`` (a number, or ``"measure"``: engine.calibration), else one per slot of the
+    pool's ``pool_max_size``; ``pool_min_size``, ``pool_max_size`` and ``total_steps`` are
+    filled in by the run. The fields with a flag are ``%%elastic_train``'s options, shown by
+    --help in their groups (config.flags.Group), in this order; docs/options.md lists them.
+
+    ``workers=`` and ``keep=`` are the old names of ``loader_processes`` and
+    ``keep_checkpoints``: accepted with a FutureWarning until release ``ALIASES_UNTIL``.
+    ``commit_every=`` was removed and raises UsageError.
     """
 
     name: str = field(metadata=flag(
-        "--name", "run name; checkpoints go to elastic-checkpoints/NAME/"))
+        "--name", "run name; checkpoints go to elastic-checkpoints/NAME/", group=_RUN))
     global_batch: int = field(default=64, metadata=flag(
-        "--global-batch", "samples per optimizer step, whatever the world size (default 64)",
-        parse=positive_int))
+        "--global-batch", "samples per optimizer step, whatever the world size (default "
+        "%(default)s)", parse=positive_int, group=_DATA))
     micro_batch: int | None = field(default=None, metadata=flag(
         "--micro-batch", "samples per micro-batch: a step of b samples is cut into ceil(b/N) "
-        "(default: one micro-batch per slot of the pool's --max)", parse=positive_int))
+        "(unset: one micro-batch per slot of the pool's --max)", parse=positive_int,
+        group=_TUNING))
     pass_cost: float | str | None = field(default=None, metadata=flag(
         "--pass-cost", "opt-in tuning: a forward/backward pass's fixed cost in samples; a step "
         "is cut into the fewest micro-batches that keep every world size balanced ('measure': "
-        "timed at the start, the value is logged)", parse=samples_or_measure))
+        "timed at the start, the value is logged)", parse=samples_or_measure, group=_TUNING))
     drop_last: bool = field(default=False, metadata=flag(
-        "--drop-last", "leave out each epoch's short last step, as DataLoader(drop_last=True)"))
+        "--drop-last", "leave out each epoch's short last step, as DataLoader(drop_last=True)",
+        group=_DATA))
     no_shuffle: bool = field(default=False, metadata=flag(
         "--no-shuffle", "keep the dataset's order, as DataLoader(shuffle=False): each epoch "
-        "reads samples 0, 1, 2... (default: a permutation per epoch from --seed)"))
+        "reads samples 0, 1, 2... (without it: a permutation per epoch from --seed)",
+        group=_DATA))
     epochs: int | None = field(default=None, metadata=flag(
-        "--epochs", "epochs to train (default 1)", parse=positive_int))
-    workers: int = field(default=0, metadata=flag(  # DataLoader processes (engine.loader)
-        "--workers", "DataLoader processes per engine that fetch and collate the coming passes' "
-        "samples ahead (default 0: in the training process)", parse=int, after="commit_every"))
+        "--epochs", "epochs to train (unset: 1, unless --steps)", parse=positive_int,
+        group=_DATA))
+    # DataLoader processes (engine.loader); "workers" read as ranks to Ray and Horovod users
+    loader_processes: int = field(default=0, metadata=flag(
+        "--loader-processes", "DataLoader processes per engine that fetch and collate the "
+        "coming passes' samples ahead, into pinned memory on GPU slots (default %(default)s: "
+        "in the training process; a streaming dataset's are read by these processes too)",
+        parse=int, group=_DATA, renamed=(Renamed("--workers", ALIASES_UNTIL),)))
     steps: int | None = field(default=None, metadata=flag(
-        "--steps", "optimizer steps to train (instead of --epochs)", parse=positive_int))
+        "--steps", "optimizer steps to train (instead of --epochs)", parse=positive_int,
+        group=_DATA))
     eval_every: int | None = field(default=None, metadata=flag(
         "--eval-every", "evaluate eval_dataset every N steps (and always at the end)",
-        parse=positive_int))
+        parse=positive_int, group=_OPTIM))
     clip_grad_norm: float | None = field(default=None, metadata=flag(
-        "--clip-grad-norm", "clip the gradient's total norm", parse=float))
+        "--clip-grad-norm", "clip the gradient's total norm", parse=float, group=_OPTIM))
     checkpoint_every: int = field(default=100, metadata=flag(
-        "--checkpoint-every", "checkpoint every N steps, and at the end (default 100; 0: end "
-        "only)", parse=int))
+        "--checkpoint-every", "checkpoint every N steps, and at the end (default %(default)s; "
+        "0: at the end only)", parse=int, group=_CKPT))
     checkpoint_dir: str | None = field(default=None, metadata=flag(
-        "--checkpoint-dir", "folder (default: elastic-checkpoints/NAME/ beside the notebook)"))
-    keep: int = field(default=3, metadata=flag(
-        "--keep", "checkpoints kept (default 3)", parse=positive_int))
+        "--checkpoint-dir", "folder of the checkpoints and logs (unset: "
+        "elastic-checkpoints/NAME/ beside the notebook)", group=_CKPT))
+    # "keep" alone did not say what is kept
+    keep_checkpoints: int = field(default=3, metadata=flag(
+        "--keep-checkpoints", "checkpoints kept, the newest (default %(default)s)",
+        parse=positive_int, group=_CKPT, renamed=(Renamed("--keep", ALIASES_UNTIL),)))
     seed: int = field(default=0, metadata=flag(
-        "--seed", "seed of initial weights and data order", parse=int))
+        "--seed", "seed of initial weights and data order (default %(default)s)", parse=int,
+        group=_RUN))
     collective_timeout: float = field(default=30.0, metadata=flag(
         "--collective-timeout", "seconds a rank may block in a collective before it counts as "
-        "hung (default 30)", parse=float))
-    commit_every: int | None = field(default=None, metadata=flag(  # see COMMIT_EVERY_NOTICE
-        "--commit-every", "ignored: every step is committed by a vote, so a fault loses at most "
-        "one step (accepted for one more release)", parse=positive_int))
+        "hung (default %(default)s)", parse=float, group=_ELASTIC))
     standby: int = field(default=0, metadata=flag(
-        "--standby", "engines kept set up outside the group so a grow is instant (default 0)",
-        parse=int))
+        "--standby", "engines kept set up outside the group so a grow is instant (default "
+        "%(default)s)", parse=int, group=_ELASTIC))
     warm: int = field(default=1, metadata=flag(
         "--warm", "engines an auto run keeps set up on no slot, so growing into a granted slot "
-        "starts none (default 1; 0 saves their host memory)", parse=int))
+        "starts none (default %(default)s; 0 saves their host memory)", parse=int,
+        group=_ELASTIC))
     sync_batchnorm: bool = field(default=False, metadata=flag(
         "--sync-batchnorm", "convert BatchNorm layers to SyncBatchNorm (GPU slots only)",
-        after="tensorboard"))
+        group=_OPTIM))
     pool_min_size: int = 1
     pool_max_size: int = 1
     plateau_metric: str | None = field(default=None, metadata=flag(
         "--plateau-metric", "validation metric a ReduceLROnPlateau lr_scheduler steps on at each "
-        "evaluation, like val_loss (needs --eval-every; default: once per epoch on the epoch's "
-        "mean training loss)"))
+        "evaluation, like val_loss (needs --eval-every; unset: once per epoch on the epoch's "
+        "mean training loss)", group=_OPTIM))
     precision: str | None = field(default=None, metadata=flag(  # None: fp32
         "--precision", "run loss_fn under torch.autocast in this dtype; fp16 adds a gradient "
-        "scaler (default: fp32)", choices=PRECISIONS[1:]))
+        "scaler (unset: fp32)", choices=PRECISIONS[1:], group=_OPTIM))
     tensorboard: bool | str = field(default=False, metadata=flag(  # a folder: tensorboard.py
-        "--tensorboard", "also log to TensorBoard, in DIR/NAME/ (default: tensorboard/ in the "
-        "run's checkpoint folder); needs the tensorboard package. Put the handle's name first: "
-        "a word after --tensorboard is its DIR", metavar="DIR", bare=True))
+        "--tensorboard", "also log to TensorBoard, in DIR/NAME/ (given alone: tensorboard/ in "
+        "the run's checkpoint folder); needs the tensorboard package. Put the handle's name "
+        "first: a word after --tensorboard is its DIR", metavar="DIR", bare=True, group=_CKPT))
     move_frozen: bool = field(default=False, metadata=flag(
         "--move-frozen", "send frozen weights (parameters with requires_grad=False, buffers of "
         "frozen modules) to new engines and write them in checkpoints, as trained ones "
-        "(default: each engine keeps the ones its cell built, checked by a hash)",
-        after="sync_batchnorm"))
+        "(without it: each engine keeps the ones its cell built, checked by a hash)",
+        group=_CKPT))
     shard: bool = field(default=False, metadata=flag(
         "--shard", "shard the model's parameters, gradients and optimizer state over the ranks "
         "with FSDP2 (each block; the cell's shard_fn(model, mesh) may choose), resized in "
-        "memory"))
+        "memory", group=_SHARDED))
     replica_every: int = field(default=20, metadata=flag(
-        "--replica-every", "with --shard: steps between two copies of each rank's part on its "
-        "partner rank's host memory, the most a fault loses (default 20; also after each "
-        "resize and at each checkpoint, which is written from that copy)", parse=positive_int, metavar="K"))
+        "--replica-every", "steps between two copies of each rank's part on its partner "
+        "rank's host memory, the most a fault loses (default %(default)s; also after each "
+        "resize and at each checkpoint, which is written from that copy)", parse=positive_int,
+        metavar="K", group=_SHARDED))
     memory_per_rank: int | None = field(default=None, metadata=flag(
-        "--memory-per-rank", "with --shard: the training memory a rank may use, like 24G "
-        "(default: a GPU slot's memory; none on CPU slots). The run refuses a pool's --min, "
-        "and a resize, below the smallest world size that fits (one micro-batch's activations "
-        "included)",
-        parse=byte_size, metavar="SIZE"))
+        "--memory-per-rank", "the training memory a rank may use, like 24G (unset: a GPU "
+        "slot's memory; none on CPU slots). The run refuses a pool's --min, and a resize, "
+        "below the smallest world size that fits (one micro-batch's activations included)",
+        parse=byte_size, metavar="SIZE", group=_SHARDED))
     fault_dir: str | None = None  # fault-injection hook for tests (see engine.faultpoints)
     total_steps: int = 0
+    # the old names, and a removed option: see the docstring and __post_init__
+    workers: InitVar[int | None] = None
+    keep: InitVar[int | None] = None
+    commit_every: InitVar[int | None] = None
+
+    def __post_init__(self, workers: int | None, keep: int | None,
+                      commit_every: int | None) -> None:
+        if commit_every is not None:
+            raise UsageError(COMMIT_EVERY.message())
+        for (old, new), value in zip(RENAMED_FIELDS.items(), (workers, keep)):
+            if value is not None:
+                warnings.warn(f"RunConfig({old}=...) is now RunConfig({new}=...); the old "
+                              f"name goes in release {ALIASES_UNTIL}", FutureWarning,
+                              stacklevel=3)
+                setattr(self, new, value)
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> RunConfig:
+        """The config of the plain dict `options` (``as_dict()`` as the kernel sends it, or a
+        checkpoint's ``config``). An older release's name of a field reads as the field; a key
+        that names no field (a checkpoint's ``dataset``, a removed option) is ignored."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        renamed = {RENAMED_FIELDS[k]: v for k, v in options.items()
+                   if k in RENAMED_FIELDS and RENAMED_FIELDS[k] not in options}
+        return cls(**{k: v for k, v in {**options, **renamed}.items() if k in names})
 
     def validate(self) -> None:
         """Raises UsageError naming the first option (as the line spells it) that is wrong."""
@@ -446,15 +245,18 @@ class RunConfig:
 
 # the counts validate checks, in its order: (field, least value, None allowed)
 _COUNTS = (("global_batch", 1, False), ("micro_batch", 1, True), ("epochs", 1, True),
-           ("steps", 1, True), ("eval_every", 1, True), ("keep", 1, False),
-           ("standby", 0, False), ("warm", 0, False), ("workers", 0, False),
-           ("commit_every", 1, True))
+           ("steps", 1, True), ("eval_every", 1, True), ("keep_checkpoints", 1, False),
+           ("standby", 0, False), ("warm", 0, False), ("loader_processes", 0, False))
 
 
-COMMIT_EVERY_NOTICE = (
-    "--commit-every is ignored and will be removed in the next release: each step is now "
-    "committed by a vote of every rank, so a fault loses at most the step in flight and no "
-    "in-memory copies of the state are kept")
+# the fields' older names, still read (with a FutureWarning from a call) until ALIASES_UNTIL
+RENAMED_FIELDS = {"workers": "loader_processes", "keep": "keep_checkpoints"}
+
+# steps became transactional (engine.vote) in 0.1.0, which left the option nothing to do
+COMMIT_EVERY = Removed("--commit-every", "commit_every", "0.2.0",
+                       "every step is committed by a vote of every rank, so a fault loses at "
+                       "most the step in flight; leave it out")
+REMOVED = (COMMIT_EVERY,)
 
 # options that fix the data order and the update: a resume must keep them
 RESUME_KEYS = ("global_batch", "seed", "drop_last", "no_shuffle")

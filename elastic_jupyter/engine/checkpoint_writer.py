@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Callable
 
+from ..events import EventKind
 from .checkpoint import write_checkpoint
 from .checkpoint_process import Unsendable, WriterLost, WriterProcess
 from .frozen import FrozenWeightsError
@@ -83,10 +84,10 @@ class CheckpointWriter:
                     self._before_write()
                 record = self._write(state, arena)
                 self.saved_step = step
-                event = {"kind": "checkpoint", "step": step, "path": record["path"],
+                event = {"kind": EventKind.CHECKPOINT.value, "step": step, "path": record["path"],
                          "bytes": record["bytes"], "seconds": time.time() - queued}
             except Exception as e:
-                event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
+                event = {"kind": EventKind.CHECKPOINT_FAILED.value, "step": step, "message": str(e)}
                 if isinstance(e, FrozenWeightsError):
                     self._fatal = e
             state = None  # not held while idle (a run's last state holds its live tensors)

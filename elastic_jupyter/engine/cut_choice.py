@@ -23,7 +23,8 @@ from .collective import collective
 from .losses import read_loss
 from .objects import CellObjects, SetupError
 from .precision import Precision
-from .protocol import EngineConfig
+from ..config.run import RunConfig
+from ..events import EventKind
 from .randomness import micro_batch_stream
 from .transfer import to_device
 
@@ -41,7 +42,7 @@ class CutChoice:
         precision: the run's autocast (a measured pass runs as a step's does).
     """
 
-    def __init__(self, config: EngineConfig, objects: CellObjects, device: torch.device,
+    def __init__(self, config: RunConfig, objects: CellObjects, device: torch.device,
                  precision: Precision):
         self.config, self.objects = config, objects
         self.device, self.precision = device, precision
@@ -123,7 +124,7 @@ class CutChoice:
         if plan.cut.count(B) < plan.cut.max_size:
             message += (f"; at world sizes above {plan.cut.count(B)} some ranks have no "
                         "micro-batch")
-        return {"kind": "micro_batches", "step": progress.step, "time": time.time(),
+        return {"kind": EventKind.MICRO_BATCHES.value, "step": progress.step, "time": time.time(),
                 "micro_batches": plan.cut.count(B), "floor": plan.cut.floor,
                 "pass_cost": plan.cut.pass_cost, "message": message}
 

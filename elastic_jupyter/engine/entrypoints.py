@@ -26,6 +26,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..config.environment import OWNER_ADDRESS, SLOT
+from ..config.run import RunConfig
 from . import drain, history, publish, schedulers, sharded_checkpoint
 from . import state as state_mod
 from . import workdir as workdir_mod
@@ -33,7 +35,7 @@ from .checkpoint import CheckpointError, latest_checkpoint, load_latest, unloada
 from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .interface import use_interface_towards
-from .protocol import EngineConfig, GenerationSpec
+from .protocol import GenerationSpec
 from .trials import SetupTrials
 from .worker import SetupError, Worker
 
@@ -125,7 +127,7 @@ def init_engine(slot: int | None, device: str, threads: int,
     # survivor, never a casualty (engine.abort ends such waits sooner)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     drain.install()  # a scheduler's SIGTERM: leave the run at a step boundary, then stop
-    if owner := os.environ.get("ELASTIC_JUPYTER_OWNER_ADDRESS"):  # a pool across hosts
+    if owner := OWNER_ADDRESS.get():  # a pool across hosts
         use_interface_towards(owner)
     if device.startswith("cuda"):
         torch.cuda.set_device(0)  # CUDA_VISIBLE_DEVICES holds exactly this slot's GPU
@@ -155,7 +157,7 @@ def bind_slot(slot: int, gpu: int | None, threads: int) -> dict:
         with _logging_to(_state.log_path):
             worker = _state.worker = _on_device(worker, device, slot)
     torch.set_num_threads(threads)
-    os.environ.update(ELASTIC_JUPYTER_SLOT=str(slot), OMP_NUM_THREADS=str(threads))
+    os.environ.update({SLOT.name: str(slot), "OMP_NUM_THREADS": str(threads)})
     _state.slot, _state.device, _state.warm = slot, device, False
     if worker is not None:
         worker.slot = slot  # fault points match it
@@ -250,8 +252,8 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     working folder `workdir` (the notebook's, see engine.workdir), run the cell `source` (or
     the cloudpickled `setup_fn`) with the run's seed and keep the Worker it defines.
 
-    `config`: the run's options as plain data (``RunConfig.as_dict()``; engine.protocol's
-    EngineConfig reads it).
+    `config`: the run's options as plain data (``RunConfig.as_dict()``, read back with
+    ``RunConfig.from_dict``).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "frozen",
     "workdir", "memory", "imported"}: "memory" is a sharded run's memory need per rank and
     budget (engine.sharded_mode's ``count_memory``; None when replicated); "frozen" is the
@@ -281,7 +283,7 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     with _logging_to(log_path):
         if dropped:
             print(f"re-importing from {workdir}: {', '.join(sorted(dropped))}", file=sys.stderr)
-        options = EngineConfig.from_dict(config)
+        options = RunConfig.from_dict(config)
         seed = options.seed
         random.seed(seed)
         np.random.seed(seed % 2**32)

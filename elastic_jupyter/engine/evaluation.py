@@ -27,7 +27,7 @@ from .collective import collective
 from .loader import pass_batches
 from .losses import floats, read_metrics, weighted
 from .objects import CellObjects
-from .protocol import EngineConfig
+from ..config.run import RunConfig
 from .randomness import micro_batch_stream
 from .sharding import reshard_all
 from .transfer import to_device
@@ -68,7 +68,7 @@ class Evaluation:
         device: where the model runs.
     """
 
-    def __init__(self, config: EngineConfig, objects: CellObjects, plan: BatchPlan,
+    def __init__(self, config: RunConfig, objects: CellObjects, plan: BatchPlan,
                  device: torch.device):
         self.config, self.objects, self.plan, self.device = config, objects, plan, device
 
@@ -130,7 +130,7 @@ class Evaluation:
         cell = self.objects
         n, C = len(cell.eval_dataset), self.chunk_size()
         keys = [[(EVAL_EPOCH, i) for i in range(k * C, min(n, k * C + C))] for k in chunks]
-        workers = min(self.config.workers or 0, len(keys)) if len(keys) > 1 else 0
+        workers = min(self.config.loader_processes, len(keys)) if len(keys) > 1 else 0
         batches = pass_batches(cell.eval_dataset, keys, self.config.seed, workers,
                                cell.collate_fn, cell.worker_init_fn,
                                pin_memory=workers > 0 and self.device.type == "cuda")

@@ -11,7 +11,7 @@ import os
 import time
 from typing import Protocol
 
-from .protocol import EngineConfig
+from ..config.run import RunConfig
 from .state import Progress
 
 FAULT_HOLD = 30.0  # seconds an armed fault point waits for its kill
@@ -20,7 +20,7 @@ FAULT_HOLD = 30.0  # seconds an armed fault point waits for its kill
 class Engine(Protocol):
     """What a fault point reads of the engine's Worker."""
 
-    config: EngineConfig
+    config: RunConfig
     slot: int | None
     progress: Progress
 

@@ -20,12 +20,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..config.run import RunConfig
+from ..events import EventKind
 from . import drain
 from .abort import AbortableStore, AbortWatch
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
-                       VERSION_KEY, EngineConfig, GenerationSpec, decode_end_at,
+                       VERSION_KEY, GenerationSpec, decode_end_at,
                        generation_prefix)
 from .publish import publish
 from .schedulers import step_lr_scheduler
@@ -57,7 +59,7 @@ def run_generation(worker: Worker, spec: GenerationSpec, store: dist.Store) -> d
 
 
 @contextlib.contextmanager
-def _out_of_memory_hint(config: EngineConfig):
+def _out_of_memory_hint(config: RunConfig):
     """Running out of GPU memory in the user's step is the user's error: say what to change."""
     try:
         yield
@@ -190,7 +192,7 @@ class Generation:
         # its collectives raise PeerFailure; a local error (a layout it cannot take) is an error
         state = broadcast_state(live, self.rank, w.device, into=into, sent=sent)
         if sent:  # rank 0: what a grow moved (frozen weights stay: engine.frozen)
-            self.events.append({"kind": "state_sent", "step": w.progress.step, **sent,
+            self.events.append({"kind": EventKind.STATE_SENT.value, "step": w.progress.step, **sent,
                                 "seconds": round(time.perf_counter() - start, 3),
                                 "frozen_bytes": w.frozen.nbytes if w.frozen.names else 0})
         if receive:
@@ -269,7 +271,7 @@ class Generation:
         sent = w.sharded.refresh(w.progress.step, self.rank, self.world_size, w.optimizer,
                                  w.capture, self.spec.generation)
         if self.rank == 0:
-            self.events.append({"kind": "replicas", "step": w.progress.step, "bytes": sent,
+            self.events.append({"kind": EventKind.REPLICAS.value, "step": w.progress.step, "bytes": sent,
                                 "seconds": round(time.perf_counter() - start, 3),
                                 "host_bytes": w.sharded.host_bytes})
 
@@ -301,8 +303,9 @@ class Generation:
         if w.sharded.replicas.step != step or \
                 w.sharded.replicas.generation != self.spec.generation:
             self._refresh_replicas()
-        w.sharded.checkpoint(step, self.rank, self.world_size, w.capture, w.config.keep,
-                             self.spec.generation, max(self.spec.timeout, PART_TIMEOUT_S))
+        w.sharded.checkpoint(step, self.rank, self.world_size, w.capture,
+                             w.config.keep_checkpoints, self.spec.generation,
+                             max(self.spec.timeout, PART_TIMEOUT_S))
 
     def _writes(self, wait: bool) -> list[dict]:
         """The events of the checkpoint writes that ended (every one, with `wait`): rank 0

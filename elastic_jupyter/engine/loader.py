@@ -176,7 +176,7 @@ def input_pipeline(cell, plan: BatchPlan, config, device: torch.device,
     """A rank's input pipeline for the cell's dataset (engine.objects.CellObjects): a
     :class:`InputPipeline`, or for streams (engine.streams) a
     :class:`~.stream_loader.StreamPipeline`, which reads `progress()`'s stream states."""
-    args = (plan, config.seed, config.workers or 0, cell.collate_fn, cell.worker_init_fn,
+    args = (plan, config.seed, config.loader_processes, cell.collate_fn, cell.worker_init_fn,
             device.type == "cuda")
     if isinstance(cell.dataset, Streams):
         return StreamPipeline(cell.dataset, *args, progress=progress)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from .optimizers import NamedOptimizers, OptimizersError, Substep, schedulers, substeps
-from .protocol import EngineConfig
+from ..config.run import RunConfig
 from .streams import Streams, declared_length, is_iterable_dataset
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")
@@ -53,7 +53,7 @@ class CellObjects:
     substeps: list[Substep] = dataclasses.field(default_factory=list)
 
     @classmethod
-    def of(cls, namespace: dict, config: EngineConfig) -> CellObjects:
+    def of(cls, namespace: dict, config: RunConfig) -> CellObjects:
         """The objects of the cell's `namespace`, checked for a run of `config`; an iterable
         dataset becomes its :class:`~.streams.Streams`. Raises SetupError naming the first
         mistake."""
@@ -126,7 +126,7 @@ class CellObjects:
                                  "no state_dict() and load_state_dict(): give a torch.nn.Module "
                                  "(an EMA of the weights) or an object with both")
 
-    def use_sync_batchnorm(self, config: EngineConfig, device: torch.device) -> None:
+    def use_sync_batchnorm(self, config: RunConfig, device: torch.device) -> None:
         """Replace the model by one with BatchNorm statistics over the whole global batch
         instead of each micro-batch (torch's SyncBatchNorm). Raises SetupError where that
         cannot work."""
@@ -150,7 +150,7 @@ class CellObjects:
         self.model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(self.model)
 
 
-def _optimizers(namespace: dict, config: EngineConfig) -> tuple[Any, Any, list[Substep]]:
+def _optimizers(namespace: dict, config: RunConfig) -> tuple[Any, Any, list[Substep]]:
     """(optimizer, lr_scheduler, sub-steps) of the cell: its own for one optimizer, their
     named wrappers for several (engine.optimizers). Raises OptimizersError."""
     optimizer, lr_scheduler = namespace["optimizer"], namespace.get("lr_scheduler")
@@ -169,7 +169,7 @@ def _optimizers(namespace: dict, config: EngineConfig) -> tuple[Any, Any, list[S
     return NamedOptimizers(optimizer), schedulers(lr_scheduler, optimizer), steps
 
 
-def _streams(dataset, namespace: dict, config: EngineConfig) -> Streams:
+def _streams(dataset, namespace: dict, config: RunConfig) -> Streams:
     """The cell's iterable `dataset` as the run's streams (engine.streams); raises SetupError
     for one that cannot be split into streams or whose run has no length."""
     name = type(dataset).__name__

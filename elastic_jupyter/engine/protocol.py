@@ -10,17 +10,14 @@ reads a field or a key by a string of its own.
 - The store's keys: the owner writes a generation's requests under ``gen<g>/``
   (:func:`generation_prefix`); the ranks form their process group under ``pg/`` within it and
   vote under ``vote/<round>/<rank>``.
-- :class:`EngineConfig` is the engine's read-only view of the run's options: the kernel sends
-  ``RunConfig`` as a plain dict (also what checkpoints store); the engine builds this once.
+- The run's options are config.RunConfig's: the kernel sends ``RunConfig.as_dict()`` (also
+  what checkpoints store) and the engine reads it back with ``RunConfig.from_dict``.
 
 This module imports nothing but the standard library.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 # ---------------------------------------------------------------- the rendezvous store's keys
 
@@ -80,63 +77,3 @@ class GenerationSpec:
     receive_state: bool = False
     broadcast: bool = False
     end_at: int | None = None
-
-
-# ---------------------------------------------------------------- the run's options
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The run's options as an engine reads them: the same fields as config.RunConfig, in the
-    same order and with the same defaults (a test holds the two together). Read-only: what the
-    engine derives from them (the total steps from the epochs, the dataset's fingerprint) lives
-    in its Worker.
-
-    Sizes are in samples. ``pool_min_size`` and ``pool_max_size`` are the pool's limits (the
-    default cut has one micro-batch per ``pool_max_size`` slot); ``total_steps`` is 0 when the
-    Worker derives it from ``steps`` or ``epochs``.
-    """
-
-    name: str = ""
-    global_batch: int = 64
-    micro_batch: int | None = None
-    pass_cost: float | str | None = None
-    drop_last: bool = False
-    no_shuffle: bool = False
-    epochs: int | None = None
-    workers: int = 0
-    steps: int | None = None
-    eval_every: int | None = None
-    clip_grad_norm: float | None = None
-    checkpoint_every: int | None = 100  # None or 0: only at the end
-    checkpoint_dir: str | None = None
-    keep: int = 3
-    seed: int = 0
-    collective_timeout: float = 30.0
-    commit_every: int | None = None
-    standby: int = 0
-    warm: int = 1
-    sync_batchnorm: bool = False
-    pool_min_size: int = 1
-    pool_max_size: int = 1
-    plateau_metric: str | None = None
-    precision: str | None = None
-    tensorboard: bool | str = False
-    move_frozen: bool = False
-    shard: bool = False
-    replica_every: int = 20
-    memory_per_rank: int | None = None
-    fault_dir: str | None = None
-    total_steps: int = 0
-
-    @classmethod
-    def from_dict(cls, options: Mapping[str, Any]) -> EngineConfig:
-        """The config of the plain dict `options` (``RunConfig.as_dict()`` as the kernel sends
-        it, or a part of it); a key that names no field is ignored, as the engine always did
-        (a checkpoint's config holds ``dataset`` too)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in options.items() if k in names})
-
-    def as_dict(self) -> dict[str, Any]:
-        """The options as plain data, field by field (what a checkpoint stores)."""
-        return dataclasses.asdict(self)

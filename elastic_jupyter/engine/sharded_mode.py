@@ -45,7 +45,8 @@ from .batching import BatchPlan
 from .collective import collective
 from .memory_need import MemoryNeed, activation_bytes
 from .objects import CellObjects, SetupError
-from .protocol import EngineConfig
+from ..config.run import RunConfig
+from ..events import EventKind
 from .randomness import host_generator_state, set_host_generator_state
 from .replicas import HostBuffers, PartnerReplicas
 from .reshard import Layout
@@ -94,7 +95,7 @@ class ShardedMode:
         replicas: partner replicas (engine.replicas), refreshed by :meth:`refresh`.
     """
 
-    def __init__(self, objects: CellObjects, config: EngineConfig,
+    def __init__(self, objects: CellObjects, config: RunConfig,
                  device: torch.device = torch.device("cpu")):
         if config.pass_cost == "measure" and device.type == "cuda":
             raise SetupError("--pass-cost measure is not supported with shard=True on a GPU: "
@@ -231,7 +232,7 @@ class ShardedMode:
         roll_back(state[0])
         self.held = (self.replicas.world_size, self.replicas.rank) if holder else None
         back = state[0]["progress"]["step"]
-        return {"kind": "rollback", "step": back, "message": f"ranks were lost at step {step}: "
+        return {"kind": EventKind.ROLLBACK.value, "step": back, "message": f"ranks were lost at step {step}: "
                 f"the run goes back to step {back}, where the partner replicas stand"}
 
     def _from_disk(self, path: str | None, roll_back: Callable[[dict], None],
@@ -250,7 +251,7 @@ class ShardedMode:
         self._plan, self.disk, self.parked = _Plan(path=path), path, None
         if why is None:
             return None
-        return {"kind": "fallback", "step": state["progress"]["step"], "path": path,
+        return {"kind": EventKind.FALLBACK.value, "step": state["progress"]["step"], "path": path,
                 "message": f"{why}: the run goes back to its checkpoint of step "
                            f"{state['progress']['step']}"}
 
@@ -340,7 +341,7 @@ class ShardedMode:
             path = commit(folder, step, attempt, world_size, part, shapes, state, abort,
                           timeout, aliases)
             prune(folder, keep)
-            return {"kind": "checkpoint", "step": step, "path": path, "sharded": True,
+            return {"kind": EventKind.CHECKPOINT.value, "step": step, "path": path, "sharded": True,
                     "bytes": folder_bytes(path)}
         self.writer.submit(step, write, reads=part)
 

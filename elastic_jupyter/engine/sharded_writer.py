@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+from ..events import EventKind
 from .checkpoint import CheckpointError
 
 
@@ -53,10 +54,10 @@ class PartWriter:
         try:
             event = write(abort)
         except CheckpointError as e:
-            event = {"kind": "checkpoint_failed", "step": step, "message": str(e)}
+            event = {"kind": EventKind.CHECKPOINT_FAILED.value, "step": step, "message": str(e)}
         except Exception as e:  # noqa: BLE001 -- the run goes on; the owner is told
             print(f"elastic-jupyter: checkpoint {step} failed: {e!r}", file=sys.stderr)
-            event = {"kind": "checkpoint_failed", "step": step,
+            event = {"kind": EventKind.CHECKPOINT_FAILED.value, "step": step,
                      "message": f"{type(e).__name__}: {e}"}
         else:
             self.saved_step = step

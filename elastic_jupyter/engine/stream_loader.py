@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..events import EventKind
 from .batching import BatchPlan, micro_batch_bounds, rank_share
 from .collective import collective
 from .randomness import caller_generators_kept
@@ -298,7 +299,7 @@ class StreamPipeline:
             resumed += [stream] if usable else []
             reread.append(offset - start)
         why = f" ({s.resume_note})" if s.resume_note else ""
-        return {"kind": "streams", "step": p.step, "streams": s.count, "resumed": resumed,
+        return {"kind": EventKind.STREAMS.value, "step": p.step, "streams": s.count, "resumed": resumed,
                 "reread": reread, "message": (
                     f"{len(resumed)} of {s.count} streams resume from a state{why}; "
                     + (f"{sum(reread)} samples are read again to reach the streams' positions"

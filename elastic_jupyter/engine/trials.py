@@ -20,7 +20,7 @@ from .evaluation import EVAL_EPOCH, evaluation_mode
 from .loader import pass_batches
 from .losses import floats, read_metrics, weighted
 from .objects import CellObjects, SetupError
-from .protocol import EngineConfig
+from ..config.run import RunConfig
 from .randomness import host_generator_state, set_host_generator_state
 from .transfer import to_device
 
@@ -39,7 +39,7 @@ class SetupTrials:
             at the first evaluation.
     """
 
-    def __init__(self, config: EngineConfig, objects: CellObjects, plan: BatchPlan,
+    def __init__(self, config: RunConfig, objects: CellObjects, plan: BatchPlan,
                  device: torch.device):
         self.config, self.objects, self.plan, self.device = config, objects, plan, device
         self.model_runs = not (config.shard and device.type == "cuda")

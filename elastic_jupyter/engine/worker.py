@@ -45,7 +45,7 @@ from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
 from .optimizers import Substep, check_resumed, learning_rates, optimized, owners
 from .precision import Precision, PrecisionError
-from .protocol import EngineConfig
+from ..config.run import RunConfig
 from .randomness import host_generators_kept, micro_batch_stream
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
@@ -141,8 +141,8 @@ class Worker:
     Args:
         objects: namespace produced by the cell or setup function (engine.objects: must hold
             ``model``, ``optimizer``, ``dataset`` and ``loss_fn(model, batch)``).
-        config: the run's options (engine.protocol.EngineConfig, or the plain dict the kernel
-            sends, ``RunConfig.as_dict()``).
+        config: the run's options (config.RunConfig, or the plain dict the kernel sends,
+            ``RunConfig.as_dict()``).
         device: torch device string this engine trains on ("cpu" or "cuda").
         slot: the engine's slot (fault points match it against armed slots), None outside a pool.
         frozen_digests: the frozen weights' digests, when taken before (engine.frozen).
@@ -154,9 +154,9 @@ class Worker:
     lr_scheduler, eval_dataset, metric_fn = CellAttribute(), CellAttribute(), CellAttribute()
     after_step, extra_state = CellAttribute(), CellAttribute()  # extra: an EMA, {name: obj}
 
-    def __init__(self, objects: dict, config: EngineConfig | Mapping[str, Any], device: str,
+    def __init__(self, objects: dict, config: RunConfig | Mapping[str, Any], device: str,
                  slot: int | None = None, frozen_digests: dict[str, str] | None = None):
-        config = config if isinstance(config, EngineConfig) else EngineConfig.from_dict(config)
+        config = config if isinstance(config, RunConfig) else RunConfig.from_dict(config)
         cell = CellObjects.of(objects, config)
         self.config, self.slot = config, slot
         # with its index: torch.device("cuda") != torch.device("cuda:0") in comparisons
@@ -209,7 +209,7 @@ class Worker:
         self.writer: CheckpointWriter | None = None
         self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
         if config.checkpoint_dir and not config.shard:  # sharded: one part per rank
-            self.writer = CheckpointWriter(config.checkpoint_dir, config.keep,
+            self.writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints,
                                            before_write=lambda: _before_write(self))
 
     # state -------------------------------------------------------------------------------------

@@ -155,7 +155,9 @@ class EngineCalls:
 def _init_from_env(init_engine: Callable[..., dict], publisher: Callable[[dict], None]) -> dict:
     import os
     import torch
-    slot = int(os.environ["ELASTIC_JUPYTER_SLOT"]) if os.environ["ELASTIC_JUPYTER_SLOT"] else None
+    from elastic_jupyter.config.environment import SLOT
+    slot_text = SLOT.get()
+    slot = int(slot_text) if slot_text else None  # "": a warm engine
     gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     device = f"cuda:{gpu}" if gpu and torch.cuda.is_available() else "cpu"
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
@@ -163,5 +165,5 @@ def _init_from_env(init_engine: Callable[..., dict], publisher: Callable[[dict],
 
 
 def _set_from_env() -> str:
-    import os
-    return os.environ.get("ELASTIC_JUPYTER_SET", "")
+    from elastic_jupyter.config.environment import ENGINE_SET
+    return ENGINE_SET.get() or ""

@@ -24,6 +24,7 @@ from typing import Any
 import psutil
 
 from ..config import PoolConfig
+from ..config.environment import ENGINE_SET, SLOT
 from ..engine.entrypoints import versions
 from ..host import own_folder, runtime_folder
 from .arrivals import Arrivals
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 def _engine_env(slot: int | None, gpu: int | None, threads: int, leased: bool,
                 launcher: Launcher) -> dict:
     env = {
-        "ELASTIC_JUPYTER_SLOT": "" if slot is None else str(slot),  # "": a warm engine
+        SLOT.name: "" if slot is None else str(slot),  # "": a warm engine
         "CUDA_VISIBLE_DEVICES": "" if gpu is None else str(gpu),
         # torch.cuda.is_available() asks NVML, not CUDA, whose first use fixes the visible
         # devices for good: a warm engine is bound to its GPU later (engine.entrypoints)
@@ -233,7 +234,7 @@ class EngineSets:
         # a fresh dict each time: start_engines mutates the one it is given
         env = _engine_env(slot, gpu, self.config.threads_per_engine,
                           self.slots.lease_mode and self.launcher.local, self.launcher)
-        env.update(options.pop("environment", {}), ELASTIC_JUPYTER_SET=set_id)
+        env.update(options.pop("environment", {}), **{ENGINE_SET.name: set_id})
         await self.cluster.start_engines(1, engine_set_id=set_id, environment=env, **options)
 
     async def _start_engines(self, slots: list[int | None]) -> list[Engine]:

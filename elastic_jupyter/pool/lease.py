@@ -33,6 +33,7 @@ from typing import Any, Callable
 from ..arbiter.client import ArbiterClient, arbiter_configured
 from ..arbiter.table import ArbiterError, UnknownRun, check_weight
 from ..config import PoolConfig, UsageError
+from ..events import EventKind
 from ..owner import background
 from .claimant import Claimant
 from .engine_sets import EngineSets
@@ -308,9 +309,9 @@ class LeaseFollower:
         if (claimant := self._claimant()) is not None:
             for event in events:
                 if event["kind"] == "value":  # the arbiter's value pass moved slots: why
-                    claimant.note_event("slot", message=f"by value: {event['why']}")
+                    claimant.note_event(EventKind.SLOT, message=f"by value: {event['why']}")
                 else:
-                    claimant.note_event("slot", message=describe_slot_event(event, self._kind),
+                    claimant.note_event(EventKind.SLOT, message=describe_slot_event(event, self._kind),
                                         slot=event["slot"])
 
     def warn(self, message: str) -> None:
@@ -318,4 +319,4 @@ class LeaseFollower:
         claimant."""
         log.warning("elastic_jupyter: the slot arbiter: %s", message)
         if (claimant := self._claimant()) is not None:
-            claimant.note_event("warning", message=f"the slot arbiter: {message}")
+            claimant.note_event(EventKind.WARNING, message=f"the slot arbiter: {message}")

@@ -50,6 +50,7 @@ import threading
 import time
 from typing import IO, Any
 
+from ..config.environment import ARROW_MALLOC, FORK_ENGINES, ZYGOTE
 from ..engine.workdir import installed_file
 
 log = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ log = logging.getLogger(__name__)
 PRELOAD = ("torch", "ipyparallel.engine.app", "ipykernel.ipkernel",
            "elastic_jupyter.engine.entrypoints")
 ENGINE_MODULE = "ipyparallel.engine"
-OFF = "ELASTIC_JUPYTER_FORK_ENGINES"  # "0": every engine is a new process (python -m ...)
-KEY = "ELASTIC_JUPYTER_ZYGOTE"  # in an engine's environment: the zygote of its pool
+OFF = FORK_ENGINES.name  # "0": every engine is a new process (python -m ...)
+KEY = ZYGOTE.name  # in an engine's environment: the zygote of its pool
 READY_WAIT_S = 5.0  # an engine start waits this long at most for the zygote's imports
 # variables that change in a kernel without changing what an import reads: pytest's current
 # test, and the OpenMP settings scikit-learn (and joblib) set when imported
@@ -209,7 +210,7 @@ class Zygote:
         # told to purge as it allocates
         env = dict(environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                    OPENBLAS_NUM_THREADS="1", PYTORCH_NVML_BASED_CUDA_CHECK="1")
-        env.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+        env.setdefault(ARROW_MALLOC.name, "background_thread:false")
         self._lock = threading.Lock()  # held by a request and its reply
         self._proc = subprocess.Popen(
             [sys.executable, "-u", "-m", __name__], stdin=subprocess.PIPE,
@@ -324,7 +325,7 @@ def acquire(threads: int) -> str | None:
     """Start this kernel's zygote for engines of `threads` threads in its environment now,
     unless one runs; returns its key (for :func:`running` and :func:`release`), or None,
     starting none, when forking is off (``ELASTIC_JUPYTER_FORK_ENGINES=0``)."""
-    if os.environ.get(OFF, "1") == "0":
+    if FORK_ENGINES.get() == "0":
         return None
     environ = dict(os.environ)
     digest = hashlib.sha256(json.dumps(sorted(stable(environ).items())).encode()).hexdigest()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
+from ..events import EventKind
 from ..pool.engine_calls import remote_message, remote_summary
 from .memory_bound import MemoryBound
 from .runlog import RunLog
@@ -74,7 +75,7 @@ class CellSetup:
             # the notebook's folder is not on its host: said once per host
             if result["workdir"] != self.workdir and engine.host not in self._elsewhere:
                 self._elsewhere.add(engine.host)
-                self.log.event("warning", message=(
+                self.log.event(EventKind.WARNING, message=(
                     f"host {engine.host} has no folder {self.workdir}: the cell runs in "
                     f"{result['workdir']} there (relative paths and the notebook's own modules"
                     " resolve there)"))
@@ -92,7 +93,7 @@ class CellSetup:
 
     def _say_frozen(self, manifests: list[dict]) -> None:
         first = manifests[0]
-        self.log.event("frozen", message=(
+        self.log.event(EventKind.FROZEN, message=(
             f"{len(first['tensors'])} frozen tensors ({first['bytes'] / 1e6:.1f} MB) stay on "
             "each engine, built by its cell and checked by a hash (hashing took at most "
             f"{max(m['seconds'] for m in manifests):.2f} s): grows send, and checkpoints write, "

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from . import faults
 from ..config import UsageError
 from ..engine.protocol import GenerationSpec
+from ..events import EventKind
 from ..pool.engine_calls import remote_message, remote_summary
 from ..pool.processes import kill
 from ..owner import background
@@ -87,7 +88,8 @@ class Driver:
         self.membership = Membership(pool, log, self.prepare)
         self.recovery = Recovery(self.membership, calls, log, sizer, pool, checkpoint_dir,
                                  config.standby, POLL)
-        self.final = FinalState(calls, log, checkpoint_dir, config.keep, config.shard)
+        self.final = FinalState(calls, log, checkpoint_dir, config.keep_checkpoints,
+                                config.shard)
         self.rendezvous: Rendezvous | None = None
         self.state = RunState.CREATED
         self.error: str | None = None
@@ -322,7 +324,7 @@ class Driver:
         if target == W:  # off slots the arbiter wants back (sharded: handed over above)
             newcomers = [] if self.config.shard else self.membership.swap()
             if newcomers:
-                self.log.event("slot", message=f"moved {len(newcomers)} rank(s) off slot(s) "
+                self.log.event(EventKind.SLOT, message=f"moved {len(newcomers)} rank(s) off slot(s) "
                                "the machine's arbiter wants back")
             self.membership.trim(self._wanted())
             return {e.engine_id for e in newcomers}
@@ -338,7 +340,7 @@ class Driver:
                 self.sizer.stop_growing_at(len(self.members))
                 why = (f"after {self.membership.boot_failures} failed starts"
                        if self.membership.gave_up else "no slot is free (see the slot events)")
-                self.log.event("warning", message=f"could not grow to {target} engines "
+                self.log.event(EventKind.WARNING, message=f"could not grow to {target} engines "
                                f"{why}; training goes on with {len(self.members)}")
             self.log.resize_settled(len(self.members))
         self.membership.trim(self._wanted())
@@ -358,7 +360,7 @@ class Driver:
         self.membership.drain([engine for engine, _ in drained])
         now = time.time()
         for engine, asked in drained:
-            self.log.event("drain", slot=engine.slot, world_size=len(self.members),
+            self.log.event(EventKind.DRAIN, slot=engine.slot, world_size=len(self.members),
                            drain_s=round(now - asked, 3),
                            message=f"slot {engine.slot} drained (told to go by its scheduler)"
                            f" {now - asked:.2f} s after the signal; world size "
@@ -382,8 +384,8 @@ class Driver:
         await self._release()
 
     async def _stop_below_minimum(self, message: str) -> None:
-        written = self.log.last_event("checkpoint")
-        self.log.event("warning", message=message)
+        written = self.log.last_event(EventKind.CHECKPOINT)
+        self.log.event(EventKind.WARNING, message=message)
         if self.members:
             await self.recovery.roll_back()
             await self._finish(RunState.STOPPED)
@@ -392,7 +394,7 @@ class Driver:
         else:
             self.error = message + " (from the newest checkpoint: all engines were lost)"
             self.state = RunState.FAILED
-            self.log.event("error", message=self.error)
+            self.log.event(EventKind.ERROR, message=self.error)
             await self._release()
 
     async def _fail(self, error: Exception) -> None:
@@ -407,7 +409,7 @@ class Driver:
         else:
             self.error = f"{type(error).__name__}: {error}"
         self.state = RunState.FAILED
-        self.log.event("error", message=self.error)
+        self.log.event(EventKind.ERROR, message=self.error)
         await self._release()
 
     async def _release(self) -> None:

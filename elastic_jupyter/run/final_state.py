@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
+from ..events import EventKind
 from .runlog import RunLog
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ STATE_TIMEOUT = 120.0  # seconds rank 0 has to send its committed state after an
 
 class FinalState:
     """Args: calls (EngineCalls), log (RunLog), checkpoint_dir, keep (checkpoints kept, as
-    ``RunConfig.keep``).
+    ``RunConfig.keep_checkpoints``).
 
     Attributes:
         state: the run's final training state (model, optimizer, progress, ...), None until
@@ -55,7 +56,7 @@ class FinalState:
         return self.state
 
     async def _last_state(self, members: list[Engine]) -> dict:
-        written = self.log.last_event("checkpoint")  # this run's, not an older file's
+        written = self.log.last_event(EventKind.CHECKPOINT)  # this run's, not an older file's
         if self.sharded:
             return await self._sharded_state()
         if written is not None and written["step"] == self.log.step:
@@ -109,7 +110,7 @@ class FinalState:
                                        "is in no single place")
         step, path = found
         if step != self.log.step:
-            self.log.event("warning", message=f"the final state is the checkpoint of step "
+            self.log.event(EventKind.WARNING, message=f"the final state is the checkpoint of step "
                            f"{step}: a sharded run's rows after it were not written")
         state = await loop.run_in_executor(None, sharded_checkpoint.read_state, path)
         self.folder, self.stamp = path, sharded_checkpoint.stamp(path)
@@ -150,6 +151,6 @@ class FinalState:
                     None, ckpt.write_checkpoint, *args)
             except RuntimeError:  # at interpreter exit the executor takes no work: write here
                 record = ckpt.write_checkpoint(*args)
-            self.log.event("checkpoint", step=step, path=record["path"], bytes=record["bytes"])
+            self.log.event(EventKind.CHECKPOINT, step=step, path=record["path"], bytes=record["bytes"])
         except ckpt.CheckpointError as e:
-            self.log.event("checkpoint_failed", step=step, message=str(e))
+            self.log.event(EventKind.CHECKPOINT_FAILED, step=step, message=str(e))

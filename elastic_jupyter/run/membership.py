@@ -18,6 +18,7 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from . import faults
+from ..events import EventKind
 from ..pool.engine_calls import remote_summary
 from ..pool.launchers import StartWithdrawn
 from ..pool.processes import kill
@@ -189,7 +190,7 @@ class Membership:
         missing = min(wanted - len(staying) - len(self.spares), self.pool.slots.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
-                                       lambda e: self.log.event("warning", message=f"boot: {e}"))
+                                       lambda e: self.log.event(EventKind.WARNING, message=f"boot: {e}"))
 
     def trim(self, wanted: int) -> None:
         """Stop ready spares that no pending request or standby needs any more."""
@@ -295,7 +296,7 @@ class Membership:
         elif False in outcomes:
             self.boot_failures += 1
             if self.gave_up:
-                self.log.event("warning", message=f"gave up growing after {MAX_BOOT_FAILURES}"
+                self.log.event(EventKind.WARNING, message=f"gave up growing after {MAX_BOOT_FAILURES}"
                                " failed boots in a row")
 
     async def _boot_together(self, k: int, blame: bool = True) -> bool | None:
@@ -317,7 +318,7 @@ class Membership:
             self.log.log(str(e))
             return None
         except Exception as e:  # reported as an event; the run trains on
-            self.log.event("warning", message=f"could not start {len(slots)} engine(s): {e}")
+            self.log.event(EventKind.WARNING, message=f"could not start {len(slots)} engine(s): {e}")
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             # engines started together fail together: only a lone start blames its slot
             for slot in slots if len(slots) == 1 and blame else ():
@@ -336,7 +337,7 @@ class Membership:
             raise
         except Exception as e:
             await self.pool.engine_sets.remove(engines)
-            self.log.event("warning", message=f"new engines failed to set up: "
+            self.log.event(EventKind.WARNING, message=f"new engines failed to set up: "
                            f"{remote_summary(e)}")
             return False
         if not ready:
@@ -414,14 +415,14 @@ class Membership:
         self.pool.slots.exclude(slot, reason, until)
         self._left_out.add(slot)
         back = "it stays out" if until is None else f"back in {until - time.time():.0f} s"
-        self.log.event("slot", slot=slot, until=until,
+        self.log.event(EventKind.SLOT, slot=slot, until=until,
                        message=f"slot {slot} left out: {reason}; {back}")
 
     def readmit(self) -> None:
         """Announce the slots this run left out whose cooldown ended (usable again)."""
         back = {slot for slot in self._left_out if slot not in self.pool.excluded_slots}
         for slot in sorted(back):
-            self.log.event("slot", slot=slot, message=f"slot {slot} is back after its "
+            self.log.event(EventKind.SLOT, slot=slot, message=f"slot {slot} is back after its "
                            "cooldown")
         self._left_out -= back
 

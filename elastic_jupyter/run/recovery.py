@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from . import faults
 from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
+from ..events import EventKind
 from .membership import Membership
 from .runlog import RunLog
 from .sizing import Sizer
@@ -72,7 +73,7 @@ class Recovery:
         # records the live stream had not delivered before the fault (also any it skipped)
         self.log.merge({"records": await self.calls.history_since(
             members.members[0], self.log.complete_upto)}, complete=True)
-        self.log.event("fault", step=fault_step, rolled_back_to=target,
+        self.log.event(EventKind.FAULT, step=fault_step, rolled_back_to=target,
                        lost_steps=fault_step - target, lost_slots=[e.slot for e in outcome.lost],
                        hung_slots=[e.slot for e in outcome.hung],
                        world_size=len(members.members))
@@ -108,7 +109,7 @@ class Recovery:
         needed = max(self.pool.min_size, 1) - len(self.membership.members)
         if needed <= 0:
             return
-        self.log.event("warning", message=f"{len(self.membership.members)} engine(s) left, "
+        self.log.event(EventKind.WARNING, message=f"{len(self.membership.members)} engine(s) left, "
                        f"below the minimum {self.pool.min_size}: waiting up to "
                        f"{faults.MIN_WAIT_TIMEOUT:.0f} s for replacements")
         deadline = time.monotonic() + faults.MIN_WAIT_TIMEOUT
@@ -153,7 +154,7 @@ class Recovery:
                 step = steps.pop()
                 return step + any(h["in_flight"] for h in held), step, receivers
             # the vote rules this out; should it happen, a checkpoint is still consistent
-            self.log.event("warning", message=f"survivors disagree on the step ({sorted(steps)})")
+            self.log.event(EventKind.WARNING, message=f"survivors disagree on the step ({sorted(steps)})")
             reached = max(steps)
         else:
             reached = self.log.step
@@ -163,6 +164,6 @@ class Recovery:
                                "first checkpoint; start the run again")
         members = self.membership.members
         loaded = await self.calls.load_state(members[0], self.checkpoint_dir)
-        self.log.event("warning", step=loaded["progress"]["step"], message=f"no survivor "
+        self.log.event(EventKind.WARNING, step=loaded["progress"]["step"], message=f"no survivor "
                        f"holds the run's state: restored {loaded['path']}")
         return reached, loaded["progress"]["step"], {e.engine_id for e in members[1:]}

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..config import RESUME_KEYS, RunConfig, UsageError
+from ..events import EventKind
 from ..pool.engine_calls import remote_summary
 from .cellsetup import RunSetupError, describe_dataset
 from .runlog import RunLog
@@ -37,7 +38,7 @@ class Resume:
         except Exception as e:
             raise RunSetupError(f"cannot resume from {folder}: {remote_summary(e)}") from None
         for message in loaded["warnings"]:
-            self.log.event("warning", message=message)
+            self.log.event(EventKind.WARNING, message=message)
         # a key an older checkpoint lacks had the option's default then (drop_last: False)
         old = {k: getattr(RunConfig, k) for k in RESUME_KEYS if hasattr(RunConfig, k)}
         old.update(loaded["config"])
@@ -62,11 +63,11 @@ class Resume:
         if cut is not None:
             if not any(old.get(k) != self.config[k] for k in PLAN_KEYS):
                 return
-            self.log.event("micro_batches", message=(
+            self.log.event(EventKind.MICRO_BATCHES, message=(
                 f"the checkpoint's steps were cut for {_plan(old)}; this run keeps that cut "
                 f"(one run, one cut), not {_plan(self.config)}"))
             return
-        self.log.event("warning", message=(
+        self.log.event(EventKind.WARNING, message=(
             f"the checkpoint was written before runs recorded how their steps are cut into "
             f"micro-batches ({_plan(old)}); this run cuts them by its own rules: each update is "
             "still the mean gradient of the same samples, but dropout draws and BatchNorm "

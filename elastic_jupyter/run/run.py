@@ -16,10 +16,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..config import COMMIT_EVERY_NOTICE, RunConfig, UsageError
+from ..config import RunConfig, UsageError
+from ..events import EventKind
 from ..owner import background
 from ..server import registry
 from ..server.snapshot import ACTIVE_STATES, TRAINING_STATES, RunSnapshot, RunState, of_run
@@ -96,9 +96,6 @@ class TrainingRun:
         self._speed = SpeedMeter(self.log)
         # the run's TensorBoard log opens there once the run is set up
         self.tensorboard_dir = log_folder(config.tensorboard, self.checkpoint_dir, self.name)
-        if config.commit_every is not None:
-            warnings.warn(COMMIT_EVERY_NOTICE, FutureWarning, stacklevel=2)
-            self.log.event("warning", message=COMMIT_EVERY_NOTICE)
         self._requests = UserRequests()
         self._sizer = Sizer()
         cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir,
@@ -250,7 +247,7 @@ class TrainingRun:
         assert lease is not None  # resize() checked
         self.log.log(f"resize request size={n} from user, to the machine's arbiter")
         background(lease.update(wanted=n, auto=False),
-                   lambda e: self.log.event("warning", message=f"resize to {n}: {e}"))
+                   lambda e: self.log.event(EventKind.WARNING, message=f"resize to {n}: {e}"))
 
     def stop(self) -> None:
         """Stop after the current step (a checkpoint is written). Returns at once."""
@@ -372,7 +369,7 @@ class TrainingRun:
                                                   self.log.events)
         if self._claim.start_note:
             self.log.log(self._claim.start_note)
-        self.log.event("start", world_size=self.world_size, resumed_from=self._resumed_from)
+        self.log.event(EventKind.START, world_size=self.world_size, resumed_from=self._resumed_from)
         self._driver.launch()
         self._registration = registry.register(self)
 

@@ -18,6 +18,8 @@ from typing import Iterable, Protocol
 
 import numpy as np
 
+from ..events import ROLL_BACKS, EventKind
+
 
 class RecordSink(Protocol):
     """Where the records and events also go (tensorboard.TensorBoardLog)."""
@@ -29,9 +31,6 @@ class RecordSink(Protocol):
     def roll_back(self, step: int) -> None: ...
 
     def close(self) -> None: ...
-
-
-ROLL_BACKS = ("rollback", "fallback")  # events of ranks that went back to their `step`
 
 
 class RunLog:
@@ -103,8 +102,10 @@ class RunLog:
         except OSError:
             pass
 
-    def event(self, kind: str, **fields) -> dict:
-        """Record an event at ``fields["step"]`` (default: the newest step) and log it."""
+    def event(self, kind: EventKind | str, **fields) -> dict:
+        """Record an event at ``fields["step"]`` (default: the newest step) and log it; its
+        kind is stored as the plain string. Raises ValueError for a kind EventKind lacks."""
+        kind = EventKind(kind).value
         event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
         self.events.append(event)
         self._event_keys.add((kind, event["step"]))
@@ -116,7 +117,7 @@ class RunLog:
     def resize_started(self, step: int, old: int, new: int, requested_time: float,
                        scheduled: bool) -> None:
         """The generation ended after `step` to change the world size from `old` to `new`."""
-        event = self.event("resize", step=step, requested_time=requested_time,
+        event = self.event(EventKind.RESIZE, step=step, requested_time=requested_time,
                            scheduled=scheduled, **{"from": old, "to": new})
         self._resize = {"from": old, "to": new, "step": step, "requested_time": requested_time,
                         "pending": True, "latency_s": None}
@@ -163,7 +164,7 @@ class RunLog:
             first = _as_dict(held)
             life.update(pending=False, latency_s=first["time"] - life["requested_time"],
                         step=first["step"])
-            self.event("resized", step=first["step"], latency_s=life["latency_s"],
+            self.event(EventKind.RESIZED, step=first["step"], latency_s=life["latency_s"],
                        **{"from": life["from"], "to": life["to"]})
 
     def load(self, history: list[dict], upto: int) -> None:
@@ -209,24 +210,29 @@ def _as_dict(held: tuple) -> dict:
 def describe_event(event: dict) -> str | None:
     """One human-readable line for an event (None for events not worth a line)."""
     kind, step = event["kind"], event["step"]
-    if kind == "resize":
+    if kind == EventKind.RESIZE:
         how = "scheduled" if event.get("scheduled") else "requested"
         return f"[step {step}] resize {event['from']} -> {event['to']} ({how})"
-    if kind == "resized":
+    if kind == EventKind.RESIZED:
         return (f"[step {step}] world size is now {event['to']}: resize took "
                 f"{event['latency_s']:.3f} s (request to first step at the new size)")
-    if kind == "checkpoint":
+    if kind == EventKind.CHECKPOINT:
         return f"[step {step}] checkpoint {event['path']} ({event['bytes'] / 1e6:.2f} MB)"
-    if kind == "fault":
+    if kind == EventKind.FAULT:
         lost = ", ".join([f"slot {s} (lost)" for s in event.get("lost_slots", ())] +
                          [f"slot {s} (hung)" for s in event.get("hung_slots", ())]) or "none"
         return (f"[step {step}] fault: engines {lost}; rolled back to step "
                 f"{event['rolled_back_to']} ({event['lost_steps']} step(s) lost), training goes "
                 f"on at world size {event['world_size']}")
-    if kind == "checkpoint_failed":
+    if kind == EventKind.CHECKPOINT_FAILED:
         return f"[step {step}] WARNING checkpoint not written: {event['message']}"
-    if kind in ("error", "warning", "finished", "stopped", "start", "micro_batches", "slot",
-                "drain", "frozen", *ROLL_BACKS):
+    if kind in _ONE_LINERS:
         extra = event.get("message") or f"world size {event.get('world_size')}"
         return f"[step {step}] {kind}: {extra}"
     return None
+
+
+# the events describe_event shows as their message (or the world size)
+_ONE_LINERS = frozenset({EventKind.ERROR, EventKind.WARNING, EventKind.FINISHED,
+                         EventKind.STOPPED, EventKind.START, EventKind.MICRO_BATCHES,
+                         EventKind.SLOT, EventKind.DRAIN, EventKind.FROZEN, *ROLL_BACKS})

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 
 import psutil
 
+from ..events import EventKind
 from ..owner import background
 from ..pool.engine_calls import remote_summary
 from ..pool.processes import rss
@@ -130,7 +131,7 @@ class WarmEngines:
 
     def _turn_off(self, why: str) -> None:
         self._off = why
-        self.log.event("warning", message=why)
+        self.log.event(EventKind.WARNING, message=why)
 
     async def bind(self, slots: list[int]) -> list[Engine]:
         """Bind ready warm engines to free `slots`, one each while any is ready; returns them as

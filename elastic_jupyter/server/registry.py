@@ -21,6 +21,7 @@ import uuid
 import psutil
 
 from .control import ControlServer
+from ..events import EventKind
 from ..host import alive, own_folder, process_start, runtime_folder
 from ..owner import background
 from .snapshot import FINAL_STATES, last_snapshot
@@ -93,11 +94,11 @@ def register(run) -> Registration | None:
         reg = Registration(run)
         reg.write(run)
     except OSError as e:
-        run.log.event("warning", message=f"could not register the run for discovery (the side "
+        run.log.event(EventKind.WARNING, message=f"could not register the run for discovery (the side "
                       f"panel and the server will not list it): {e}")
         return None
     background(ControlServer(run, reg.socket_path).start(),
-               lambda e: run.log.event("warning", message=f"control channel not started: {e}"))
+               lambda e: run.log.event(EventKind.WARNING, message=f"control channel not started: {e}"))
     atexit.register(_unlink, reg.socket_path)
     return reg
 
@@ -108,7 +109,7 @@ def update(reg: Registration | None, run) -> None:
         try:
             reg.write(run)
         except OSError as e:
-            run.log.event("warning", message=f"could not update the run's discovery entry: {e}")
+            run.log.event(EventKind.WARNING, message=f"could not update the run's discovery entry: {e}")
 
 
 def _unlink(path: str) -> None:

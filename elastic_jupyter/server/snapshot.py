@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from . import series
 from ..engine.checkpoint import list_checkpoints
+from ..events import EventKind
 
 SPARKLINE_POINTS = 60
 
@@ -141,7 +142,7 @@ def of_run(run, run_id: str | None) -> RunSnapshot:
         per_step = (recent[-1]["time"] - recent[0]["time"]) / (recent[-1]["step"] - recent[0]["step"])
         eta = per_step * (run.total_steps - step)
     sampled = log.records_since(max(0, step - 10 * SPARKLINE_POINTS))[::10][-SPARKLINE_POINTS:]
-    checkpoint = log.last_event("checkpoint")
+    checkpoint = log.last_event(EventKind.CHECKPOINT)
     return RunSnapshot(
         id=run_id, name=run.name, notebook=run.notebook,
         state=run.state,

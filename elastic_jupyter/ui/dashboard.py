@@ -29,6 +29,7 @@ import numpy as np
 import traitlets
 
 from ..config import UsageError
+from ..events import MARKED, EventKind
 from ..server import series
 from ..server.snapshot import RunState
 
@@ -40,8 +41,7 @@ UPDATES_PER_S = 5
 SNAPSHOT_PERIOD_S = 1.0
 SNAPSHOT_POINTS = 2000
 RANGE_POINTS = 50_000
-MARKER_KINDS = ("resize", "resized", "fault", "checkpoint", "checkpoint_failed", "warning",
-                "error", "finished", "stopped", "slot", "drain")
+MARKER_KINDS = frozenset(kind.value for kind in MARKED)
 
 
 class Dashboard(anywidget.AnyWidget):
@@ -125,7 +125,7 @@ class Dashboard(anywidget.AnyWidget):
     def _tick(self, force: bool) -> None:
         run = self.run
         for event in self._sync_events():
-            if event["kind"] == "fault" and event.get("rolled_back_to") is not None:
+            if event["kind"] == EventKind.FAULT and event.get("rolled_back_to") is not None:
                 self._truncate(event["rolled_back_to"])
         if run.step < self._sent_upto:
             self._truncate(run.step)

@@ -16,12 +16,12 @@ from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from ..config import (LauncherOptions, PoolOptions, RunConfig, UsageError, flag, flagged,
-                      positive_int)
+from ..config import (REMOVED, Group, LauncherOptions, PoolOptions, RunConfig, UsageError, flag,
+                      flagged, positive_int)
 from ..pool.launchers import Launcher, make_launcher
 from ..pool.pool import EnginePool, Exclusion
 from ..run.run import RunSetupError, TrainingRun
-from .options import HelpShown, Parser, add_options, values
+from .options import HelpShown, Parser, add_option, add_options, values
 
 
 def _weight(value: float | None) -> float:
@@ -135,8 +135,10 @@ class _PoolLine:
 
 def _pool_parser() -> Parser:
     p = Parser(prog="%elastic_pool", description="Start, inspect, resize or stop the engine pool.")
-    add_options(p, flagged(_PoolLine), flagged(PoolOptions))
-    add_options(p.add_argument_group("where the engines run"), flagged(LauncherOptions))
+    add_options(p, flagged(_PoolLine), flagged(PoolOptions), grouped=False)
+    where = p.add_argument_group("where the engines run")
+    for option, spelled in flagged(LauncherOptions):
+        add_option(where, option, spelled)
     return p
 
 
@@ -153,21 +155,22 @@ class _TrainLine:
     """%%elastic_train's own options, shown among the run's (RunConfig) and the pool's."""
 
     variable: str = field(default="run", metadata=flag(
-        "variable", "notebook variable for the run handle (default: run)"))
+        "variable", "notebook variable for the run handle (default %(default)s)"))
     engines: int | None = field(default=None, metadata=flag(
-        "--engines", "starting world size (default: pool size)", parse=positive_int,
-        after="name"))
+        "--engines", "starting world size (unset: the pool's size)", parse=positive_int,
+        group=Group.ELASTICITY))
     resume: bool = field(default=False, metadata=flag(
-        "--resume", "continue from the newest checkpoint", after="keep"))
+        "--resume", "continue from the newest checkpoint", group=Group.CHECKPOINTS))
     push: str = field(default="", metadata=flag(
-        "--push", "notebook variables to send to the engines: a,b", after="seed"))
+        "--push", "notebook variables to send to the engines: a,b", group=Group.RUN))
     schedule: str = field(default="", metadata=flag(
         "--schedule", "resizes at given steps, STEP:SIZE,... (like run.resize(SIZE, "
-        "at_step=STEP))", after="sync_batchnorm"))
+        "at_step=STEP))", group=Group.ELASTICITY))
     wait: bool = field(default=False, metadata=flag(
-        "--wait", "block until training ends, printing progress"))
+        "--wait", "block until training ends, printing progress", group=Group.RUN))
     no_dashboard: bool = field(default=False, metadata=flag(
-        "--no-dashboard", "do not show the live dashboard (run.dashboard() shows it later)"))
+        "--no-dashboard", "do not show the live dashboard (run.dashboard() shows it later)",
+        group=Group.RUN))
 
 
 def _train_parser() -> Parser:
@@ -176,7 +179,7 @@ def _train_parser() -> Parser:
                            "every engine and must define model, optimizer, dataset and "
                            "loss_fn(model, batch).")
     add_options(p, flagged(RunConfig), flagged(PoolOptions, "auto", "weight"),
-                flagged(_TrainLine))
+                flagged(_TrainLine), removed=REMOVED)
     return p
 
 

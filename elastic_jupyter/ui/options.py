@@ -1,16 +1,19 @@
 """The magics' command lines, derived from the options' declarations (config.Flag).
 
 A line joins the options of one or more dataclasses (``flagged(RunConfig)``, the magic's own);
-:func:`add_options` adds them to an argparse parser in their --help order, and :func:`values`
-reads one dataclass back from the parsed line.
+:func:`add_options` adds them to an argparse parser, each in its --help group (config.Group),
+with its old spellings (they warn) and the removed options (they are refused, saying why);
+:func:`values` reads one dataclass back from the parsed line.
 """
 from __future__ import annotations
 
 import argparse
+import warnings
+from collections.abc import Sequence
 from dataclasses import MISSING, Field
 from typing import Any, NoReturn, Protocol, TypeVar
 
-from ..config import NEEDS_VALUE, Flag, UsageError, flagged
+from ..config import NEEDS_VALUE, Flag, Group, Removed, Renamed, UsageError, flagged
 
 T = TypeVar("T")
 Option = tuple[Field, Flag]
@@ -37,26 +40,68 @@ class _Arguments(Protocol):
     def add_argument(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-def add_options(target: _Arguments, *options: list[Option]) -> None:
-    """Adds `options` (lists from config.flagged) to `target`, each after the option its
-    Flag.after names, else in the order given."""
-    for option, spelled in _ordered([o for group in options for o in group]):
-        target.add_argument(spelled.name, **_argparse_terms(option, spelled))
+def add_options(parser: argparse.ArgumentParser, *options: list[Option],
+                removed: Sequence[Removed] = (), grouped: bool = True) -> None:
+    """Adds `options` (lists from config.flagged) to `parser` in the order given: with
+    `grouped`, an option whose Flag has a group goes to that argument group (the groups in
+    config.Group's order), the others to `parser` itself; without, all to `parser` (a line
+    whose options need no sections). Each old spelling (Flag.renamed) is added unlisted and
+    warns; each of `removed` is added unlisted and raises UsageError saying why."""
+    sections: dict[Group, _Arguments] = {}
+    chosen = [o for group in options for o in group]
+    if grouped:
+        used = {spelled.group for _, spelled in chosen}
+        sections = {g: parser.add_argument_group(g.value) for g in Group if g in used}
+    for option, spelled in chosen:
+        target = sections.get(spelled.group, parser) if spelled.group else parser
+        add_option(target, option, spelled)
+    for gone in removed:
+        parser.add_argument(gone.name, nargs="?", help=argparse.SUPPRESS, action=_Refused,
+                            default=argparse.SUPPRESS, removed=gone)
+
+
+def add_option(target: _Arguments, option: Field, spelled: Flag) -> None:
+    """Adds one option, and its old spellings, to `target` (a parser or an argument group)."""
+    terms = _argparse_terms(option, spelled)
+    target.add_argument(spelled.name, **terms)
+    for old in spelled.renamed:
+        if terms.get("action") == "store_true":
+            raise ValueError(f"{old.old}: a renamed switch needs an action of its own")
+        alias = {k: v for k, v in terms.items() if k not in ("help", "required", "metavar")}
+        target.add_argument(old.old, **dict(alias, help=argparse.SUPPRESS,
+                                            default=argparse.SUPPRESS, action=_Renamed,
+                                            renamed=old, new=spelled.name))
+
+
+class _Renamed(argparse.Action):
+    """An old spelling: stores the value as the new one would, with a FutureWarning."""
+
+    def __init__(self, *args: Any, renamed: Renamed, new: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.renamed, self.new = renamed, new
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        warnings.warn(f"{self.renamed.old} is now {self.new}; the old spelling goes in "
+                      f"release {self.renamed.until}", FutureWarning, stacklevel=2)
+        setattr(namespace, self.dest, values)
+
+
+class _Refused(argparse.Action):
+    """A removed option: the line is refused, saying why and what to do."""
+
+    def __init__(self, *args: Any, removed: Removed, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.removed = removed
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        raise UsageError(self.removed.message())
 
 
 def values(cls: type[T], line: argparse.Namespace) -> T:
     """`cls` with its options' values from a line parsed by a parser with those options."""
     return cls(**{option.name: getattr(line, option.name) for option, _ in flagged(cls)})
-
-
-def _ordered(options: list[Option]) -> list[Option]:
-    ordered = [o for o in options if o[1].after is None]
-    for option in options:
-        anchor = option[1].after
-        if anchor is not None:
-            at = [f.name for f, _ in ordered].index(anchor)  # ValueError: a misspelt anchor
-            ordered.insert(at + 1, option)
-    return ordered
 
 
 def _argparse_terms(option: Field, spelled: Flag) -> dict[str, Any]:

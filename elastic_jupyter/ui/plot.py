@@ -6,14 +6,15 @@ import os
 
 import numpy as np
 
+from ..events import EventKind
 from ..server import series
 
-MARKER_STYLE = {  # kind: (colour, line style, legend label)
-    "resized": ("tab:green", "--", "resize"),
-    "fault": ("tab:red", "-", "fault"),
-    "checkpoint": ("0.55", ":", "checkpoint"),
-    "slot": ("tab:purple", ":", "slot moved (the machine's arbiter)"),
-    "drain": ("tab:orange", "-.", "drain (told to go by its scheduler)"),
+MARKER_STYLE = {  # kind (events.DRAWN): (colour, line style, legend label)
+    EventKind.RESIZED: ("tab:green", "--", "resize"),
+    EventKind.FAULT: ("tab:red", "-", "fault"),
+    EventKind.CHECKPOINT: ("0.55", ":", "checkpoint"),
+    EventKind.SLOT: ("tab:purple", ":", "slot moved (the machine's arbiter)"),
+    EventKind.DRAIN: ("tab:orange", "-.", "drain (told to go by its scheduler)"),
 }
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ...arbiter.slurm import SlurmArbiter
 from ...config import UsageError
+from ...config.environment import OWNER_ADDRESS
 from .base import Job, Launcher, listen_address
 
 
@@ -94,7 +95,7 @@ class SlurmLauncher(Launcher):
                 "config": config}
 
     def engine_env(self) -> dict[str, str]:
-        env = {"ELASTIC_JUPYTER_OWNER_ADDRESS": self.address}
+        env = {OWNER_ADDRESS.name: self.address}
         if not self.gpus_per_engine:  # Slurm sets it for a job with GPUs
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env

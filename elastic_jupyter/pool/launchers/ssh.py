@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from ...arbiter.hosts import HostArbiters
 from ...config import UsageError
+from ...config.environment import OWNER_ADDRESS
 from .base import Launcher, listen_address
 
 
@@ -64,7 +65,7 @@ class SSHLauncher(Launcher):
                 "controller_ip": self.address, "config": config}
 
     def engine_env(self) -> dict[str, str]:
-        return {"ELASTIC_JUPYTER_OWNER_ADDRESS": self.address}
+        return {OWNER_ADDRESS.name: self.address}
 
     def start_options(self, slot: int) -> dict[str, Any]:
         host, index = self.slots[slot]
