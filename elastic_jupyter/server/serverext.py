@@ -250,16 +250,21 @@ def _tails(folder: str, lines: int = 200, window: int = 64 * 1024) -> str:
     return "\n\n".join(parts)
 
 
-def _load_jupyter_server_extension(serverapp) -> None:
-    base = url_path_join(serverapp.web_app.settings["base_url"], "elastic", "api", "runs")
-    serverapp.web_app.settings["elastic_registry"] = RunRegistry(parent=serverapp)
-    serverapp.web_app.add_handlers(".*$", [
+def routes(base_url: str) -> list[tuple[str, type[APIHandler]]]:
+    """The extension's REST routes under the server's `base_url`: (pattern, handler)."""
+    base = url_path_join(base_url, "elastic", "api", "runs")
+    return [
         (base, RunsHandler),
         (url_path_join(base, ID_PATTERN), RunHandler),
         (url_path_join(base, ID_PATTERN, "dismiss"), DismissHandler),
         (url_path_join(base, ID_PATTERN, "history"), HistoryHandler),
         (url_path_join(base, ID_PATTERN, "logs"), LogsHandler),
-        (url_path_join(serverapp.web_app.settings["base_url"], "elastic", "api", "machine"),
-         MachineHandler),
-    ])
-    serverapp.log.info("elastic-jupyter: runs API at %s", base)
+        (url_path_join(base_url, "elastic", "api", "machine"), MachineHandler),
+    ]
+
+
+def _load_jupyter_server_extension(serverapp) -> None:
+    base_url = serverapp.web_app.settings["base_url"]
+    serverapp.web_app.settings["elastic_registry"] = RunRegistry(parent=serverapp)
+    serverapp.web_app.add_handlers(".*$", routes(base_url))
+    serverapp.log.info("elastic-jupyter: runs API at %s", routes(base_url)[0][0])
