@@ -24,6 +24,9 @@ def test_a_run_config_crosses_as_a_dict_and_reads_back_the_same():
     sent = config.as_dict()
     assert RunConfig.from_dict(sent) == config
     assert RunConfig.from_dict(dict(sent, dataset={"hash": "x"})).global_batch == 32
+    # a part of one (tests and benchmarks build a Worker's this way): defaults, no name
+    part = RunConfig.from_dict({"global_batch": 8})
+    assert (part.name, part.global_batch, part.seed) == ("", 8, 0)
 
 
 def test_a_checkpoints_config_of_the_release_before_reads_with_the_new_names():

@@ -161,13 +161,16 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> RunConfig:
-        """The config of the plain dict `options` (``as_dict()`` as the kernel sends it, or a
-        checkpoint's ``config``). An older release's name of a field reads as the field; a key
-        that names no field (a checkpoint's ``dataset``, a removed option) is ignored."""
+        """The config of the plain dict `options` (``as_dict()`` as the kernel sends it, a
+        checkpoint's ``config``, or a part of either: a missing field takes its default, and
+        the name is empty, which an engine does not read). An older release's name of a field
+        reads as the field; a key that names no field (a checkpoint's ``dataset``, a removed
+        option) is ignored."""
         names = {f.name for f in dataclasses.fields(cls)}
         renamed = {RENAMED_FIELDS[k]: v for k, v in options.items()
                    if k in RENAMED_FIELDS and RENAMED_FIELDS[k] not in options}
-        return cls(**{k: v for k, v in {**options, **renamed}.items() if k in names})
+        known = {k: v for k, v in {**options, **renamed}.items() if k in names}
+        return cls(**{"name": "", **known})
 
     def validate(self) -> None:
         """Raises UsageError naming the first option (as the line spells it) that is wrong."""
