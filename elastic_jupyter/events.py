@@ -12,6 +12,7 @@ This module imports only the standard library: engines read it too.
 from __future__ import annotations
 
 import enum
+from typing import TypedDict
 
 
 class EventKind(str, enum.Enum):
@@ -53,3 +54,19 @@ MARKED = (EventKind.RESIZE, EventKind.RESIZED, EventKind.FAULT, EventKind.CHECKP
           EventKind.STOPPED, EventKind.SLOT, EventKind.DRAIN)
 DRAWN = frozenset({EventKind.RESIZED, EventKind.FAULT, EventKind.CHECKPOINT, EventKind.SLOT,
                    EventKind.DRAIN})
+
+
+# One event as the run's log holds it and every view receives it: "kind" (an EventKind's
+# value) and "step" always, "time" (seconds since the epoch) once logged, and the fields of its
+# kind (the comments at EventKind). Plain data: JSON on the wire, in the run's log files and in
+# TensorBoard. (The functional form: "from" is a keyword.)
+Event = TypedDict("Event", {
+    "kind": str, "step": int, "time": float, "message": str, "world_size": int, "path": str,
+    "bytes": int, "from": int, "to": int, "latency_s": float | None,
+    "rolled_back_to": int | None, "resumed_from": str | None, "generation": int,
+    "sharded": bool, "scheduled": bool, "requested_time": float, "slot": int,
+    "lost_steps": int, "lost_slots": list[int], "hung_slots": list[int], "seconds": float,
+    "frozen_bytes": int, "host_bytes": int, "streams": int, "resumed": list[int],
+    "reread": list[int], "micro_batches": int, "floor": int, "pass_cost": float | None,
+    "tensor_bytes": int,
+}, total=False)

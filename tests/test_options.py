@@ -10,12 +10,12 @@ from dataclasses import MISSING
 
 import pytest
 
-from elastic_jupyter.config import (REMOVED, VARIABLES, Group, LauncherOptions, PoolOptions,
-                                    RunConfig, UsageError, flagged)
+from elastic_jupyter.config import (NEEDS_VALUE, REMOVED, VARIABLES, Group, LauncherOptions,
+                                    PoolOptions, RunConfig, RunStart, UsageError, flagged)
 from elastic_jupyter.ui import magics, options_page
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DECLARATIONS = (RunConfig, PoolOptions, LauncherOptions, magics._TrainLine, magics._PoolLine,
+DECLARATIONS = (RunConfig, RunStart, PoolOptions, LauncherOptions, magics._TrainLine, magics._PoolLine,
                 magics._ResizeLine)
 
 
@@ -68,13 +68,14 @@ def test_help_shows_the_sections_in_order_each_default_from_the_declaration():
         for option, spelled in flagged(cls):
             helped = re.sub(r"default %\(default\)s", "", spelled.help or "")
             assert "default" not in helped, f"{spelled.name} spells a default by hand: {helped}"
-            if option.default is not MISSING and option.default not in (None, False, ""):
+            if option.default is not MISSING and option.default not in (None, False, "") \
+                    and spelled.sets is NEEDS_VALUE:  # --no-lend: a flag alone
                 assert "%(default)s" in (spelled.help or ""), spelled.name
 
 
 def test_every_option_of_the_train_line_has_a_section():
-    line = flagged(RunConfig) + flagged(PoolOptions, "auto", "weight") + flagged(
-        magics._TrainLine)
+    line = flagged(RunConfig) + flagged(RunStart) + flagged(PoolOptions, "auto", "weight") + \
+        flagged(magics._TrainLine)
     unsectioned = [s.name for _, s in line if s.group is None and s.name.startswith("-")]
     assert not unsectioned
 
@@ -106,3 +107,23 @@ def test_environment_variables_are_named_only_by_their_declarations():
             if isinstance(node, ast.Constant) and node.value in declared:
                 named.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
     assert not named, "\n".join(named)
+
+
+def _keywords(cls) -> dict:
+    import inspect
+    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
+            if name != "self"}
+
+
+def test_the_pool_and_the_run_take_only_declared_keywords_with_their_defaults():
+    from dataclasses import fields
+
+    from elastic_jupyter import EnginePool, TrainingRun
+    pool = _keywords(EnginePool)
+    declared = {f.name: f.default for f in fields(PoolOptions)}
+    assert pool.pop("launcher") is None  # LauncherOptions' launcher, as a Launcher object
+    assert pool == declared
+    run = _keywords(TrainingRun)
+    assert list(run)[:2] == ["pool", "config"]
+    assert {k: v for k, v in run.items() if k not in ("pool", "config")} == {
+        f.name: f.default for f in fields(RunStart)}

@@ -17,7 +17,7 @@ VERBS = ("get", "post", "put", "patch", "delete")
 def surface() -> dict:
     import elastic_jupyter
     from elastic_jupyter import EnginePool, RunConfig, TrainingRun
-    from elastic_jupyter.config import REMOVED, LauncherOptions, PoolOptions, flagged
+    from elastic_jupyter.config import REMOVED, LauncherOptions, PoolOptions, RunStart, flagged
     from elastic_jupyter.server.serverext import routes
     from elastic_jupyter.ui import magics
 
@@ -40,7 +40,7 @@ def surface() -> dict:
         "RunConfig()": str(inspect.signature(RunConfig)),
         "magics": {
             "%elastic_pool": flags((magics._PoolLine,), (PoolOptions,), (LauncherOptions,)),
-            "%%elastic_train": flags((RunConfig,), (PoolOptions, "auto", "weight"),
+            "%%elastic_train": flags((RunConfig,), (RunStart,), (PoolOptions, "auto", "weight"),
                                      (magics._TrainLine,)) + sorted(r.name for r in REMOVED),
             "%elastic_resize": flags((magics._ResizeLine,)),
         },

@@ -12,8 +12,10 @@ import socket
 import subprocess
 import sys
 import time
+from typing import cast
 
 # arbiter_dir and arbiter_configured: their public home before location.py, kept importable
+from .machine_view import MachineView
 from .location import SOCKET, arbiter_configured, arbiter_dir, locate  # noqa: F401
 from .table import ArbiterError, UnknownRun
 
@@ -86,8 +88,9 @@ class ArbiterClient:
     def unregister(self, run: str) -> None:
         self.call("unregister", run=run)
 
-    def view(self) -> dict:
-        return self.call("view")
+    def view(self) -> MachineView:
+        """The machine as the arbiter sees it (machine_view.MachineView)."""
+        return cast(MachineView, self.call("view"))
 
     def _send(self, request: dict) -> dict:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:

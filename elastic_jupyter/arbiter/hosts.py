@@ -26,9 +26,10 @@ import subprocess
 import tempfile
 import threading
 import time
-from typing import IO, NoReturn
+from typing import IO, NoReturn, cast
 
 from .client import answer_of
+from .machine_view import MachineView, RunView, SlotView
 from .table import ArbiterError, UnknownRun
 
 REPLY_TIMEOUT = 30.0  # seconds for a relay's answer (its first starts Python and the arbiter)
@@ -216,16 +217,18 @@ class HostArbiters:
         if errors:  # a host that is gone reaps the pool anyway, once the relay's ssh ends
             raise ArbiterError("; ".join(errors))
 
-    def view(self) -> dict:
+    def view(self) -> MachineView:
         """Every host's slots (numbered as the pool's, with their ``host``) and runs."""
-        slots, runs, kind = [], [], ""
+        slots: list[SlotView] = []
+        runs: list[RunView] = []
+        kind = ""
         for host, relay in self.relays.items():
             view = relay.call("view")
             kind = view.get("kind", kind)
-            slots += [dict(s, slot=self.offsets[host] + s["slot"], host=host)
+            slots += [cast(SlotView, dict(s, slot=self.offsets[host] + s["slot"], host=host))
                       for s in view["slots"]]
-            runs += [dict(r, name=f"{r['name']} @ {host}") for r in view["runs"]]
-        return {"slots": slots, "runs": runs, "time": time.time(), "kind": kind}
+            runs += [cast(RunView, dict(r, name=f"{r['name']} @ {host}")) for r in view["runs"]]
+        return MachineView(slots=slots, runs=runs, time=time.time(), kind=kind)
 
     # ---------------------------------------------------------------- the hosts together
 

@@ -207,8 +207,12 @@ class Arbiter:
         view["kind"] = self.provider.kind
         usage = self.provider.usage()
         for slot in view["slots"]:
-            slot.update(usage.get(slot["slot"], {}))
-        return view
+            seen = usage.get(slot["slot"], {})
+            if "util" in seen:
+                slot["util"] = seen["util"]
+            if "memory_mib" in seen:
+                slot["memory_mib"] = seen["memory_mib"]
+        return dict(view)
 
     def _user(self, uid: int) -> str:
         if uid not in self._users:

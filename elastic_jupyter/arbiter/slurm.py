@@ -32,7 +32,9 @@ import re
 import subprocess
 import threading
 import time
+from typing import cast
 
+from .machine_view import Holder, MachineView, SlotView
 from .table import ArbiterError, UnknownRun
 
 QUERY_S = 2.0  # seconds between looks at the partition (squeue + sinfo ask slurmctld)
@@ -149,14 +151,15 @@ class SlurmArbiter:
         with self._lock:
             self.run, self.held, self.give_back = None, [], set()
 
-    def view(self) -> dict:
+    def view(self) -> MachineView:
         """The pool's slots and, as ``scheduler``, what the partition's last look found."""
         with self._lock:
             seen = dataclasses.asdict(self.seen) if self.seen else None
-            slots = [{"slot": s, "holder": {"run": self.run, "name": self.demand.get("name"),
-                                            "engine_pid": self.engines.get(str(s)),
-                                            "standby": False},
-                      "outside": None} for s in sorted(self.held)]
+            holder = {"run": self.run, "name": self.demand.get("name"), "standby": False}
+            slots: list[SlotView] = [
+                {"slot": s, "outside": None,
+                 "holder": cast(Holder, dict(holder, engine_pid=self.engines.get(str(s))))}
+                for s in sorted(self.held)]
             return {"slots": slots, "runs": [], "time": time.time(),
                     "scheduler": {"kind": "slurm", "partition": self.partition, "seen": seen}}
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .fairshare import Allocation, Demand, allocate
 from .loans import Loans
-from .machine_view import machine_view
+from .machine_view import MachineView, machine_view
 from .speed import Speed
 from .state_file import StateFile
 
@@ -233,7 +233,7 @@ class SlotTable:
                           "user": self.runs[self.leases[slot].run].user}
                          for slot in self.loans.of(run)]}
 
-    def view(self, now: float | None = None) -> dict:
+    def view(self, now: float | None = None) -> MachineView:
         """The machine: every slot with its holder, every run with its demand, target and
         reported speed (:func:`.machine_view.machine_view`)."""
         return machine_view(self, time.time() if now is None else now)

@@ -16,10 +16,10 @@ from .flags import (NEEDS_VALUE, Flag, Group, Removed, Renamed, UsageError, byte
                     flag_of, flagged, positive_int, samples_or_measure)
 from .pool import DEFAULT_CPU_MAX, DEFAULT_CPU_SLOTS, LauncherOptions, PoolConfig, PoolOptions
 from .run import (ALIASES_UNTIL, MAX_NAME_BYTES, PRECISIONS, REMOVED, RESUME_KEYS,
-                  RunConfig)
+                  RunConfig, RunStart)
 
 __all__ = ["NEEDS_VALUE", "Flag", "Group", "Removed", "Renamed", "UsageError", "byte_size",
            "flag", "flag_of", "flagged", "positive_int", "samples_or_measure",
            "DEFAULT_CPU_MAX", "DEFAULT_CPU_SLOTS", "LauncherOptions", "PoolConfig",
            "PoolOptions", "ALIASES_UNTIL", "MAX_NAME_BYTES", "PRECISIONS", "REMOVED",
-           "RESUME_KEYS", "RunConfig", "VARIABLES", "Variable"]
+           "RESUME_KEYS", "RunConfig", "RunStart", "VARIABLES", "Variable"]

@@ -54,9 +54,11 @@ class Flag:
     argparse.ArgumentTypeError saying what was expected (None: the text as given). choices:
     the values allowed. metavar: the value's name in --help (None: argparse's, from the flag).
     bare: the value of the flag given alone, which makes its value optional (NEEDS_VALUE: it
-    is not given alone). group: its section of --help (None: the parser's own options).
-    renamed: the spellings it had before, still accepted for a while. A bool field that
-    defaults to False and has no ``bare`` is a switch: the flag alone sets it.
+    is not given alone). sets: the value a flag that takes none stores (``--no-lend`` sets
+    ``lend=False``; NEEDS_VALUE: the flag takes a value). group: its section of --help (None:
+    the parser's own options). renamed: the spellings it had before, still accepted for a
+    while. A bool field that defaults to False and has neither ``bare`` nor ``sets`` is a
+    switch: the flag alone sets it True.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     bare: Any = NEEDS_VALUE
+    sets: Any = NEEDS_VALUE
     group: Group | None = None
     renamed: tuple[Renamed, ...] = ()
 

@@ -50,7 +50,10 @@ class PoolConfig:
         return len(_gpu_ids("all"))
 
     @classmethod
-    def resolve(cls, n, min_size, max_size, gpus, engine_timeout) -> "PoolConfig":
+    def resolve(cls, n: int | None, min_size: int | None, max_size: int | None, gpus: str,
+                engine_timeout: float) -> PoolConfig:
+        """The pool's sizes and GPUs from the options given (None: not given): -n and --max
+        default to the GPUs selected, or to 2 and 4 CPU slots. Raises UsageError."""
         ids = _gpu_ids(gpus)
         if ids:
             max_size = len(ids) if max_size is None else max_size
@@ -73,8 +76,10 @@ class PoolConfig:
 
 @dataclass
 class PoolOptions:
-    """A pool's options as ``%elastic_pool start`` takes them; None leaves the value to
-    :meth:`PoolConfig.resolve`. The line's weight is None when not given (the pool's is 1)."""
+    """A pool's options as ``%elastic_pool start`` takes them and ``EnginePool(...)`` takes
+    them as keywords (with ``launcher``, LauncherOptions'); None leaves a size to
+    :meth:`PoolConfig.resolve`. The weight is None when not given (a pool's is then 1, and
+    ``%%elastic_train`` keeps the pool's)."""
 
     n: int | None = field(default=None, metadata=flag(
         "-n", "engines to start (unset: one per GPU, or 2 without GPUs)", parse=positive_int))
@@ -95,13 +100,17 @@ class PoolOptions:
     weight: float | None = field(default=None, metadata=flag(
         "--weight", "the pool's weight in that fair share among your runs (unset: 1)",
         parse=float, group=Group.ELASTICITY))
-    no_lend: bool = field(default=False, metadata=flag(
+    lend: bool = field(default=True, metadata=flag(
         "--no-lend", "keep this pool's slots while no run trains on it (without it, the "
         "machine's arbiter lends them to auto runs after a minute, and they come back when "
-        "you train)"))
-    no_arbiter: bool = field(default=False, metadata=flag(
+        "you train)", sets=False))
+    # None: take slots from the machine's arbiter with --auto, or where the admin runs one
+    arbiter: bool | None = field(default=None, metadata=flag(
         "--no-arbiter", "do not take slots from the machine's arbiter, even where the admin "
-        "runs one (for --gpus lists and --schedule)"))
+        "runs one (for --gpus lists and --schedule)", sets=False))
+    # how the machine's view shows the pool (a run on it renames it); no flag
+    name: str = ""
+    notebook: str | None = None
 
 
 @dataclass

@@ -12,7 +12,7 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import InitVar, asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from .flags import (Group, Removed, Renamed, UsageError, byte_size, flag, flag_of,
                     positive_int, samples_or_measure)
@@ -250,6 +250,26 @@ class RunConfig:
 _COUNTS = (("global_batch", 1, False), ("micro_batch", 1, True), ("epochs", 1, True),
            ("steps", 1, True), ("eval_every", 1, True), ("keep_checkpoints", 1, False),
            ("standby", 0, False), ("warm", 0, False), ("loader_processes", 0, False))
+
+
+@dataclass
+class RunStart:
+    """How a run starts, beside its options: ``TrainingRun(pool, config, ...)``'s keywords,
+    declared once (run.run.TrainingRun documents each). ``%%elastic_train`` takes those with
+    a flag; its ``--push a,b`` and ``--schedule STEP:SIZE,...`` are the line's spellings of
+    `push` and `schedule` (ui.magics)."""
+
+    source: str | None = None  # the cell's code, run on every engine
+    setup: Callable[[], dict] | None = None  # or a function that returns the cell's objects
+    push: dict[str, Any] | None = None  # notebook variables defined on the engines first
+    resume: bool = field(default=False, metadata=flag(
+        "--resume", "continue from the newest checkpoint", group=_CKPT))
+    engines: int | None = field(default=None, metadata=flag(
+        "--engines", "starting world size (unset: the pool's size)", parse=positive_int,
+        group=_ELASTIC))
+    workspace: str | None = None  # the folder that holds elastic-checkpoints/NAME/
+    notebook: str | None = None  # the notebook's name, as views show the run
+    schedule: list[tuple[int, int]] | None = None  # resizes (at_step, size) before training
 
 
 # the fields' older names, still read (with a FutureWarning from a call) until ALIASES_UNTIL

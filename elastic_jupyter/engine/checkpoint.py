@@ -28,6 +28,7 @@ from typing import IO, Any, cast
 
 from . import history
 from .direct_io import DirectFile, open_for_writing
+from .protocol import TrainingState
 
 
 POINTER = "latest.json"
@@ -134,7 +135,7 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:08d}.pt"
 
 
-def write_checkpoint(folder: str, state: dict, keep: int) -> dict:
+def write_checkpoint(folder: str, state: TrainingState, keep: int) -> dict:
     """Write `state` atomically as the checkpoint of ``state["progress"]["step"]``.
 
     Returns the pointer record ``{"file", "path", "step", "sha256", "bytes", "time"}``.
@@ -234,7 +235,7 @@ def verify(path: str) -> str | None:
     return None
 
 
-def load_latest(folder: str, log=None) -> tuple[str, dict, list[str]]:
+def load_latest(folder: str, log=None) -> tuple[str, TrainingState, list[str]]:
     """Load the newest checkpoint of `folder` that verifies and loads, newest first.
 
     Args:
@@ -265,7 +266,7 @@ def load_latest(folder: str, log=None) -> tuple[str, dict, list[str]]:
                           "".join(f"\n  cannot load checkpoint {p}: {why}" for p, why in skipped))
 
 
-def load_checkpoint(path: str) -> dict:
+def load_checkpoint(path: str) -> TrainingState:
     """Load a checkpoint with ``weights_only=True`` (a file that would run code is refused).
 
     Raises CheckpointError naming the file and the reason in one line (``reason``), with
@@ -302,11 +303,15 @@ def unloadable(state) -> str | None:
             f"(torch.load(weights_only=True)) refuses: {_HINT}")
 
 
-def _newest_record_only(state: dict) -> dict:
+def _newest_record_only(state: TrainingState) -> TrainingState:
     """`state` with its history cut to the newest record: the records all come from the same
     code, and the safe load of a long history takes seconds."""
     history = state.get("history")
-    return dict(state, history=history[-1:]) if isinstance(history, list) else state
+    if not isinstance(history, list):
+        return state
+    newest = state.copy()
+    newest["history"] = history[-1:]
+    return newest
 
 
 def _stand_ins(obj):

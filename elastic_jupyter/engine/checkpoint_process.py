@@ -36,6 +36,7 @@ import types
 import torch
 
 from .checkpoint import CheckpointError, write_checkpoint
+from .protocol import TrainingState
 from .shared_memory import Arena, Mapped
 
 START_TIMEOUT = 60.0  # seconds for the process to import torch and answer, on a busy host
@@ -59,7 +60,7 @@ class WriterProcess:
         self._socket: socket.socket | None = None
         self._last_code: int | None = None  # how the last process ended
 
-    def write(self, folder: str, keep: int, state: dict, arena: Arena) -> dict:
+    def write(self, folder: str, keep: int, state: TrainingState, arena: Arena) -> dict:
         """Write `state`, whose tensors lie in `arena` (others are pickled by value), as
         engine.checkpoint.write_checkpoint does, and return its record.
 
@@ -221,7 +222,7 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps(state: dict, arena: Arena) -> bytes:
+def _dumps(state: TrainingState, arena: Arena) -> bytes:
     buffer = io.BytesIO()
     try:
         _Pickler(buffer, arena).dump(state)

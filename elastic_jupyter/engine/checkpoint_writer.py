@@ -14,10 +14,11 @@ import threading
 import time
 from typing import Callable
 
-from ..events import EventKind
+from ..events import Event, EventKind
 from .checkpoint import write_checkpoint
 from .checkpoint_process import Unsendable, WriterLost, WriterProcess
 from .frozen import FrozenWeightsError
+from .protocol import TrainingState
 from .shared_memory import Arena
 
 PROCESS_MIN_BYTES = 64 << 20  # staged state from which a write goes to the writer process
@@ -50,13 +51,13 @@ class CheckpointWriter:
         # the step of the last checkpoint written (its history is in the folder's file)
         self.saved_step: int | None = None
         self._queue: queue.Queue = queue.Queue()
-        self._done: list[dict] = []
+        self._done: list[Event] = []
         self._lock = threading.Lock()
         self._fatal: FrozenWeightsError | None = None  # a write refused for the run's sake
         self._thread = threading.Thread(target=self._loop, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def submit(self, state: dict, ready: Callable[[], None] | None = None,
+    def submit(self, state: TrainingState, ready: Callable[[], None] | None = None,
                arena: Arena | None = None) -> None:
         """Write `state` once ``ready()`` returned (copies still filling its buffers); `arena`
         is the engine.shared_memory.Arena its tensors were staged in, if any."""
@@ -84,10 +85,12 @@ class CheckpointWriter:
                     self._before_write()
                 record = self._write(state, arena)
                 self.saved_step = step
-                event = {"kind": EventKind.CHECKPOINT.value, "step": step, "path": record["path"],
-                         "bytes": record["bytes"], "seconds": time.time() - queued}
+                event: Event = {"kind": EventKind.CHECKPOINT.value, "step": step,
+                                "path": record["path"], "bytes": record["bytes"],
+                                "seconds": time.time() - queued}
             except Exception as e:
-                event = {"kind": EventKind.CHECKPOINT_FAILED.value, "step": step, "message": str(e)}
+                event = {"kind": EventKind.CHECKPOINT_FAILED.value, "step": step,
+                         "message": str(e)}
                 if isinstance(e, FrozenWeightsError):
                     self._fatal = e
             state = None  # not held while idle (a run's last state holds its live tensors)
@@ -95,7 +98,7 @@ class CheckpointWriter:
                 self._done.append(event)
             self._queue.task_done()
 
-    def _write(self, state: dict, arena: Arena | None) -> dict:
+    def _write(self, state: TrainingState, arena: Arena | None) -> dict:
         if self._process is not None and arena is not None \
                 and arena.nbytes() >= self.process_min_bytes:
             try:
@@ -118,7 +121,7 @@ class CheckpointWriter:
         if self._fatal is not None:
             raise self._fatal
 
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list[Event]:
         """Outcomes finished since the last call (does not wait)."""
         with self._lock:
             done, self._done = self._done, []
@@ -128,7 +131,7 @@ class CheckpointWriter:
         """Wait for every submitted write (their outcomes stay for :meth:`take_events`)."""
         self._queue.join()
 
-    def drain(self) -> list[dict]:
+    def drain(self) -> list[Event]:
         """Wait for every submitted write, then return the outcomes not yet taken."""
         self._queue.join()
         return self.take_events()

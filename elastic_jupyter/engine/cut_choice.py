@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..config.run import RunConfig
+from ..events import Event, EventKind
 from . import calibration
 from . import state as state_mod
 from .batching import BATCHNORM_FLOOR, BatchPlan, Cut, choose_cut
@@ -23,8 +25,6 @@ from .collective import collective
 from .losses import read_loss
 from .objects import CellObjects, SetupError
 from .precision import Precision
-from ..config.run import RunConfig
-from ..events import EventKind
 from .randomness import micro_batch_stream
 from .transfer import to_device
 
@@ -92,7 +92,7 @@ class CutChoice:
             raise SetupError(str(e)) from None
 
     def record(self, plan: BatchPlan, progress: state_mod.Progress, rank: int,
-               world_size: int) -> dict | None:
+               world_size: int) -> Event | None:
         """Fix the run's cut in `progress` and `plan` (a collective with ``--pass-cost
         measure``: rank 0 measures, every rank takes its value; all ranks call it before the
         run's first step).

@@ -35,7 +35,7 @@ from .checkpoint import CheckpointError, latest_checkpoint, load_latest, unloada
 from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .interface import use_interface_towards
-from .protocol import GenerationSpec
+from .protocol import GenerationResult, GenerationSpec, TrainingState
 from .trials import SetupTrials
 from .worker import SetupError, Worker
 
@@ -415,7 +415,7 @@ def connect_store(host: str, port: int, timeout: float) -> None:
                                  timeout=datetime.timedelta(seconds=timeout))
 
 
-def train_generation(spec: GenerationSpec, log_path: str | None) -> dict:
+def train_generation(spec: GenerationSpec, log_path: str | None) -> GenerationResult:
     """Called on every member at the start of each generation: train until the run ends or
     every rank agreed to leave (see generation.run_generation for `spec` and the result).
     Errors carry this engine's traceback, also written to its log."""
@@ -445,7 +445,7 @@ def _release_frames(error: BaseException) -> None:
         todo += [one.__cause__, one.__context__]
 
 
-def training_state() -> dict:
+def training_state() -> TrainingState:
     """Called on rank 0 when the run ends (finished, stopped, or failed by an error), for the
     final weights: the Worker's full state as plain data on the CPU, with its last committed
     step still to finish as ``pending`` (None unless an error hit its evaluation). A CPU engine

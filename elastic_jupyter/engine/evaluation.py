@@ -22,12 +22,12 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from ..config.run import RunConfig
 from .batching import BatchPlan, rank_share
 from .collective import collective
 from .loader import pass_batches
 from .losses import floats, read_metrics, weighted
 from .objects import CellObjects
-from ..config.run import RunConfig
 from .randomness import micro_batch_stream
 from .sharding import reshard_all
 from .transfer import to_device

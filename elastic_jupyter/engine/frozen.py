@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from .protocol import TrainingState
 
 CHUNK_BYTES = 64 << 20  # a device tensor is hashed through a host buffer this large
 HASH_THREADS = min(8, os.cpu_count() or 1)  # tensors hashed at once
@@ -139,7 +140,7 @@ class FrozenWeights:
                     "change. Run with --move-frozen to send and checkpoint every tensor (or "
                     "train it: requires_grad=True)")
 
-    def check(self, state: dict) -> None:
+    def check(self, state: TrainingState) -> None:
         """Before `state` (a checkpoint's or a peer's) is loaded: raise FrozenWeightsError
         unless the weights it was trained with are this model's frozen ones. A state without
         digests (written with ``--move-frozen``, or before frozen weights stayed) holds them:
@@ -166,7 +167,7 @@ class FrozenWeights:
                 f"differ; {name!r}: {why}). Build the frozen weights the run was trained with "
                 f"(the same files, the same requires_grad), or {hint}")
 
-    def load(self, model_state: dict, state: dict) -> None:
+    def load(self, model_state: dict, state: TrainingState) -> None:
         """Load `model_state` (`state`'s "model", as restored) into the model once
         :meth:`check` passed; the keys of the state's frozen digests may be missing from it:
         those tensors keep the cell's values. Raises FrozenWeightsError, before anything is

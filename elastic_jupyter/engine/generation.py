@@ -16,18 +16,19 @@ import contextlib
 import datetime
 import sys
 import time
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from ..config.run import RunConfig
-from ..events import EventKind
+from ..events import Event, EventKind
 from . import drain
 from .abort import AbortableStore, AbortWatch
 from .collective import PeerFailure, collective
 from .faultpoints import fault_point
 from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
-                       VERSION_KEY, GenerationSpec, decode_end_at,
+                       VERSION_KEY, GenerationResult, GenerationSpec, decode_end_at,
                        generation_prefix)
 from .publish import publish
 from .schedulers import step_lr_scheduler
@@ -42,7 +43,7 @@ PUBLISH_WINDOW = 512  # records per update: more than the owner can miss between
 ACKNOWLEDGED_EVERY = 32  # steps between two reads of the owner's acknowledged step
 
 
-def run_generation(worker: Worker, spec: GenerationSpec, store: dist.Store) -> dict:
+def run_generation(worker: Worker, spec: GenerationSpec, store: dist.Store) -> GenerationResult:
     """Train `worker` as rank ``spec.rank`` of generation ``spec.generation`` until the run
     ends or the owner asks every rank to leave.
 
@@ -50,10 +51,8 @@ def run_generation(worker: Worker, spec: GenerationSpec, store: dist.Store) -> d
         spec: this rank's part in the generation (engine.protocol.GenerationSpec).
         store: the rendezvous store; keys are read under the generation's prefix.
     Returns:
-        {"reason": "finished" | "left", "progress", "records", "events", "drained",
-        "handed_over"}; records and events are complete only on rank 0; "drained" is the wall
-        time of the SIGTERM this rank left for (engine.drain), else None; "handed_over": the
-        ranks of a sharded run that left with their rows handed over (engine.sharded_mode).
+        this rank's engine.protocol.GenerationResult (records and events complete only on
+        rank 0).
     """
     return Generation(worker, spec, store).run()
 
@@ -91,17 +90,17 @@ class Generation:
                          read=(VERSION_KEY,) if self.rank == 0 else ())
         self._version: int | None = None
         self.end_at = spec.end_at
-        self.events: list[dict] = []  # rank 0's, for the owner's run log
+        self.events: list[Event] = []  # rank 0's, for the owner's run log
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
         self._went_back_to: int | None = None  # a sharded run's roll back (sharded_mode)
         self._written: int | None = None  # the step of this rank's last sharded checkpoint
         self.handed_over: list[int] = []  # ranks that left with their rows handed over
 
-    def run(self) -> dict:
+    def run(self) -> GenerationResult:
         with drain.training():  # from here a SIGTERM waits for the next step boundary
             return self._run()
 
-    def _run(self) -> dict:
+    def _run(self) -> GenerationResult:
         spec, w = self.spec, self.worker
         # a rank sent the state holds none until it is loaded (a transfer that fails leaves
         # part of it in the model); the others are the driver's holders
@@ -134,7 +133,7 @@ class Generation:
             except Exception as e:  # noqa: BLE001 -- reported in the engine's log
                 print(f"destroying the process group failed: {e}", file=sys.stderr)
 
-    def _train(self) -> dict:
+    def _train(self) -> GenerationResult:
         w = self.worker
         fault_point("resize", w)
         if w.sharded is not None:  # where each rank's rows come from; survivors of a lost
@@ -192,7 +191,8 @@ class Generation:
         # its collectives raise PeerFailure; a local error (a layout it cannot take) is an error
         state = broadcast_state(live, self.rank, w.device, into=into, sent=sent)
         if sent:  # rank 0: what a grow moved (frozen weights stay: engine.frozen)
-            self.events.append({"kind": EventKind.STATE_SENT.value, "step": w.progress.step, **sent,
+            self.events.append({"kind": EventKind.STATE_SENT.value, "step": w.progress.step,
+                                "bytes": sent["bytes"], "tensor_bytes": sent["tensor_bytes"],
                                 "seconds": round(time.perf_counter() - start, 3),
                                 "frozen_bytes": w.frozen.nbytes if w.frozen.names else 0})
         if receive:
@@ -211,14 +211,14 @@ class Generation:
         want = self.end_at
         return 1.0 if want is not None and self.worker.progress.step + 1 >= want else 0.0
 
-    def _loop(self) -> dict:
+    def _loop(self) -> GenerationResult:
         w, rank, world_size = self.worker, self.rank, self.world_size
         p = w.progress
         events, last_publish = self.events, 0.0
         # this generation's records: those after `first` (a pending step's too)
         first = p.step - 1 if w.pending is not None else p.step
         published = [first, first]  # newest steps at the last two updates
-        reason = "left"
+        reason: Literal["finished", "left"] = "left"
         if rank == 0:  # the key each vote reads: made here if the owner never wrote a request
             self.control.add(VERSION_KEY, 0)
         if w.pending is not None:  # a fault hit the evaluation of the last committed step
@@ -257,9 +257,10 @@ class Generation:
             events += w.writer.drain()
             w.writer.raise_fatal()
         acknowledged = self._acknowledged()
-        return {"reason": reason, "progress": p.as_dict(),
-                "records": w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],
-                "events": events, "drained": drain.served(), "handed_over": self.handed_over}
+        return GenerationResult(
+            reason=reason, progress=p.as_dict(),
+            records=w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],
+            events=events, drained=drain.served(), handed_over=self.handed_over)
 
     def _refresh_replicas(self) -> None:
         """Every rank of a sharded run: its part and the rest of the state copied, the part
@@ -271,8 +272,8 @@ class Generation:
         sent = w.sharded.refresh(w.progress.step, self.rank, self.world_size, w.optimizer,
                                  w.capture, self.spec.generation)
         if self.rank == 0:
-            self.events.append({"kind": EventKind.REPLICAS.value, "step": w.progress.step, "bytes": sent,
-                                "seconds": round(time.perf_counter() - start, 3),
+            self.events.append({"kind": EventKind.REPLICAS.value, "step": w.progress.step,
+                                "bytes": sent, "seconds": round(time.perf_counter() - start, 3),
                                 "host_bytes": w.sharded.host_bytes})
 
     def _hand_over(self) -> None:
@@ -307,7 +308,7 @@ class Generation:
                              w.config.keep_checkpoints, self.spec.generation,
                              max(self.spec.timeout, PART_TIMEOUT_S))
 
-    def _writes(self, wait: bool) -> list[dict]:
+    def _writes(self, wait: bool) -> list[Event]:
         """The events of the checkpoint writes that ended (every one, with `wait`): rank 0
         keeps them, a failure included; another rank's failure is in its log."""
         w = self.worker

@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from .protocol import TrainingState
 
 HISTORY_FILE = "history.jsonl"
 _TAIL_BYTES = 1 << 16  # read from the file's end to find its last line
@@ -121,7 +122,7 @@ def _plain_value(value):
     return str(value)
 
 
-def whole_history(folder: str, state: dict) -> list[dict]:
+def whole_history(folder: str, state: TrainingState) -> list[dict]:
     """The whole history of the checkpoint `state` read from `folder`: the file's records up
     to the checkpoint's step (a step's last line wins), then the state's own records over
     them. A torn last line (a writer killed mid-append) is skipped. A checkpoint from before

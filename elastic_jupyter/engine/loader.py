@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..events import Event
 from .batching import BatchPlan
 from .randomness import caller_generators_kept, seed_sample
 from .stream_loader import StreamPipeline
@@ -165,7 +166,7 @@ class InputPipeline:
         """Stop it (its loader processes end): the next :meth:`next` starts it again."""
         self._batches = self._at = None
 
-    def share(self, rank: int, world_size: int, opening: bool) -> dict | None:
+    def share(self, rank: int, world_size: int, opening: bool) -> Event | None:
         """Nothing to share: a map-style dataset's reading depends on the progress alone
         (engine.stream_loader.StreamPipeline.share has streams' states to share)."""
         return None

@@ -18,8 +18,8 @@ from typing import Any, Callable
 
 import torch
 
-from .optimizers import NamedOptimizers, OptimizersError, Substep, schedulers, substeps
 from ..config.run import RunConfig
+from .optimizers import NamedOptimizers, OptimizersError, Substep, schedulers, substeps
 from .streams import Streams, declared_length, is_iterable_dataset
 
 REQUIRED = ("model", "optimizer", "dataset", "loss_fn")

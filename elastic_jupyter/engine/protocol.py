@@ -10,14 +10,19 @@ reads a field or a key by a string of its own.
 - The store's keys: the owner writes a generation's requests under ``gen<g>/``
   (:func:`generation_prefix`); the ranks form their process group under ``pg/`` within it and
   vote under ``vote/<round>/<rank>``.
+- :class:`GenerationResult` comes back from each rank when its generation ends; its
+  ``progress`` is a :class:`ProgressState`, as in every checkpoint (:class:`TrainingState`).
 - The run's options are config.RunConfig's: the kernel sends ``RunConfig.as_dict()`` (also
   what checkpoints store) and the engine reads it back with ``RunConfig.from_dict``.
 
-This module imports nothing but the standard library.
+This module imports the standard library and the shared event kinds only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
+
+from ..events import Event
 
 # ---------------------------------------------------------------- the rendezvous store's keys
 
@@ -77,3 +82,67 @@ class GenerationSpec:
     receive_state: bool = False
     broadcast: bool = False
     end_at: int | None = None
+
+
+# ---------------------------------------------------------------- what comes back, what is kept
+
+
+class ProgressState(TypedDict):
+    """Where the run stands, as plain data (engine.state.Progress.as_dict): in every
+    checkpoint's ``progress``, in a generation's result, in the owner's recovery."""
+
+    step: int  # optimizer steps done
+    epoch: int
+    position: int  # samples of `epoch` used
+    samples: int  # samples trained on, all epochs
+    metric_names: list[str]  # the extra metrics loss_fn returns, in order
+    pass_cost: float | None
+    cut: dict[str, Any] | None  # engine.batching.Cut as a dict; None until a generation fixes it
+    streams: dict[str, Any] | None  # an iterable dataset's streams (engine.streams)
+    substep: int  # several optimizers: the sub-steps of step + 1 already committed
+    losses: dict[str, list[float]]  # their [loss, *extras] by optimizer name
+
+
+class GenerationResult(TypedDict):
+    """What one rank returns when its generation ends (engine.generation.run_generation).
+
+    reason: "finished" (the run's last step is done) or "left" (the owner asked the ranks to
+    leave after a step). records and events: complete only on rank 0 (the records are the
+    history's dicts: step, loss, lr, ... and extra metrics). drained: the wall time of the
+    SIGTERM this rank left for (engine.drain), else None. handed_over: the ranks of a sharded
+    run that left with their rows handed over (engine.sharded_mode).
+    """
+
+    reason: Literal["finished", "left"]
+    progress: ProgressState
+    records: list[dict[str, Any]]
+    events: list[Event]
+    drained: float | None
+    handed_over: list[int]
+
+
+class _TrainingStateCore(TypedDict):
+
+    format: int
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    lr_scheduler: dict[str, Any] | None
+    extra: dict[str, Any]  # the cell's extra_state, {name: state_dict}
+    progress: ProgressState
+    rng: dict[str, Any]  # python, numpy and torch generators (engine.state.rng_state)
+    history: list[dict[str, Any]]  # the newest records (the folder's history.jsonl the rest)
+    config: dict[str, Any]  # RunConfig.as_dict() and the dataset's fingerprint
+    numpy_types: list[Any]
+    grad_scaler: dict[str, Any] | None
+
+
+class TrainingState(_TrainingStateCore, total=False):
+    """A checkpoint, and the training state a survivor sends or keeps (engine.state.capture):
+    plain data only, so ``torch.load(weights_only=True)`` reads it. The tensors' dicts are
+    the model's and the optimizer's ``state_dict()`` with numpy values made tensors (their
+    types in ``numpy_types``); ``model`` is empty for a sharded run, whose rows travel apart.
+    ``frozen``: {key: digest} of the frozen weights each engine keeps (engine.frozen), when
+    they are left out of ``model``."""
+
+    frozen: dict[str, str]
+    pending: dict[str, Any] | None  # the record of a step whose evaluation a fault interrupted

@@ -30,11 +30,12 @@ import re
 import shutil
 import threading
 import time
-from typing import Iterator
+from typing import Iterator, cast
 
 import torch
 
 from .checkpoint import CheckpointError, _fsync_dir, _sha256, atomic_write, save_hashed
+from .protocol import TrainingState
 from .reshard import chunk_rows
 from .sharding import Snapshot
 
@@ -92,7 +93,8 @@ def write_part(folder: str, step: int, attempt: int, part: Snapshot, rank: int,
 
 
 def commit(folder: str, step: int, attempt: int, world_size: int, part: Snapshot,
-           shapes: dict[str, torch.Size], state: dict | None, abort: threading.Event,
+           shapes: dict[str, torch.Size], state: TrainingState | None,
+           abort: threading.Event,
            timeout: float, aliases: dict[str, str] | None = None) -> str:
     """Rank 0, after its own :func:`write_part`: wait for every rank's marker, write the
     manifest (`part`: rank 0's, for its replicated values, buffers and names; `shapes`: each
@@ -214,7 +216,7 @@ def stamp(path: str) -> tuple[int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_mtime_ns
 
 
-def read_state(path: str) -> dict | None:
+def read_state(path: str) -> TrainingState | None:
     """The rest of the training state the checkpoint folder `path` holds (its manifest's).
     Raises CheckpointError when the manifest is missing or damaged."""
     return _load(os.path.join(path, "manifest.pt"))["state"]
@@ -251,7 +253,7 @@ def read_model(path: str, copy: bool = True) -> Iterator[tuple[str, torch.Tensor
     yield from reader.manifest["buffers"].items()
 
 
-def load_whole(path: str) -> dict:
+def load_whole(path: str) -> TrainingState:
     """The checkpoint folder `path` as a replicated state reads: the rest of the training
     state with ``"model"``, every parameter whole under each of its names and the buffers
     (the whole model in memory: :func:`read_model` gives it one tensor at a time). The
@@ -259,7 +261,7 @@ def load_whole(path: str) -> dict:
     manifest = _load(os.path.join(path, "manifest.pt"))
     model = dict(read_model(path))
     model.update({alias: model[name] for alias, name in manifest.get("aliases", {}).items()})
-    return {**(manifest["state"] or {}), "model": model}
+    return cast(TrainingState, {**(manifest["state"] or {}), "model": model})
 
 
 def prune(folder: str, keep: int) -> None:

@@ -40,13 +40,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..config.run import RunConfig
+from ..events import Event, EventKind
 from . import history
 from .batching import BatchPlan
 from .collective import collective
 from .memory_need import MemoryNeed, activation_bytes
 from .objects import CellObjects, SetupError
-from ..config.run import RunConfig
-from ..events import EventKind
+from .protocol import TrainingState
 from .randomness import host_generator_state, set_host_generator_state
 from .replicas import HostBuffers, PartnerReplicas
 from .reshard import Layout
@@ -127,11 +128,11 @@ class ShardedMode:
         self.held: tuple[int, int] | None = (1, 0)
         self.parked: Snapshot | None = None
         self.replicas = PartnerReplicas()  # this rank's and its partner's parts, host memory
-        self.replica_state: dict | None = None  # the rest of the state at the replicas' step
+        self.replica_state: TrainingState | None = None  # the rest of the state at the replicas' step
         # the copies before the last refresh and their state, until a step commits after it
         # (every rank then finished that refresh): a fault in between may find a rank with
         # the new copies and one without them, and both hold these
-        self.previous: tuple[PartnerReplicas, dict | None] | None = None
+        self.previous: tuple[PartnerReplicas, TrainingState | None] | None = None
         self.spare = HostBuffers()  # the buffers of settled copies, for the next refresh
         self._refreshing: PartnerReplicas | None = None  # the copies a refresh is making
         self.disk: str | None = None  # a checkpoint to resume from (:meth:`resume`)
@@ -181,7 +182,7 @@ class ShardedMode:
         self.disk = path
 
     def agree(self, world_size: int, newcomer: bool, step: int,
-              roll_back: Callable[[dict], None]) -> dict | None:
+              roll_back: Callable[[TrainingState], None]) -> Event | None:
         """At a generation's start, before the rest of the state is broadcast, on every rank
         (a collective): the ranks say which rows they hold and agree where each new rank's
         rows come from: the ranks that hold them, or a checkpoint a rank resumes from.
@@ -232,11 +233,12 @@ class ShardedMode:
         roll_back(state[0])
         self.held = (self.replicas.world_size, self.replicas.rank) if holder else None
         back = state[0]["progress"]["step"]
-        return {"kind": EventKind.ROLLBACK.value, "step": back, "message": f"ranks were lost at step {step}: "
-                f"the run goes back to step {back}, where the partner replicas stand"}
+        return {"kind": EventKind.ROLLBACK.value, "step": back,
+                "message": f"ranks were lost at step {step}: the run goes back to step {back}, "
+                           "where the partner replicas stand"}
 
-    def _from_disk(self, path: str | None, roll_back: Callable[[dict], None],
-                   why: str | None = None) -> dict | None:
+    def _from_disk(self, path: str | None, roll_back: Callable[[TrainingState], None],
+                   why: str | None = None) -> Event | None:
         """Plan to read every rank's rows from the checkpoint folder `path` and load the rest
         of its state (`why`: the fault that sends the run there, for its event)."""
         if path is None:
@@ -314,7 +316,8 @@ class ShardedMode:
         self.held = (world_size, rank)
         return module
 
-    def checkpoint(self, step: int, rank: int, world_size: int, capture: Callable[[], dict],
+    def checkpoint(self, step: int, rank: int, world_size: int,
+                   capture: Callable[[], TrainingState],
                    keep: int, attempt: int, timeout: float) -> None:
         """At committed step `step`, on every rank, right after a refresh at that step
         (:meth:`refresh`: this rank's part is on the host): start writing this rank's part of
@@ -334,19 +337,19 @@ class ShardedMode:
             except OSError as e:  # the parts are still written: every rank takes part
                 print(f"the run's history file was not appended: {e}", file=sys.stderr)
 
-        def write(abort: threading.Event) -> dict | None:
+        def write(abort: threading.Event) -> Event | None:
             write_part(folder, step, attempt, part, rank, world_size)
             if rank != 0:
                 return None
             path = commit(folder, step, attempt, world_size, part, shapes, state, abort,
                           timeout, aliases)
             prune(folder, keep)
-            return {"kind": EventKind.CHECKPOINT.value, "step": step, "path": path, "sharded": True,
-                    "bytes": folder_bytes(path)}
+            return {"kind": EventKind.CHECKPOINT.value, "step": step, "path": path,
+                    "sharded": True, "bytes": folder_bytes(path)}
         self.writer.submit(step, write, reads=part)
 
     def refresh(self, step: int, rank: int, world_size: int, optimizer: torch.optim.Optimizer,
-                capture: Callable[[], dict], generation: int = 0) -> int:
+                capture: Callable[[], TrainingState], generation: int = 0) -> int:
         """At committed step `step`, on every rank (a collective): this rank's part copied
         to host memory and sent to its partner (engine.replicas), with `capture()`, the rest
         of the state (engine.state's capture without rows). Returns the bytes sent."""

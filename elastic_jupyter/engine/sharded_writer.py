@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable
 
-from ..events import EventKind
+from ..events import Event, EventKind
 from .checkpoint import CheckpointError
 
 
@@ -32,11 +32,11 @@ class PartWriter:
         self.saved_step: int | None = None
         self._thread: threading.Thread | None = None
         self._abort = threading.Event()
-        self._events: list[dict] = []
+        self._events: list[Event] = []
         self._reads: object = None  # what the write in progress reads (its host copies)
         self._lock = threading.Lock()  # the writer's thread appends, the training thread takes
 
-    def submit(self, step: int, write: Callable[[threading.Event], dict | None],
+    def submit(self, step: int, write: Callable[[threading.Event], Event | None],
                reads: object) -> None:
         """Start ``write(abort)``, this rank's write of step `step` (it returns rank 0's event,
         else None, and raises CheckpointError), once the write before it ended. `reads`: the
@@ -49,7 +49,7 @@ class PartWriter:
                                         name=f"sharded-checkpoint-{step}", daemon=True)
         self._thread.start()
 
-    def _run(self, step: int, write: Callable[[threading.Event], dict | None],
+    def _run(self, step: int, write: Callable[[threading.Event], Event | None],
              abort: threading.Event, start: float) -> None:
         try:
             event = write(abort)
@@ -83,7 +83,7 @@ class PartWriter:
         checkpoint stays unfinished, never read). A part being written is finished."""
         self._abort.set()
 
-    def take_events(self) -> list[dict]:
+    def take_events(self) -> list[Event]:
         """The events of the writes that ended since the last call (rank 0's ``checkpoint``
         and every rank's ``checkpoint_failed``)."""
         with self._lock:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from . import shared_memory
+from .protocol import ProgressState, TrainingState
 
 FORMAT_VERSION = 1
 
@@ -51,8 +52,8 @@ class Progress:
     substep: int = 0
     losses: dict = field(default_factory=dict)
 
-    def as_dict(self) -> dict:
-        return dict(step=self.step, epoch=self.epoch, position=self.position,
+    def as_dict(self) -> ProgressState:
+        return ProgressState(step=self.step, epoch=self.epoch, position=self.position,
                     samples=self.samples, metric_names=list(self.metric_names),
                     pass_cost=self.pass_cost,
                     cut=dict(self.cut) if self.cut is not None else None,
@@ -162,12 +163,13 @@ def _replaced(obj, path: list, fn):
     return out
 
 
-def with_numpy_values(state: dict) -> dict:
+def with_numpy_values(state: TrainingState) -> TrainingState:
     """`state` (from :func:`capture`) with the numpy values capture converted given back their
     numpy types, where the user's objects hold them (model, optimizer, scheduler)."""
+    out: Any = state  # _replaced copies along each path: the same schema, rebuilt
     for path, kind, dtype in state.get("numpy_types", ()):
-        state = _replaced(state, path, lambda v, kind=kind, dtype=dtype: _as_numpy(v, kind, dtype))
-    return state
+        out = _replaced(out, path, lambda v, kind=kind, dtype=dtype: _as_numpy(v, kind, dtype))
+    return out
 
 
 class Staging:
@@ -287,7 +289,7 @@ class Staging:
 def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, config: dict,
             *, copy_tensors: bool = True, grad_scaler=None, staging: Staging | None = None,
             extra: dict | None = None, frozen: Mapping[str, str] | None = None,
-            rows: bool = True) -> dict:
+            rows: bool = True) -> TrainingState:
     """A deep copy, on the CPU, of everything needed to continue training exactly.
 
     Returns a dict of plain data (see the module docstring); the copy is safe to write from
@@ -315,19 +317,18 @@ def capture(model, optimizer, lr_scheduler, progress: Progress, history: list, c
     objects = {"model": weights, "optimizer": optimizer_state,
                "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
                "extra": {name: obj.state_dict() for name, obj in (extra or {}).items()}}
-    state: dict[str, Any] = {"format": FORMAT_VERSION}
-    state.update({part: _plain(value, [part], numpy_types, tensor)
-                  for part, value in objects.items()})
-    state.update({
-        "progress": progress.as_dict(),
-        "rng": rng_state(),
-        "history": _plain_records(history, tensor),  # records never change once appended
-        "config": _plain(dict(config), None, None, tensor),
-        "numpy_types": numpy_types,
+    plain = {part: _plain(value, [part], numpy_types, tensor) for part, value in objects.items()}
+    state = TrainingState(
+        format=FORMAT_VERSION, model=plain["model"], optimizer=plain["optimizer"],
+        lr_scheduler=plain["lr_scheduler"], extra=plain["extra"],
+        progress=progress.as_dict(),
+        rng=rng_state(),
+        history=_plain_records(history, tensor),  # records never change once appended
+        config=_plain(dict(config), None, None, tensor),
+        numpy_types=numpy_types,
         # fp16's torch.amp.GradScaler: scale and growth tracker, plain numbers
-        "grad_scaler": (_plain(grad_scaler.state_dict(), None, None, tensor)
-                        if grad_scaler is not None else None),
-    })
+        grad_scaler=(_plain(grad_scaler.state_dict(), None, None, tensor)
+                     if grad_scaler is not None else None))
     if frozen:
         state["frozen"] = dict(frozen)
     if staging is not None:
@@ -350,7 +351,7 @@ def _identity(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.shape, t.stride(), t.dtype
 
 
-def restore(state: dict, model, optimizer, lr_scheduler, grad_scaler=None,
+def restore(state: TrainingState, model, optimizer, lr_scheduler, grad_scaler=None,
             extra: dict | None = None, load_model=None) -> tuple[Progress, list]:
     """Load `state` (from :func:`capture`) into the objects; returns (progress, history). An
     `extra` object the state has no entry for (a checkpoint written before the cell declared

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from .collective import collective
+from .protocol import TrainingState
 
 DIRECT_BYTES = 2**20  # a storage span this large travels alone, as it is: no copy on the sender
 BUCKET_BYTES = 16 * 2**20  # smaller spans, copied together: one broadcast per bucket
@@ -232,8 +233,9 @@ def _on(device_type: str, device: torch.device) -> torch.device:
     return device if device_type == "cuda" else torch.device("cpu")
 
 
-def broadcast_state(state: dict | None, rank: int, device: torch.device,
-                    into: dict | None = None, sent: dict | None = None) -> dict:
+def broadcast_state(state: TrainingState | None, rank: int, device: torch.device,
+                    into: TrainingState | None = None, sent: dict | None = None
+                    ) -> TrainingState:
     """Send rank 0's `state` (a dict of plain data and tensors, engine.state's capture) to every
     rank of the current process group; all ranks call it. Returns the state on every rank (rank
     0's own object there). `device` is this rank's training device: tensors captured on a GPU

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from ..events import EventKind
+from ..events import Event, EventKind
 from .batching import BatchPlan, micro_batch_bounds, rank_share
 from .collective import collective
 from .randomness import caller_generators_kept
@@ -262,7 +262,7 @@ class StreamPipeline:
         self._held, self._held_epoch = {}, None  # the next generation opens all it reads
         self._read = {}
 
-    def share(self, rank: int, world_size: int, opening: bool) -> dict | None:
+    def share(self, rank: int, world_size: int, opening: bool) -> Event | None:
         """Every rank's newest committed stream states, merged into each rank's progress (a
         collective: every rank calls it); states past where the run stands (a sharded run went
         back) are dropped. With `opening` (a generation's start), rank 0 returns the
@@ -287,7 +287,7 @@ class StreamPipeline:
         kept["states"] = merged
         return self._opening_event(merged) if opening and rank == 0 else None
 
-    def _opening_event(self, states: dict) -> dict | None:
+    def _opening_event(self, states: dict) -> Event | None:
         p, s = self.progress(), self.streams
         if p.epoch == 0 and p.position == 0:
             return None
@@ -299,8 +299,8 @@ class StreamPipeline:
             resumed += [stream] if usable else []
             reread.append(offset - start)
         why = f" ({s.resume_note})" if s.resume_note else ""
-        return {"kind": EventKind.STREAMS.value, "step": p.step, "streams": s.count, "resumed": resumed,
-                "reread": reread, "message": (
+        return {"kind": EventKind.STREAMS.value, "step": p.step, "streams": s.count,
+                "resumed": resumed, "reread": reread, "message": (
                     f"{len(resumed)} of {s.count} streams resume from a state{why}; "
                     + (f"{sum(reread)} samples are read again to reach the streams' positions"
                        if any(reread) else "no sample is read again"))}

@@ -15,12 +15,12 @@ import warnings
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from ..config.run import RunConfig
 from .batching import BatchPlan
 from .evaluation import EVAL_EPOCH, evaluation_mode
 from .loader import pass_batches
 from .losses import floats, read_metrics, weighted
 from .objects import CellObjects, SetupError
-from ..config.run import RunConfig
 from .randomness import host_generator_state, set_host_generator_state
 from .transfer import to_device
 

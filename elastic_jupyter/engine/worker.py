@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
+from ..config.run import RunConfig
+from ..events import Event
 from . import state as state_mod
 from .batching import BatchPlan, Cut, steps_per_epoch
 from .checkpoint_writer import CheckpointWriter
@@ -45,7 +47,7 @@ from .notes import after_step_note, micro_batch_note
 from .objects import CellAttribute, CellObjects, SetupError
 from .optimizers import Substep, check_resumed, learning_rates, optimized, owners
 from .precision import Precision, PrecisionError
-from ..config.run import RunConfig
+from .protocol import TrainingState
 from .randomness import host_generators_kept, micro_batch_stream
 from .reduce import GradReducer, LayoutError
 from .running_stats import RunningStats
@@ -215,7 +217,7 @@ class Worker:
     # state -------------------------------------------------------------------------------------
 
     def capture(self, copy_tensors: bool = True, staging: state_mod.Staging | None = None
-                ) -> dict:
+                ) -> TrainingState:
         """The training state as plain data (engine.state); ``copy_tensors=False`` gives the
         live tensors, for a reader done before training goes on; `staging` reused buffers to
         copy into (a checkpoint's)."""
@@ -233,7 +235,7 @@ class Worker:
             record["dataset"] = self.fingerprint
         return record
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: TrainingState) -> None:
         """Continue from `state` (a broadcast or a checkpoint), with its step whose evaluation
         is still to do when it holds one (``pending``: the checkpoint written before the final
         evaluation, engine.generation)."""
@@ -261,7 +263,7 @@ class Worker:
 
     # a generation's start -------------------------------------------------------------------
 
-    def start_generation(self, rank: int, world_size: int) -> dict | None:
+    def start_generation(self, rank: int, world_size: int) -> Event | None:
         """Ready this rank for a new generation's steps (a collective: all ranks call it, after
         the state broadcast, before the first step): the run's cut recorded if it has none yet
         (measured first with ``--pass-cost measure``), and the gradient buckets laid out as

@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from ..engine import entrypoints
-from ..engine.protocol import GenerationSpec
+from ..engine.protocol import GenerationSpec, TrainingState
 
 if TYPE_CHECKING:
     from .processes import Engine
@@ -131,7 +131,7 @@ class EngineCalls:
         """Restore `engine` from the newest usable checkpoint in `folder`."""
         return await asyncio.wrap_future(self._submit(engine, entrypoints.load_state, folder))
 
-    async def training_state(self, engine: Engine) -> dict:
+    async def training_state(self, engine: Engine) -> TrainingState:
         return await asyncio.wrap_future(self._submit(engine, entrypoints.training_state))
 
     async def progress(self, engines: Sequence[Engine]) -> list[dict]:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-from typing import Any, Coroutine, TypeVar
+import dataclasses
+from typing import Any, Coroutine, TypeVar, cast
 
+from ..arbiter.machine_view import MachineView
 from ..arbiter.table import ArbiterError
 from ..config import PoolConfig, UsageError
 from ..owner import background, get_owner
@@ -29,6 +31,7 @@ from .lease import POLL_S, LeaseFollower, check_weight_usage, pool_lease
 from .processes import Engine, rss
 from .queue_printer import QueuePrinter
 from .slots import Exclusion, Slots
+from .status import EngineStatus, ExclusionStatus, LeaseStatus, PoolStatus, WarmStatus
 
 __all__ = ["EnginePool", "Engine", "Exclusion"]
 
@@ -37,6 +40,9 @@ T = TypeVar("T")
 
 class EnginePool:
     """A resizable pool of engines, owned by this process's owner thread.
+
+    Its keywords are config.PoolOptions' fields (``%elastic_pool start``'s options, declared
+    there with their defaults) and ``launcher``.
 
     Args:
         n: engines to start (default: the number of GPUs, or 2 without GPUs).
@@ -47,7 +53,7 @@ class EnginePool:
             fair share with the other runs on the machine (docs/arbiter.md); on Slurm, Slurm's
             queue does (grow while the partition is idle, give back while others wait:
             :mod:`.arbiter.slurm`).
-        weight: the pool's weight in that fair share among its user's runs (> 0).
+        weight: the pool's weight in that fair share among its user's runs (> 0; None: 1).
         lend: while no run trains on it for the admin's ``lend_s`` (a minute by default), the
             arbiter may lend the pool's slots to auto runs that want more; they come back when
             a run starts on it (docs/arbiter.md). False keeps them.
@@ -71,9 +77,10 @@ class EnginePool:
 
     def __init__(self, n: int | None = None, min_size: int | None = None,
                  max_size: int | None = None, gpus: str = "all", engine_timeout: float = 60.0,
-                 auto: bool = False, weight: float = 1.0, arbiter: bool | None = None,
+                 auto: bool = False, weight: float | None = None, arbiter: bool | None = None,
                  name: str = "", notebook: str | None = None, launcher: Launcher | None = None,
                  lend: bool = True):
+        weight = 1.0 if weight is None else weight
         self.launcher = launcher or LocalLauncher()
         if not self.launcher.local:
             if gpus not in ("all", "none"):
@@ -249,7 +256,7 @@ class EnginePool:
         else:
             self.owner.call(self.lease.update(**changes))
 
-    def machine(self) -> dict:
+    def machine(self) -> MachineView:
         """The machine's slots and runs as the arbiter sees them (see arbiter.table.view).
         Raises UsageError when the pool is not in lease mode."""
         if self.lease is None:
@@ -266,33 +273,34 @@ class EnginePool:
             self.run.wait(timeout=60)
         self.owner.call(self._stop())
 
-    def lease_status(self) -> dict | None:
+    def lease_status(self) -> LeaseStatus | None:
         """The pool's lease as views show it (None outside lease mode): auto, weight, the
         training and standby slots, target, queue place, grantable, whether it lends and the
         slots it lent (slot, to, user)."""
         if self.lease is None:
             return None
         g = self.lease.grant
-        return {"auto": self.lease.demand["auto"], "weight": self.lease.demand["weight"],
-                "slots": g.get("slots", []), "standby": g.get("standby", []),
-                "target": g.get("target", 0), "queued": g.get("queued"),
-                "grantable": g.get("grantable", 0), "lend": self.lease.demand.get("lend", True),
-                "lent": g.get("lent", [])}
+        return LeaseStatus(
+            auto=self.lease.demand["auto"], weight=self.lease.demand["weight"],
+            slots=g.get("slots", []), standby=g.get("standby", []), target=g.get("target", 0),
+            queued=g.get("queued"), grantable=g.get("grantable", 0),
+            lend=self.lease.demand.get("lend", True), lent=g.get("lent", []))
 
-    def status(self) -> dict:
+    def status(self) -> PoolStatus:
+        """The pool now (pool.status.PoolStatus): sizes, engines, exclusions, its run, lease."""
         run = self.run if self.run is not None and self.run.active else None
-        return {"running": self.running, "size": self.size, "start_size": self.config.n,
-                "size_note": self.size_note(), "min": self.min_size,
-                "max": self.max_size, "backend": self.backend,
-                "excluded_slots": {slot: vars(x).copy()
-                                   for slot, x in self.excluded_slots.items()},
-                "engines": [vars(e).copy() for e in self.engines],
-                "warm": [{"pid": e.pid, "rss_mib": rss(e.pid) / 2**20}
-                         for e in self.engine_sets.warm],
-                "launcher": self.launcher.describe(), "run": run.name if run else None,
-                "queued": {slot: str(q) for slot, q in sorted(self.queued.items())},
-                "run_mode": run.memory.mode if run else None,
-                "lease": self.lease_status()}
+        return PoolStatus(
+            running=self.running, size=self.size, start_size=self.config.n,
+            size_note=self.size_note(), min=self.min_size, max=self.max_size,
+            backend=self.backend,
+            excluded_slots={slot: ExclusionStatus(reason=x.reason, until=x.until)
+                            for slot, x in self.excluded_slots.items()},
+            engines=[cast(EngineStatus, dataclasses.asdict(e)) for e in self.engines],
+            warm=[WarmStatus(pid=e.pid, rss_mib=rss(e.pid) / 2**20)
+                  for e in self.engine_sets.warm],
+            launcher=self.launcher.describe(), run=run.name if run else None,
+            queued={slot: str(q) for slot, q in sorted(self.queued.items())},
+            run_mode=run.memory.mode if run else None, lease=self.lease_status())
 
     def __repr__(self) -> str:
         return (f"<EnginePool size={self.size} bounds=[{self.min_size}, {self.max_size}] "

@@ -20,16 +20,17 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable
 
+from ..events import EventKind
 from . import faults
 from ..config import UsageError
 from ..engine.protocol import GenerationSpec
-from ..events import EventKind
 from ..pool.engine_calls import remote_message, remote_summary
 from ..pool.processes import kill
 from ..owner import background
 from ..server.snapshot import TRAINING_STATES, RunState
 from .cellsetup import CellSetup
 from .final_state import FinalState
+from .generation_end import GenerationEnded, GenerationFaulted
 from .membership import Membership
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
 from .rendezvous import Rendezvous
@@ -168,21 +169,21 @@ class Driver:
         newcomers = {e.engine_id for e in self.members[1:]}
         try:
             while True:
-                result = await self._run_generation(generation, newcomers, broadcast)
+                end = await self._run_generation(generation, newcomers, broadcast)
                 generation += 1
-                if result.get("reason") == "fault":
-                    newcomers = await self.recovery.recover(result["outcome"])
+                if isinstance(end, GenerationFaulted):
+                    newcomers = await self.recovery.recover(end.outcome)
                 else:
                     # a sharded run's rows are saved once every rank left: else one more to stop
-                    saved = not self.config.shard or len(result["handed_over"]) == len(self.members)
-                    await self._drain(result["drained"])  # (drained members leave the list)
-                    if result["reason"] == "finished" or (self.sizer.stop_requested and saved):
+                    saved = not self.config.shard or len(end.handed_over) == len(self.members)
+                    await self._drain(end.drained)  # (drained members leave the list)
+                    if end.reason == "finished" or (self.sizer.stop_requested and saved):
                         return await self._finish(
-                            RunState.FINISHED if result["reason"] == "finished"
+                            RunState.FINISHED if end.reason == "finished"
                             else RunState.STOPPED)
-                    newcomers = await (self._after_drain() if result["drained"] else
-                                       self._change_membership(result["progress"]["step"],
-                                                               result["handed_over"]))
+                    newcomers = await (self._after_drain() if end.drained else
+                                       self._change_membership(end.step,
+                                                               list(end.handed_over)))
                 broadcast = bool(newcomers)
         except BelowMinimum as e:
             await self._end_safely(self._stop_below_minimum(str(e)))
@@ -205,8 +206,9 @@ class Driver:
                                    time.monotonic())
         return 0 if end_at is None and self.membership.swappable() else end_at
 
-    async def _run_generation(self, generation: int, newcomers: set, broadcast: bool) -> dict:
-        """Run one generation to its end; returns rank 0's result, or {"reason": "fault"}."""
+    async def _run_generation(self, generation: int, newcomers: set, broadcast: bool
+                              ) -> GenerationEnded | GenerationFaulted:
+        """Run one generation to its end; returns how it ended."""
         end_at = self._end_at()
         rendezvous = self.rendezvous
         assert rendezvous is not None, "generations run after the setup opened the store"
@@ -251,17 +253,12 @@ class Driver:
                 rendezvous.request_end(generation, end_at, leavers)
         outcome = faults.classify(self.members, [t.future for t in tasks])
         if outcome.fault:
-            return {"reason": "fault", "outcome": outcome}
+            return GenerationFaulted(outcome)
         if outcome.errors:
             await self.final.keep_after_error(tasks[0], self.members[0])
             raise GenerationError(*outcome.errors[0])
-        result = outcome.results[self.members[0].engine_id]
-        self.log.merge(result, complete=True)
-        # (engine, wall time of its SIGTERM) for the ranks that left because they were told to
-        result["drained"] = [(e, outcome.results[e.engine_id]["drained"]) for e in self.members
-                             if outcome.results[e.engine_id].get("drained")]
-        result["handed_over"] = [self.members[r] for r in result.get("handed_over", ())]
-        return result
+        self.log.merge(outcome.results[self.members[0].engine_id], complete=True)
+        return GenerationEnded.of(self.members, outcome.results)
 
     def _leavers(self, end_at: int | None) -> list[int]:
         """A sharded run's ranks that go when the generation ends after `end_at`: they hand
@@ -348,7 +345,7 @@ class Driver:
         self.state = RunState.TRAINING
         return {e.engine_id for e in newcomers}
 
-    async def _drain(self, drained: list) -> None:
+    async def _drain(self, drained: tuple[tuple[Engine, float], ...]) -> None:
         """Ranks told to go (`drained`: (engine, wall time of its SIGTERM)) left the group
         after the last step, with every other rank: drop them and end their engines (their
         jobs). Should every rank go, the state is first written to a checkpoint, from which

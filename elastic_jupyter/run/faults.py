@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..engine.protocol import GenerationResult
 from ..pool.processes import alive
 
 HANG_GRACE = 3.0  # seconds the owner waits for the other ranks once one has failed
@@ -47,7 +48,8 @@ def is_peer_failure(error: BaseException) -> bool:
 class Outcome:
     """How each rank's generation task ended."""
 
-    results: dict = field(default_factory=dict)  # engine_id -> result dict (finished normally)
+    # engine_id -> its rank's result (finished normally)
+    results: dict[int, GenerationResult] = field(default_factory=dict)
     lost: list = field(default_factory=list)  # Engines that died or hung
     hung: list = field(default_factory=list)  # the subset that hung
     errors: list = field(default_factory=list)  # (Engine, error) raised by user code

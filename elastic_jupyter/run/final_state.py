@@ -8,10 +8,11 @@ writes it as a checkpoint when no rank did (a stop, an error, every rank drained
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
+from ..engine.protocol import TrainingState
 from ..events import EventKind
 from .runlog import RunLog
 
@@ -43,11 +44,11 @@ class FinalState:
         # a sharded run's ranks write their parts themselves (engine.sharded_checkpoint), and
         # its final state comes from them: rank 0 holds its rows only
         self.sharded = sharded
-        self.state: dict[str, Any] | None = None
+        self.state: TrainingState | None = None
         self.folder: str | None = None
         self.stamp: tuple | None = None
 
-    async def take(self, members: list[Engine]) -> dict:
+    async def take(self, members: list[Engine]) -> TrainingState:
         """Keep the run's state at its last step as its final state; returns it. From the
         checkpoint of that step when rank 0 wrote one (a finished run always does; so did a
         drain of every rank, which leaves no `members`), which spares rank 0 a serialized copy
@@ -55,7 +56,7 @@ class FinalState:
         self.state = await self._last_state(members)
         return self.state
 
-    async def _last_state(self, members: list[Engine]) -> dict:
+    async def _last_state(self, members: list[Engine]) -> TrainingState:
         written = self.log.last_event(EventKind.CHECKPOINT)  # this run's, not an older file's
         if self.sharded:
             return await self._sharded_state()
@@ -99,7 +100,7 @@ class FinalState:
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
             self.log.log(f"the sharded run's last checkpoint could not be read: {e}")
 
-    async def _sharded_state(self) -> dict:
+    async def _sharded_state(self) -> TrainingState:
         """A sharded run's final state: its newest checkpoint, whose folder becomes
         ``folder``; returns the rest of its state (read off the owner loop), with a warning
         when that is older than the run's last step (an error since)."""
@@ -114,7 +115,8 @@ class FinalState:
                            f"{step}: a sharded run's rows after it were not written")
         state = await loop.run_in_executor(None, sharded_checkpoint.read_state, path)
         self.folder, self.stamp = path, sharded_checkpoint.stamp(path)
-        return state or {}
+        # a manifest written without the rest of the state: an empty one, as before
+        return state if state is not None else cast(TrainingState, {})
 
     def _newest_sharded(self) -> tuple[int, str] | None:
         """(step, path) of the newest complete sharded checkpoint of this run's steps: the
@@ -128,16 +130,17 @@ class FinalState:
             if not mine:
                 continue
             try:
-                state = sharded_checkpoint.read_state(listed["path"]) or {}
+                state = sharded_checkpoint.read_state(listed["path"])
             except ckpt.CheckpointError:
                 continue
-            theirs = [r for r in state.get("history") or [] if r.get("step") == listed["step"]]
+            held = state["history"] if state is not None else []
+            theirs = [r for r in held if r.get("step") == listed["step"]]
             loss = mine.get("loss")
             if loss is not None and theirs and theirs[-1].get("loss") == loss:
                 return listed["step"], listed["path"]
         return None
 
-    async def write_checkpoint(self, state: dict) -> None:
+    async def write_checkpoint(self, state: TrainingState) -> None:
         """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
         slow); a failed write is an event, not an error."""
         step = state["progress"]["step"]

@@ -17,8 +17,8 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from . import faults
 from ..events import EventKind
+from . import faults
 from ..pool.engine_calls import remote_summary
 from ..pool.launchers import StartWithdrawn
 from ..pool.processes import kill

@@ -15,10 +15,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+from ..events import EventKind
 from . import faults
 from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
-from ..events import EventKind
 from .membership import Membership
 from .runlog import RunLog
 from .sizing import Sizer

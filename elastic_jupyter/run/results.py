@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, cast
 
 from ..config import UsageError
 from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
 from ..engine.frozen import digest
 from ..engine.history import whole_history
+from ..engine.protocol import TrainingState
 from . import streamed_export
 from .final_state import FinalState
 from .runlog import RunLog
@@ -78,7 +79,7 @@ class RunResults:
         history = self.log.history() if folder is None else whole_history(folder, state)
         return dict(state, history=history)
 
-    def _state(self) -> tuple[str | None, dict]:
+    def _state(self) -> tuple[str | None, TrainingState]:
         """(None, the final state) once the run ended, else (its folder, the newest
         checkpoint's state); a sharded run's model is read whole from its folder. Raises
         UsageError when there is neither."""
@@ -126,7 +127,8 @@ class RunResults:
             layout = self._read(sharded_checkpoint.model_layout, folder)
             shapes = {own.get(k, k): layout[v][0] if isinstance(v, str) else v[0]
                       for k, v in layout.items()}
-            state = self._read(sharded_checkpoint.read_state, folder) or {}
+            rest = self._read(sharded_checkpoint.read_state, folder)
+            state = rest if rest is not None else cast(TrainingState, {})
         frozen = state.get("frozen") if part == "model" else None
         self._check_keys(model, shapes, {own.get(_plain_key(k), k): d
                                          for k, d in (frozen or {}).items()})

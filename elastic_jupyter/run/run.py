@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import RunConfig, UsageError
-from ..events import EventKind
+from ..events import Event, EventKind
 from ..owner import background
 from ..server import registry
 from ..server.snapshot import ACTIVE_STATES, TRAINING_STATES, RunSnapshot, RunState, of_run
@@ -47,6 +47,9 @@ CHECKPOINT_FOLDER = "elastic-checkpoints"
 
 class TrainingRun:
     """An elastic data-parallel training run.
+
+    Its keywords after `config` are config.RunStart's fields (declared there with their
+    defaults; ``%%elastic_train`` takes those with a flag).
 
     Args:
         pool: the EnginePool to train on (started if needed); one run at a time per pool.
@@ -151,9 +154,10 @@ class TrainingRun:
         return list(self._driver.members)
 
     @property
-    def events(self) -> list[dict]:
-        """Events in order: start, resize, resized (with latency_s), checkpoint, fault,
-        warning, error, finished, stopped; each with kind, step and time."""
+    def events(self) -> list[Event]:
+        """Events in order (events.EventKind: start, resize, resized with latency_s,
+        checkpoint, fault, warning, error, finished, stopped, ...); each with kind, step and
+        time."""
         return self.log.events
 
     @property

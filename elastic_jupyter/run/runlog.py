@@ -14,11 +14,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Iterable, Protocol
+from collections.abc import Mapping
+from typing import Any, Iterable, Protocol, cast
 
 import numpy as np
 
-from ..events import ROLL_BACKS, EventKind
+from ..events import ROLL_BACKS, Event, EventKind
 
 
 class RecordSink(Protocol):
@@ -26,7 +27,7 @@ class RecordSink(Protocol):
 
     def add_records(self, records: Iterable[dict]) -> None: ...
 
-    def add_event(self, event: dict) -> None: ...
+    def add_event(self, event: Event) -> None: ...
 
     def roll_back(self, step: int) -> None: ...
 
@@ -43,14 +44,14 @@ class RunLog:
 
     def __init__(self, log_dir: str):
         self.log_dir = log_dir
-        self.events: list[dict] = []
+        self.events: list[Event] = []
         self._records: dict[int, tuple] = {}  # step -> (keys, *values)
         self._keys: dict[tuple, tuple] = {}  # one tuple of each record shape's keys
         self._merged_upto = 0  # newest step merged from rank 0's stream
         self._complete_upto = 0  # newest step with no record missing before it
         self._event_keys: set = set()  # (kind, step) of every event, to skip repeats
         self._resize: dict | None = None  # the latest resize's life (see `resize`)
-        self._resize_event: dict | None = None  # its "resize" event
+        self._resize_event: Event | None = None  # its "resize" event
         self.tensorboard: RecordSink | None = None  # a tensorboard.TensorBoardLog, once open
 
     # ------------------------------------------------------------------ reading (any thread)
@@ -74,7 +75,7 @@ class RunLog:
         found = (records.get(s) for s in range(step + 1, self.step + 1))
         return [_as_dict(r) for r in found if r is not None]
 
-    def last_event(self, kind: str) -> dict | None:
+    def last_event(self, kind: EventKind | str) -> Event | None:
         return next((e for e in reversed(self.events) if e["kind"] == kind), None)
 
     @property
@@ -102,11 +103,12 @@ class RunLog:
         except OSError:
             pass
 
-    def event(self, kind: EventKind | str, **fields) -> dict:
+    def event(self, kind: EventKind | str, **fields: Any) -> Event:
         """Record an event at ``fields["step"]`` (default: the newest step) and log it; its
         kind is stored as the plain string. Raises ValueError for a kind EventKind lacks."""
         kind = EventKind(kind).value
-        event = {"kind": kind, "step": fields.pop("step", self.step), "time": time.time(), **fields}
+        event = cast(Event, {"kind": kind, "step": fields.pop("step", self.step),
+                             "time": time.time(), **fields})
         self.events.append(event)
         self._event_keys.add((kind, event["step"]))
         if self.tensorboard is not None:
@@ -130,9 +132,10 @@ class RunLog:
             if self._resize_event is not None:
                 self._resize_event["to"] = new
 
-    def merge(self, data: dict, complete: bool = False) -> None:
+    def merge(self, data: Mapping[str, Any], complete: bool = False) -> None:
         """Take records and events streamed by rank 0 (repeats are skipped, unless the data
-        is `complete`: a generation's result fills any gap the live stream left)."""
+        is `complete`: a generation's result, engine.protocol.GenerationResult, fills any gap
+        the live stream left). `data` holds "records" and "events" lists."""
         for event in data.get("events", ()):  # a sharded run's ranks went back to a step
             if event["kind"] in ROLL_BACKS and (key := (event["kind"], event["step"],
                                                         event.get("generation"))) \
@@ -207,7 +210,7 @@ def _as_dict(held: tuple) -> dict:
     return dict(zip(held[0], held[1:]))
 
 
-def describe_event(event: dict) -> str | None:
+def describe_event(event: Event) -> str | None:
     """One human-readable line for an event (None for events not worth a line)."""
     kind, step = event["kind"], event["step"]
     if kind == EventKind.RESIZE:

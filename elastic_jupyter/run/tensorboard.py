@@ -27,6 +27,7 @@ import os
 from typing import TYPE_CHECKING, Sequence
 
 from ..config import UsageError
+from ..events import Event
 from .runlog import describe_event
 
 if TYPE_CHECKING:
@@ -71,7 +72,7 @@ class TensorBoardLog:
         events: the run's events so far: written at once.
     """
 
-    def __init__(self, folder: str, history: Sequence[dict] = (), events: Sequence[dict] = ()):
+    def __init__(self, folder: str, history: Sequence[dict] = (), events: Sequence[Event] = ()):
         self.folder = folder
         self._next = history[0]["step"] if history else 1  # the next step to write
         self._pending: dict[int, dict] = {}  # records that wait for an earlier step
@@ -99,7 +100,7 @@ class TensorBoardLog:
             self._write_record(self._pending.pop(self._next))
             self._next += 1
 
-    def add_event(self, event: dict) -> None:
+    def add_event(self, event: Event) -> None:
         """Write `event` (kind, step, time, fields) as a line of text under ``events``."""
         if event["kind"] in EVENT_KINDS and (writer := self._open()) is not None:
             writer.add_text("events", describe_event(event) or event["kind"],

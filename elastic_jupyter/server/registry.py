@@ -20,8 +20,8 @@ import uuid
 
 import psutil
 
-from .control import ControlServer
 from ..events import EventKind
+from .control import ControlServer
 from ..host import alive, own_folder, process_start, runtime_folder
 from ..owner import background
 from .snapshot import FINAL_STATES, last_snapshot

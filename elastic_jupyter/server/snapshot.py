@@ -39,10 +39,11 @@ import dataclasses
 import enum
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
+from ..events import EventKind
 from . import series
 from ..engine.checkpoint import list_checkpoints
-from ..events import EventKind
 
 SPARKLINE_POINTS = 60
 
@@ -77,7 +78,7 @@ TRAINING_STATES = (RunState.TRAINING, RunState.RESIZING)  # a resize request is 
 FINAL_STATES = (RunState.FINISHED, RunState.FAILED, RunState.STOPPED)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSnapshot:
     """A run at one moment; plain data (see the module's wire model)."""
 
@@ -103,7 +104,7 @@ class RunSnapshot:
     last_checkpoint: str | None = None
     log_dir: str | None = None
     slots: list = field(default_factory=list)
-    lease: dict | None = None
+    lease: dict | None = None  # pool.status.LeaseStatus (server/ reads no pool/ module)
     queued: list = field(default_factory=list)
     excluded: list = field(default_factory=list)
     resize: dict | None = None
@@ -132,8 +133,9 @@ class RunSnapshot:
         return text + (f"\n{self.error}" if self.error else "")
 
 
-def of_run(run, run_id: str | None) -> RunSnapshot:
-    """Snapshot of a live TrainingRun (any thread; reads only)."""
+def of_run(run: Any, run_id: str | None) -> RunSnapshot:
+    """Snapshot of a live run.run.TrainingRun (any thread; reads only; typed Any: server/
+    imports nothing of run/, which stands above it)."""
     log, step = run.log, run.step
     recent = log.records_since(max(0, step - 20))
     last = recent[-1] if recent else {}
@@ -173,22 +175,21 @@ def of_entry(entry: dict) -> RunSnapshot:
     checkpoints = list_checkpoints(entry["checkpoint_dir"])
     last = last_snapshot(entry)
     if last.get("state") in FINAL_STATES:
-        snap = RunSnapshot(**{k: v for k, v in last.items()
-                              if k in {f.name for f in dataclasses.fields(RunSnapshot)}})
-        snap.checkpoints = checkpoints
-        return snap
+        known = {f.name for f in dataclasses.fields(RunSnapshot)}
+        return RunSnapshot(**{**{k: v for k, v in last.items() if k in known},
+                              "checkpoints": checkpoints})
     state = RunState.UNRESPONSIVE if entry["live"] else RunState.LOST
     step = max([last.get("step") or 0] + [c["step"] for c in checkpoints])
-    snap = RunSnapshot(name=entry["name"], state=state, step=step, checkpoints=checkpoints,
-                       checkpoint_dir=entry["checkpoint_dir"], id=entry.get("id"),
-                       notebook=entry.get("notebook"), total_steps=last.get("total_steps"),
-                       loss=last.get("loss"), log_dir=os.path.join(entry["checkpoint_dir"], "logs"))
     if state == RunState.UNRESPONSIVE:
-        snap.error = ("its kernel runs but the run does not answer on its control channel; "
-                      "the notebook's own dashboard can still reach it")
+        error = ("its kernel runs but the run does not answer on its control channel; "
+                 "the notebook's own dashboard can still reach it")
     else:
-        snap.error = "the kernel that ran it is gone" + (
+        error = "the kernel that ran it is gone" + (
             f"; continue from the checkpoint at step {checkpoints[-1]['step']} with "
             f"%%elastic_train --name {entry['name']} --resume (same cell and options)"
             if checkpoints else "; it wrote no checkpoint, so it must start again")
-    return snap
+    return RunSnapshot(name=entry["name"], state=state, step=step, checkpoints=checkpoints,
+                       checkpoint_dir=entry["checkpoint_dir"], id=entry.get("id"),
+                       notebook=entry.get("notebook"), total_steps=last.get("total_steps"),
+                       loss=last.get("loss"), log_dir=os.path.join(entry["checkpoint_dir"], "logs"),
+                       error=error)

@@ -29,7 +29,7 @@ import numpy as np
 import traitlets
 
 from ..config import UsageError
-from ..events import MARKED, EventKind
+from ..events import MARKED, Event, EventKind
 from ..server import series
 from ..server.snapshot import RunState
 
@@ -223,7 +223,7 @@ def _shell():
     return get_ipython()
 
 
-def _marker(event: dict) -> dict:
+def _marker(event: Event) -> dict[str, Any]:
     keep = ("kind", "step", "from", "to", "latency_s", "path", "message", "rolled_back_to",
             "lost_steps", "scheduled")
     return {k: v for k, v in event.items() if k in keep}

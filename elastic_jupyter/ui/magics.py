@@ -6,6 +6,7 @@ Python API a script would use. Errors become IPython UsageErrors: a message, no 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import time
@@ -16,16 +17,14 @@ from IPython.core.error import UsageError as IPythonUsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.display import display
 
-from ..config import (REMOVED, Group, LauncherOptions, PoolOptions, RunConfig, UsageError, flag,
-                      flagged, positive_int)
+from ..arbiter.machine_view import MachineView
+from ..config import (REMOVED, Group, LauncherOptions, PoolOptions, RunConfig, RunStart,
+                      UsageError, flag, flagged, positive_int)
 from ..pool.launchers import Launcher, make_launcher
 from ..pool.pool import EnginePool, Exclusion
+from ..pool.status import PoolStatus
 from ..run.run import RunSetupError, TrainingRun
 from .options import HelpShown, Parser, add_option, add_options, values
-
-
-def _weight(value: float | None) -> float:
-    return 1.0 if value is None else value
 
 
 def _schedule(text: str) -> list[tuple[int, int]]:
@@ -47,7 +46,7 @@ class _PoolStatus(dict):
         pass
 
 
-def _status_table(status: dict) -> str:
+def _status_table(status: PoolStatus) -> str:
     """The pool's status as lines of text: size and bounds, the engines, excluded slots."""
     lines = [f"Pool: {status['size']} engine(s), bounds [{status['min']}, {status['max']}], "
              f"backend {status['backend']}, on {status['launcher']}, "
@@ -66,8 +65,7 @@ def _status_table(status: dict) -> str:
     now = time.time()
     for slot, exclusion in sorted(status["excluded_slots"].items()):
         lines.append(f"Excluded slot {slot}: {Exclusion(**exclusion).describe(now)}")
-    if status.get("size_note"):  # a run left the pool at another size than it started with
-        note = status["size_note"]
+    if note := status["size_note"]:  # a run left the pool at another size than it started with
         lines.append(f"{note[0].upper()}{note[1:]}: a run without --engines starts at "
                      f"{status['size']}; %elastic_pool resize {status['start_size']} goes back.")
     lease = status.get("lease")
@@ -84,7 +82,7 @@ def _status_table(status: dict) -> str:
     return "\n".join(lines)
 
 
-def _machine_table(view: dict, now: float) -> str:
+def _machine_table(view: MachineView, now: float) -> str:
     """The machine's slots (holder, since, use) and runs, as the arbiter sees them; for a
     scheduler's pool (Slurm), what its partition's last look found."""
     if (scheduler := view.get("scheduler")) is not None:
@@ -99,8 +97,9 @@ def _machine_table(view: dict, now: float) -> str:
     for s in view["slots"]:
         h = s["holder"]
         if h is not None:
+            lender = h.get("lent_by")
             who = h["name"] + (" (standby)" if h["standby"] else "") + (
-                f" (lent by {h['lent_by']['name']})" if h.get("lent_by") else "")
+                f" (lent by {lender['name']})" if lender else "")
             row = (who, h["user"], h["notebook"] or "-", f"{now - h['since']:.0f} s")
         elif s["outside"]:
             row = ("outside: " + s["outside"], "-", "-", "-")
@@ -156,11 +155,6 @@ class _TrainLine:
 
     variable: str = field(default="run", metadata=flag(
         "variable", "notebook variable for the run handle (default %(default)s)"))
-    engines: int | None = field(default=None, metadata=flag(
-        "--engines", "starting world size (unset: the pool's size)", parse=positive_int,
-        group=Group.ELASTICITY))
-    resume: bool = field(default=False, metadata=flag(
-        "--resume", "continue from the newest checkpoint", group=Group.CHECKPOINTS))
     push: str = field(default="", metadata=flag(
         "--push", "notebook variables to send to the engines: a,b", group=Group.RUN))
     schedule: str = field(default="", metadata=flag(
@@ -178,8 +172,8 @@ def _train_parser() -> Parser:
                description="Train the model the cell defines across the pool. The cell runs on "
                            "every engine and must define model, optimizer, dataset and "
                            "loss_fn(model, batch).")
-    add_options(p, flagged(RunConfig), flagged(PoolOptions, "auto", "weight"),
-                flagged(_TrainLine), removed=REMOVED)
+    add_options(p, flagged(RunConfig), flagged(RunStart),
+                flagged(PoolOptions, "auto", "weight"), flagged(_TrainLine), removed=REMOVED)
     return p
 
 
@@ -236,11 +230,7 @@ class ElasticMagics(Magics):
                 raise UsageError(f"a pool is already running ({self.pool!r}); "
                                  "%elastic_pool stop it first")
             given = values(PoolOptions, args)
-            self.pool = EnginePool(given.n, given.min_size, given.max_size, given.gpus,
-                                   given.engine_timeout, auto=given.auto,
-                                   weight=_weight(given.weight),
-                                   arbiter=False if given.no_arbiter else None,
-                                   launcher=_launcher(args), lend=not given.no_lend).start()
+            self.pool = EnginePool(**dataclasses.asdict(given), launcher=_launcher(args)).start()
             print(f"Started {self.pool!r} on {self.pool.launcher.describe()}: " + ", ".join(
                 f"slot {e.slot} ({e.device} on {e.host}, pid {e.pid})"
                 for e in self.pool.engines))
@@ -248,11 +238,11 @@ class ElasticMagics(Magics):
         if self.pool is None or not self.pool.running:
             raise UsageError("no pool is running: start one with %elastic_pool start")
         if args.action == "status":
-            status = _PoolStatus(self.pool.status())
+            status = self.pool.status()
             print(_status_table(status))  # shown wherever the line is in the cell
             if self.pool.lease is not None:
                 print(_machine_table(self.pool.machine(), time.time()))
-            return status
+            return _PoolStatus(status)
         if args.action == "resize":
             if args.size is None:
                 raise UsageError("%elastic_pool resize needs a size, like %elastic_pool resize 3")
@@ -296,14 +286,15 @@ class ElasticMagics(Magics):
         push = self._pushed(args.push)
         config = values(RunConfig, args)
         if self.pool is None or not self.pool.running:
-            self.pool = EnginePool(auto=args.auto, weight=_weight(args.weight)).start()
+            self.pool = EnginePool(auto=args.auto, weight=args.weight).start()
             print(f"Started {self.pool!r}")
         elif args.auto or args.weight is not None:
             self.pool.set_auto(args.auto or self.pool.lease is not None
                                and self.pool.lease.demand["auto"], args.weight)
-        run = TrainingRun(self.pool, config, source=cell, push=push, resume=args.resume,
-                          engines=args.engines, notebook=os.environ.get("JPY_SESSION_NAME"),
-                          schedule=_schedule(args.schedule))
+        start = dataclasses.replace(values(RunStart, args), source=cell, push=push,
+                                    notebook=os.environ.get("JPY_SESSION_NAME"),
+                                    schedule=_schedule(args.schedule))
+        run = TrainingRun(self.pool, config, **vars(start))  # shallow: push's objects as given
         run.start()
         self.run = run
         self._namespace()[args.variable] = run

@@ -113,6 +113,8 @@ def _argparse_terms(option: Field, spelled: Flag) -> dict[str, Any]:
     terms: dict[str, Any] = {} if spelled.help is None else {"help": spelled.help}
     if not positional:
         terms["dest"] = option.name
+    if spelled.sets is not NEEDS_VALUE:  # a flag alone that stores a value of its own
+        return dict(terms, action="store_const", const=spelled.sets, default=option.default)
     if option.default is False and spelled.bare is NEEDS_VALUE:  # a switch
         return dict(terms, action="store_true")
     if option.default is MISSING:

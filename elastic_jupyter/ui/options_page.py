@@ -14,8 +14,8 @@ import sys
 from dataclasses import MISSING, Field
 from typing import Any
 
-from ..config import (REMOVED, VARIABLES, Flag, Group, LauncherOptions, PoolOptions, RunConfig,
-                      flagged)
+from ..config import (NEEDS_VALUE, REMOVED, VARIABLES, Flag, Group, LauncherOptions,
+                      PoolOptions, RunConfig, RunStart, flagged)
 from .magics import _PoolLine, _ResizeLine, _TrainLine
 
 # the side panel's settings, as JupyterLab's settings editor shows them
@@ -26,7 +26,8 @@ Option = tuple[Field, Flag]
 
 def page(schema: pathlib.Path = PANEL_SCHEMA) -> str:
     """The whole page, as Markdown."""
-    train = flagged(RunConfig) + flagged(PoolOptions, "auto", "weight") + flagged(_TrainLine)
+    train = (flagged(RunConfig) + flagged(RunStart) + flagged(PoolOptions, "auto", "weight")
+             + flagged(_TrainLine))
     parts = [_HEADER, "## `%%elastic_train`\n",
              "The cell's line; `%%elastic_train --help` shows the same sections.\n"]
     parts += [_table(f"### {group.value.capitalize()}", [o for o in train if o[1].group is group])
@@ -63,6 +64,8 @@ def _table(title: str, options: list[Option]) -> str:
 def _default(option: Field, spelled: Flag) -> str:
     if option.default is MISSING:
         return "required"
+    if spelled.sets is not NEEDS_VALUE:  # a flag alone that stores its value: off until given
+        return "off"
     if option.default is None:
         return "unset"
     if option.default is False:

@@ -6,10 +6,10 @@ import os
 
 import numpy as np
 
-from ..events import EventKind
+from ..events import Event, EventKind
 from ..server import series
 
-MARKER_STYLE = {  # kind (events.DRAWN): (colour, line style, legend label)
+MARKER_STYLE: dict[str, tuple[str, str, str]] = {  # kind (events.DRAWN): (colour, style, label)
     EventKind.RESIZED: ("tab:green", "--", "resize"),
     EventKind.FAULT: ("tab:red", "-", "fault"),
     EventKind.CHECKPOINT: ("0.55", ":", "checkpoint"),
@@ -18,7 +18,7 @@ MARKER_STYLE = {  # kind (events.DRAWN): (colour, line style, legend label)
 }
 
 
-def plot_run(history: list[dict], events: list[dict], title: str = "", save: str | None = None,
+def plot_run(history: list[dict], events: list[Event], title: str = "", save: str | None = None,
              smoothing: float = 0.6, log: bool = False, metric: str | None = None):
     """Draw training loss against step with the world size as a step line and a vertical
     marker at every resize, fault and checkpoint.
@@ -101,7 +101,7 @@ def _draw_metric(ax, cols: dict, name: str) -> None:
     ax.grid(alpha=0.3)
 
 
-def _draw_markers(ax, cols: dict, events: list[dict]) -> None:
+def _draw_markers(ax, cols: dict, events: list[Event]) -> None:
     labelled = set()
     for event in events:
         style = MARKER_STYLE.get(event["kind"])

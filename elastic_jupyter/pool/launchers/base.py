@@ -16,6 +16,7 @@ import abc
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from ...arbiter.machine_view import MachineView
 from ...config import UsageError
 from ...engine.interface import address_of, address_towards, interface_of
 
@@ -40,7 +41,7 @@ class Arbiter(Protocol):
 
     def unregister(self, run: str) -> None: ...
 
-    def view(self) -> dict: ...
+    def view(self) -> MachineView: ...
 
 
 @dataclass(frozen=True)
