@@ -97,7 +97,7 @@ def _ours(engine: int, port: int, size: str, out: str) -> None:
             sampler.phase = "setup"
             worker = Worker(_run_setup(cell(size, SEQ), None, {}, None), cfg, "cpu")
             _tag(worker, sampler)
-            sampler.beside = lambda w=worker: w.sharded.host_bytes
+            sampler.beside = lambda w=worker: w.mode.sharded.host_bytes
         W = len(members)
         sampler.phase = f"resize to {W}" if generation else f"start at {W}"
         spec = GenerationSpec(rank=members.index(engine), world_size=W, generation=generation,
@@ -112,7 +112,7 @@ def _ours(engine: int, port: int, size: str, out: str) -> None:
 
 def _tag(worker: Worker, sampler: Sampler) -> None:
     """Phases from the Worker's calls: a step trains at its world size; a leave hands over."""
-    step, leave = worker.train_step, worker.sharded.leave
+    step, leave = worker.train_step, worker.mode.sharded.leave
 
     def train_step(rank, world_size, *args, **kwargs):
         sampler.phase = f"train at {world_size}"
@@ -121,7 +121,7 @@ def _tag(worker: Worker, sampler: Sampler) -> None:
     def hand_over(*args, **kwargs):
         sampler.phase = "hand over"
         return leave(*args, **kwargs)
-    worker.train_step, worker.sharded.leave = train_step, hand_over
+    worker.train_step, worker.mode.sharded.leave = train_step, hand_over
 
 
 def _fsdp2(rank: int, world_size: int, port: int, size: str, out: str) -> None:

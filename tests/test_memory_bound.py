@@ -146,9 +146,9 @@ def test_a_pool_min_and_a_resize_below_the_bound_are_refused_with_the_numbers():
 
 def _need_of(options: dict, cell: str = CELL) -> MemoryNeed:
     worker = Worker(cell_namespace(cell, 3), dict(config(shard=True), **options), "cpu")
-    assert worker.sharded is not None
-    found = worker.sharded.count_memory(worker.optimizer, worker.plan.micro_batch_count(16),
-                                        worker.device)
+    found = worker.mode.memory_need(worker.optimizer, worker.plan.micro_batch_count(16),
+                                    worker.device)
+    assert found is not None, "a sharded run counts its memory"
     return MemoryNeed(**found["need"])
 
 

@@ -9,7 +9,7 @@ from worlds import cell_namespace
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.engine import checkpoint as ckpt
 from elastic_jupyter.engine.objects import CellObjects, SetupError
-from elastic_jupyter.config import RunConfig
+from elastic_jupyter.engine.modes import state_mode
 from elastic_jupyter.pool.processes import alive
 
 GAN_CELL = '''
@@ -101,7 +101,9 @@ def test_a_gan_resized_killed_between_its_optimizers_and_resumed_equals_the_undi
 def _objects(source: str, **options):
     config = RunConfig.from_dict({"name": "gan", "global_batch": 8, "pool_max_size": 2,
                                   "steps": 4, **options})
-    return CellObjects.of(cell_namespace(source, 0), config)
+    cell = CellObjects.of(cell_namespace(source, 0), config)
+    state_mode(config).check(cell, torch.device("cpu"))  # what --shard refuses
+    return cell
 
 
 @pytest.mark.parametrize("change, options, message", [

@@ -21,7 +21,7 @@ from elastic_jupyter.engine.sharded_checkpoint import (commit, latest, load_whol
                                                        read_model, read_rows, stamp, write_part)
 from elastic_jupyter.engine.sharded_writer import PartWriter
 from elastic_jupyter.engine.sharding import ShardedModel, Snapshot
-from elastic_jupyter.run.final_state import FinalState
+from elastic_jupyter.run.final_state import ShardedFinalState
 from elastic_jupyter.run.results import RunResults
 from elastic_jupyter.run.runlog import RunLog
 from elastic_jupyter.run.streamed_export import write_streamed
@@ -126,7 +126,7 @@ def test_a_sharded_final_model_loads_a_tensor_at_a_time_into_a_model_that_fits(t
     commit(folder, 4, 1, 1, part, sharded.shapes, {"progress": {"step": 4}}, threading.Event(),
            60, sharded.aliases)
     log = RunLog(str(tmp_path / "logs"))
-    final = FinalState(None, log, folder, keep=3, sharded=True)  # type: ignore[arg-type]
+    final = ShardedFinalState(None, log, folder, keep=3)  # type: ignore[arg-type]
     final.state, final.folder = {"progress": {"step": 4}}, latest(folder)
     final.stamp = stamp(final.folder)
     results = RunResults("r", folder, str(tmp_path / "logs"), log, final)
@@ -186,7 +186,7 @@ def test_the_final_state_is_the_newest_checkpoint_whose_step_the_run_log_holds(t
     _checkpoint(folder, 5, 1.0 / 5)  # this run's
     _checkpoint(folder, 6, 9.0)  # another training's step 6 (another loss)
     _checkpoint(folder, 9, 1.0 / 9)  # a step the run has not reached (a timeline left)
-    final = FinalState(None, log, folder, keep=3, sharded=True)  # type: ignore[arg-type]
+    final = ShardedFinalState(None, log, folder, keep=3)  # type: ignore[arg-type]
     assert final._newest_sharded() == (5, os.path.join(folder, "step-00000005.shards"))
 
 

@@ -144,7 +144,7 @@ def test_the_pool_status_and_the_snapshot_say_the_run_is_sharded(idle_pool, tmp_
             time.sleep(0.05)
         assert idle_pool.status()["run_mode"] == "sharded, no memory bound (no --memory-per-rank)"
         snapshot = run.snapshot()
-        assert snapshot.sharded and "world size 2 (sharded)" in snapshot.summary()
+        assert snapshot.state_mode == "sharded" and "world size 2 (sharded)" in snapshot.summary()
     finally:
         run.stop()
         run.wait(timeout=60)

@@ -195,9 +195,12 @@ def _objects(source: str, **options):
     from elastic_jupyter.engine.objects import CellObjects
     from elastic_jupyter.config import RunConfig
     from worlds import cell_namespace
+    from elastic_jupyter.engine.modes import state_mode
     config = RunConfig.from_dict({"name": "streams", "global_batch": 8, "pool_max_size": 4,
                                   **options})
-    return CellObjects.of(cell_namespace(source, 0), config)
+    cell = CellObjects.of(cell_namespace(source, 0), config)
+    state_mode(config).check(cell, torch.device("cpu"))  # what --shard refuses
+    return cell
 
 
 BARE_ITERABLE = '''

@@ -120,7 +120,7 @@ def test_a_sharded_runs_warm_engine_holds_no_rows_until_it_joins(tmp_path, monke
         worker = entrypoints._state.worker
         assert reply["parameters"] == 10 and reply["memory"]["need"]  # counted before
         assert all(p.untyped_storage().nbytes() == 0 for p in worker.model.parameters())
-        assert not worker.sharded.model.holds_rows
+        assert not worker.mode.sharded.model.holds_rows
         assert entrypoints.bind_slot(3, None, 1)["slot"] == 3 and not entrypoints._state.warm
     finally:
         entrypoints.drop_run()

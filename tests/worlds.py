@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from elastic_jupyter.engine.batching import BatchPlan
 from elastic_jupyter.engine.entrypoints import _run_setup
 from elastic_jupyter.engine.losses import MeanOver
+from elastic_jupyter.engine.state_mode import Place
 from elastic_jupyter.engine.vote import Vote
 from elastic_jupyter.engine.worker import Worker
 
@@ -86,16 +87,16 @@ def _train_rank(rank: int, world_size: int, cell: str, cfg: dict, steps: int, st
         worker = Worker(cell_namespace(cell, cfg["seed"]), dict(cfg, steps=steps), "cpu")
         # options the setup refuses on CPU
         worker.config = dataclasses.replace(worker.config, **cfg.get("late", {}))
-        if worker.sharded is not None:  # as the setup, then a generation, do
-            worker.sharded.count_memory(worker.optimizer, worker.plan.micro_batch_count(
-                worker.plan.global_batch), worker.device)
-            worker.sharded.agree(world_size, rank > 0, 0, worker.restore)
+        # as the setup, then a generation, do (a sharded run's count and layout)
+        worker.mode.memory_need(worker.optimizer, worker.plan.micro_batch_count(
+            worker.plan.global_batch), worker.device)
+        worker.mode.agree(worker, Place(rank, world_size, 0, 60.0), rank > 0)
         worker.start_generation(rank, world_size)
         for _ in range(steps):
             worker.history.append(worker.train_step(rank, world_size, vote)[0])
         result = _result(worker.model, worker.history, scaler=worker.precision.scaler)
         result.pass_cost = worker.progress.pass_cost
-        result.per_pass = worker.sharded is not None and worker.sharded.reducer.per_pass
+        result.per_pass = bool(getattr(worker.reducer, "per_pass", False))  # sharded only
     finally:
         if world_size > 1:
             dist.destroy_process_group()

@@ -28,10 +28,10 @@ import torch.distributed as dist
 
 from ..config.environment import OWNER_ADDRESS, SLOT
 from ..config.run import RunConfig
-from . import drain, history, publish, schedulers, sharded_checkpoint
+from . import drain, history, publish, schedulers
 from . import state as state_mod
 from . import workdir as workdir_mod
-from .checkpoint import CheckpointError, latest_checkpoint, load_latest, unloadable
+from .checkpoint import CheckpointError, unloadable
 from .fingerprint import dataset_fingerprint
 from .generation import run_generation
 from .interface import use_interface_towards
@@ -196,7 +196,7 @@ def _on_device(worker: Worker, device: str, slot: int) -> Worker:
                    frozen_digests=worker.frozen.digests)  # the same bytes: not hashed again
     # a cell that chose a device for itself fails here, not mid-step; a sharded run's released
     # rows (setup_run) cannot run the trials, which ran on the host at its setup
-    _check_worker(again, trials=again.sharded is None or again.sharded.model.holds_rows)
+    _check_worker(again)
     again.fingerprint = fingerprint
     return again
 
@@ -302,23 +302,24 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
              "parameters": sum(p.numel() for p in w.model.parameters()),
              "eval_samples": len(w.eval_dataset) if w.eval_dataset is not None else 0,
              "dataset": dataset, "frozen": w.frozen.manifest(), "workdir": workdir,
-             "memory": w.sharded.count_memory(w.optimizer, w.plan.micro_batch_count(min(
-                 w.plan.global_batch, w.plan.n)), w.device) if w.sharded else None,
+             "memory": w.mode.memory_need(w.optimizer, w.plan.micro_batch_count(min(
+                 w.plan.global_batch, w.plan.n)), w.device),
              "imported": [m for m, module in list(sys.modules.items()) if m not in loaded
                           and workdir_mod.installed_file(getattr(module, "__file__", None))]}
-    if w.sharded is not None and _state.warm:
-        w.sharded.model.release()  # a warm engine of a sharded run is sent its rows at its join
+    if _state.warm:
+        w.mode.set_aside()  # a warm engine of a sharded run is sent its rows at its join
     return reply
 
 
-def _check_worker(worker: Worker, trials: bool = True) -> None:
+def _check_worker(worker: Worker) -> None:
     """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
-    scheduler options do not fit, or (with `trials`) whose functions the run calls later fail
-    when tried once, on a small batch (engine.trials.SetupTrials.run: nothing they change
-    stays)."""
+    scheduler options do not fit, or (where the state mode lets the engine try them) whose
+    functions the run calls later fail when tried once, on a small batch
+    (engine.trials.SetupTrials.run: nothing they change stays)."""
     schedulers.check(worker)
-    if trials:
-        SetupTrials(worker.config, worker.objects, worker.plan, worker.device).run()
+    worker.mode.check_setup(
+        lambda: SetupTrials(worker.config, worker.objects, worker.plan, worker.device,
+                            worker.mode.model_runs_at_setup(worker.device)).run())
     state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
                               worker.progress, worker.history.records, worker.config_record(),
                               copy_tensors=False, grad_scaler=worker.precision.scaler)
@@ -367,15 +368,10 @@ def load_state(folder: str) -> dict:
     Raises CheckpointError when none is usable.
     """
     w = _state.run_worker()
-    if w.sharded is not None:  # its rows are read by every rank at the next generation
-        return _load_sharded(w, folder)
     details: list[str] = []
-    try:
-        path, state, warnings = load_latest(folder, log=details.append)
+    try:  # a sharded run's rows are read by every rank at the next generation's start
+        path, state, warnings = w.mode.load(w, folder, details)
     except CheckpointError as e:
-        if sharded_checkpoint.latest(folder):
-            raise CheckpointError(f"{e}: its checkpoints were written with --shard; resume "
-                                  "with --shard") from None
         if details and _state.log_path:
             raise CheckpointError(f"{e}\n(torch's full errors: {_state.log_path})") from None
         raise
@@ -383,26 +379,6 @@ def load_state(folder: str) -> dict:
         with _logging_to(_state.log_path):
             for text in details:
                 print(text, file=sys.stderr)
-    w.restore(state)
-    return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
-            "config": state["config"], "history": history.whole_history(folder, state),
-            "pending": w.pending is not None}
-
-
-def _load_sharded(w: Worker, folder: str) -> dict:
-    """load_state for a sharded run: the newest sharded checkpoint in `folder` (its rest of
-    the state restored here; every rank reads its rows at the next generation's start)."""
-    path, warnings = sharded_checkpoint.usable_latest(folder)
-    if path is None:
-        hint = (": its checkpoints were written without --shard; resume without it"
-                if latest_checkpoint(folder) else "")
-        raise CheckpointError(f"no usable sharded checkpoint (step-*.shards) in {folder}{hint}"
-                              + "".join(f"\n  {line}" for line in warnings))
-    state = sharded_checkpoint.read_state(path)
-    assert state is not None and w.sharded is not None
-    w.frozen.check(state)  # the frozen weights it was trained with: this cell's?
-    w.restore(state)
-    w.sharded.resume(path)
     return {"path": path, "warnings": warnings, "progress": w.progress.as_dict(),
             "config": state["config"], "history": history.whole_history(folder, state),
             "pending": w.pending is not None}

@@ -29,7 +29,7 @@ from .loader import pass_batches
 from .losses import floats, read_metrics, weighted
 from .objects import CellObjects
 from .randomness import micro_batch_stream
-from .sharding import reshard_all
+from .state_mode import StateMode
 from .transfer import to_device
 from .vote import Vote
 
@@ -69,8 +69,9 @@ class Evaluation:
     """
 
     def __init__(self, config: RunConfig, objects: CellObjects, plan: BatchPlan,
-                 device: torch.device):
+                 device: torch.device, mode: StateMode):
         self.config, self.objects, self.plan, self.device = config, objects, plan, device
+        self.mode = mode  # who holds the state: its forwards may be collectives
 
     def chunk_size(self) -> int:
         """C, the samples of one evaluation chunk: ``--micro-batch N``, else the largest
@@ -89,15 +90,14 @@ class Evaluation:
         also when a peer fails (a collective: all ranks call it)."""
         count = -(-len(self.objects.eval_dataset) // self.chunk_size())
         mine = range(count)[rank_share(count, rank, world_size)]
-        pads = len(range(count)[rank_share(count, 0, world_size)]) - len(mine) \
-            if self.config.shard else 0
+        pads = self.mode.evaluation_pads(len(mine),
+                                         len(range(count)[rank_share(count, 0, world_size)]))
         with evaluation_mode(self.objects.model):
             self._share_buffers(world_size)
             try:
                 return self._evaluate_chunks([0] * pads + list(mine), step)[pads:]
             finally:
-                if self.config.shard:  # FSDP2 keeps the root gathered after a forward
-                    reshard_all(self.objects.model)  # that no backward follows
+                self.mode.forwards_done(self.objects.model)
 
     @staticmethod
     def combine(chunks: list[Chunk], vote: Vote | None) -> dict[str, float]:

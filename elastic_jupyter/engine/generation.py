@@ -32,7 +32,7 @@ from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_
                        generation_prefix)
 from .publish import publish
 from .schedulers import step_lr_scheduler
-from .sharded_checkpoint import PART_TIMEOUT_S
+from .state_mode import Place
 from .state_transfer import broadcast_state
 from .vote import Vote
 from .work_barrier import work_then_wait
@@ -93,8 +93,9 @@ class Generation:
         self.events: list[Event] = []  # rank 0's, for the owner's run log
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
         self._went_back_to: int | None = None  # a sharded run's roll back (sharded_mode)
-        self._written: int | None = None  # the step of this rank's last sharded checkpoint
         self.handed_over: list[int] = []  # ranks that left with their rows handed over
+        # this rank's place, as the state mode's generation calls take it (engine.state_mode)
+        self.place = Place(self.rank, self.world_size, spec.generation, spec.timeout)
 
     def run(self) -> GenerationResult:
         with drain.training():  # from here a SIGTERM waits for the next step boundary
@@ -121,8 +122,7 @@ class Generation:
                   else contextlib.nullcontext()):
                 return self._train()
         except PeerFailure:
-            if w.sharded is not None:  # a dead peer's checkpoint part never comes
-                w.sharded.writer.abort()
+            w.mode.abort_writes()  # a dead peer's checkpoint part never comes
             raise
         finally:
             w.end_generation()
@@ -136,14 +136,11 @@ class Generation:
     def _train(self) -> GenerationResult:
         w = self.worker
         fault_point("resize", w)
-        if w.sharded is not None:  # where each rank's rows come from; survivors of a lost
-            # rank's rows go back to their replicas' step before newcomers are sent the state
-            event = w.sharded.agree(self.world_size, self.spec.receive_state, w.progress.step,
-                                    w.restore)
-            if event is not None:  # the owner's acknowledgements above it are of records
-                self._went_back_to = event["step"]  # this generation trains again
-                event["generation"] = self.spec.generation
-                self.events += [event] if self.rank == 0 else []
+        # where each rank's state comes from (a sharded run's rows may go back to a step)
+        event = w.mode.agree(w, self.place, self.spec.receive_state)
+        if event is not None:  # the owner's acknowledgements above it are of records
+            self._went_back_to = event["step"]  # this generation trains again
+            self.events += [event] if self.rank == 0 else []
         if self.spec.broadcast:
             self._broadcast_state(self.spec.receive_state)
         # a stream's newest state may be a peer's (a fault left it on its reader)
@@ -153,8 +150,8 @@ class Generation:
             event = w.start_generation(self.rank, self.world_size)
         self.events += [event] if event else []
         self._position_input(first=True)
-        if w.sharded is not None:  # replicas of the new layout, at once
-            self._refresh_replicas()
+        w.mode.started(w, self.place)  # a sharded run's partner copies of the new layout
+        self.events += w.mode.take_events(self.rank, wait=False)
         with _out_of_memory_hint(w.config):
             return self._loop()
 
@@ -247,8 +244,9 @@ class Generation:
                     last_publish = now
             if leave and p.step < w.total_steps:
                 w.pipeline.share(rank, world_size, opening=False)  # a leaver's streams
-                if w.sharded is not None:  # a leaver hands its rows over first
-                    self._hand_over()
+                # a sharded run's leavers hand their rows over first
+                self.handed_over = w.mode.leave(w, self.place, drain.requested(),
+                                                self._named_leavers)
                 break
         else:
             reason = "finished"
@@ -262,64 +260,17 @@ class Generation:
             records=w.history.since(max(first, acknowledged or 0)) if rank == 0 else [],
             events=events, drained=drain.served(), handed_over=self.handed_over)
 
-    def _refresh_replicas(self) -> None:
-        """Every rank of a sharded run: its part and the rest of the state copied, the part
-        sent to its partner (engine.sharded_mode); rank 0 logs the bytes sent, the seconds
-        and the host memory its copies hold."""
-        w, start = self.worker, time.perf_counter()
-        assert w.sharded is not None
-        fault_point("refresh", w)
-        sent = w.sharded.refresh(w.progress.step, self.rank, self.world_size, w.optimizer,
-                                 w.capture, self.spec.generation)
-        if self.rank == 0:
-            self.events.append({"kind": EventKind.REPLICAS.value, "step": w.progress.step,
-                                "bytes": sent, "seconds": round(time.perf_counter() - start, 3),
-                                "host_bytes": w.sharded.host_bytes})
-
-    def _hand_over(self) -> None:
-        """A sharded run's end of generation: rows go to the ranks that stay
-        (engine.sharded_mode), and the Worker keeps the model's skeleton (no memory) until the
-        next generation builds it; when every rank leaves (each told to go), a checkpoint."""
-        w = self.worker
-        assert w.sharded is not None
-        fault_point("handover", w)
-        named = None
-        if self.rank == 0 and self.control.check([LEAVERS_KEY]):  # read once, for all ranks
-            named = [int(r) for r in self.control.get(LEAVERS_KEY).decode().split(",") if r]
-        self.handed_over = w.sharded.leave(self.rank, self.world_size, drain.requested(), named,
-                                           w.optimizer)
-        if len(self.handed_over) < self.world_size:
-            w.model = w.sharded.model.skeleton
-        elif w.sharded.folder is not None and self._written != w.progress.step:
-            self._sharded_checkpoint(w.progress.step)
-
-    def _sharded_checkpoint(self, step: int) -> None:
-        """Every rank of a sharded run starts writing its part of step `step`'s checkpoint
-        beside training, from the host copy of a refresh at that step (one more when the last
-        was of another step); rank 0's events come when the writes end (:meth:`_writes`)."""
-        w = self.worker
-        assert w.sharded is not None
-        self._written = step  # every rank: the same decision at a leave point
-        w.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
-        if w.sharded.replicas.step != step or \
-                w.sharded.replicas.generation != self.spec.generation:
-            self._refresh_replicas()
-        w.sharded.checkpoint(step, self.rank, self.world_size, w.capture,
-                             w.config.keep_checkpoints, self.spec.generation,
-                             max(self.spec.timeout, PART_TIMEOUT_S))
+    def _named_leavers(self) -> list[int] | None:
+        """Rank 0: the ranks the owner named to leave (a sharded run's hand-over), read once
+        for all ranks; None when it named none."""
+        if not self.control.check([LEAVERS_KEY]):
+            return None
+        return [int(r) for r in self.control.get(LEAVERS_KEY).decode().split(",") if r]
 
     def _writes(self, wait: bool) -> list[Event]:
-        """The events of the checkpoint writes that ended (every one, with `wait`): rank 0
-        keeps them, a failure included; another rank's failure is in its log."""
-        w = self.worker
-        if w.sharded is None:
-            return []
-        if wait:
-            w.sharded.writer.wait()
-        events = w.sharded.writer.take_events()
-        for e in events if self.rank != 0 else []:
-            print(f"elastic-jupyter: {e.get('message', e)}", file=sys.stderr)
-        return events if self.rank == 0 else []
+        """Rank 0's events of the state mode since the last call (its copies, the checkpoint
+        writes that ended; every write with `wait`)."""
+        return self.worker.mode.take_events(self.rank, wait)
 
     def _acknowledged(self) -> int | None:
         """The newest step up to which the owner's run log holds every record (it writes it
@@ -341,8 +292,8 @@ class Generation:
         Before the final evaluation, rank 0 writes the final state (:meth:`_keep_final_state`):
         an error there (the user's metric_fn) fails the run but loses no training."""
         w, step = self.worker, self.worker.progress.step
-        every = w.config.eval_every
-        if (every and step % every == 0) or step >= w.total_steps:
+        mode = w.mode
+        if mode.evaluation_due(step, w.total_steps):
             if step >= w.total_steps and self.rank == 0:
                 self._keep_final_state(record)
             try:
@@ -354,25 +305,15 @@ class Generation:
         w.history.append(record)
         step_lr_scheduler(w, record)
         w.pending = None
-        if w.sharded is not None:  # every rank finished the last refresh: older copies go
-            w.sharded.settle()
-            if step % w.config.replica_every == 0:
-                self._refresh_replicas()
+        mode.step_finished(w, self.place, step)  # a sharded run's settled and periodic copies
         if step % ACKNOWLEDGED_EVERY == 0 or self._acknowledged_step is None:
             self._acknowledged_step = self._acknowledged()
         w.forget_history(self._acknowledged_step)
-        checkpoints = w.config.checkpoint_every or 0
-        if w.config.checkpoint_dir and (
-                (checkpoints and step % checkpoints == 0) or step >= w.total_steps):
+        if mode.checkpoint_due(step, w.total_steps):
             # every stream's newest state in the checkpoint (a collective: after the step is
             # finished everywhere, so a peer failing here leaves every survivor alike)
             w.pipeline.share(self.rank, self.world_size, opening=False)
-        if self.rank == 0:
-            self._maybe_checkpoint(step)
-        every = w.config.checkpoint_every or 0
-        if w.sharded is not None and w.sharded.folder is not None and (
-                (every and step % every == 0) or step >= w.total_steps):
-            self._sharded_checkpoint(step)
+            mode.checkpoint(w, self.place, step)  # by rank 0, or every rank its part
 
     def _keep_final_state(self, record: dict) -> None:
         """Rank 0, before the final evaluation: write the final state as a checkpoint, its
@@ -380,7 +321,7 @@ class Generation:
         scheduler step), so that user code failing in that evaluation loses no training:
         ``run.state_dict()`` and ``export()`` read it, and ``--resume`` loads it and finishes
         the step (Worker.restore). Once the evaluation succeeded, the final checkpoint is
-        written again as always (:meth:`_maybe_checkpoint`), the step finished. Copied as a
+        written again as always (the state mode's ``checkpoint``), the step finished. Copied as a
         periodic checkpoint is (the evaluation sets rank 0's buffers again) and written while
         the evaluation runs: the other ranks do not wait for the disk in its collectives."""
         w = self.worker
@@ -390,15 +331,3 @@ class Generation:
         state = w.capture(staging=w.staging)
         state["pending"] = dict(record)
         w.writer.submit(state, ready=w.staging.ready, arena=w.staging.arena)
-
-    def _maybe_checkpoint(self, step: int) -> None:
-        w = self.worker
-        every = w.config.checkpoint_every or 0
-        last = step >= w.total_steps
-        if w.writer and ((every and step % every == 0) or last):
-            # the step waits for the copy only; the write goes on in the background, and the
-            # next checkpoint's copy waits for it (it reuses the buffers). The last step's
-            # state changes no more (the generation waits for the write): no copy
-            w.writer.wait()
-            w.writer.submit(w.capture(copy_tensors=not last, staging=w.staging),
-                            ready=w.staging.ready, arena=None if last else w.staging.arena)

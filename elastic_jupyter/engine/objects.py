@@ -160,9 +160,6 @@ def _optimizers(namespace: dict, config: RunConfig) -> tuple[Any, Any, list[Subs
             raise OptimizersError("lr_scheduler is a dict of schedulers but optimizer is one "
                                   "optimizer: give its scheduler itself")
         return optimizer, lr_scheduler, steps
-    if config.shard:
-        raise OptimizersError("--shard trains one optimizer: several optimizers would each "
-                              "need their own sharded state; train without --shard")
     if config.precision == "fp16":
         raise OptimizersError("--precision fp16 scales one optimizer's gradients: with several "
                               "optimizers use bf16 (no gradient scaling) or float32")
@@ -180,10 +177,6 @@ def _streams(dataset, namespace: dict, config: RunConfig) -> Streams:
             "index=i) (as datasets.IterableDataset.shard). Give it such a method (for example "
             "one that takes every n-th of its files, from the i-th), or use a map-style "
             "dataset")
-    if config.shard:
-        raise SetupError("--shard does not read iterable datasets yet: a sharded step pads "
-                         "passes with other ranks' samples, which a stream cannot fetch "
-                         "cheaply. Use a map-style dataset, or train without --shard")
     length = declared_length(dataset, namespace)
     if length is None and not config.steps:
         raise SetupError(f"dataset is an iterable {name} of unknown length: give --steps N, "

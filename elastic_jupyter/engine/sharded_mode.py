@@ -10,7 +10,7 @@ differences this module owns:
   all-gathers and reduce-scatters are collectives: a rank with fewer micro-batches than rank 0
   first runs zero-weight passes over rank 0's first micro-batch (its gradients are zeros; its
   BatchNorm statistics and random draws are not kept);
-- options that the sharded mode does not support yet are refused at setup.
+- what the sharded mode does not support yet is refused at setup (engine.sharded_state).
 
 At each generation's start the ranks tell each other which rows they hold and move them to
 the generation's layout in memory (engine.sharding's ``reshard_to``): newcomers receive theirs
@@ -59,12 +59,6 @@ from .sharding import ShardedModel, ShardingError, Snapshot
 from .transfer import to_device
 
 # (what the option is, why it is refused for now)
-_NOT_YET = (
-    ("sync_batchnorm", "--sync-batchnorm", "SyncBatchNorm's collectives run once per rank's "
-     "share, not per padded pass"),
-)
-
-
 def is_pad(index: int) -> bool:
     """Whether pass `index` (from :meth:`ShardedMode.padded`) is a zero-weight pass."""
     return index < 0
@@ -98,23 +92,7 @@ class ShardedMode:
 
     def __init__(self, objects: CellObjects, config: RunConfig,
                  device: torch.device = torch.device("cpu")):
-        if config.pass_cost == "measure" and device.type == "cuda":
-            raise SetupError("--pass-cost measure is not supported with shard=True on a GPU: "
-                             "the passes would run the whole model, which stays on the host "
-                             "until sharded; give --pass-cost N (samples) or --micro-batch N")
-        for field, option, why in _NOT_YET:
-            if getattr(config, field):
-                raise SetupError(f"{option} is not supported with shard=True yet: {why}")
-        if config.precision == "fp16":
-            raise SetupError("--precision fp16 is not supported with shard=True yet (its "
-                             "GradScaler over sharded gradients is not wired): use bf16")
-        _check_model(objects.model)
-        if objects.extra_state or objects.after_step is not None:
-            raise SetupError("extra_state and after_step are not supported with shard=True "
-                             "yet: an EMA of a sharded model must be sharded alike")
-        if config.replica_every < 1:
-            raise SetupError(f"replica_every must be a positive number of steps, got "
-                             f"{config.replica_every}")
+        # what this mode refuses was refused before (engine.sharded_state.Sharded.check)
         # bf16: the forward under autocast, as in the replicated mode (FSDP2's bf16 gathers,
         # MixedPrecisionPolicy(param_dtype=bf16), would meet BatchNorm's fp32 buffers)
         self.objects, self.global_batch = objects, config.global_batch  # (activations)
@@ -418,19 +396,6 @@ class ShardedMode:
         first = plan.rank_micro_batches(batch, 0, world_size)
         index, chunk = first[0]
         return [(-index - 1, chunk)] * (len(first) - len(parts)) + parts
-
-
-def _check_model(model: nn.Module) -> None:
-    """Raise SetupError for a model FSDP2 cannot shard as this mode does."""
-    if any(getattr(m, "sparse", False) for m in model.modules()
-           if isinstance(m, (nn.Embedding, nn.EmbeddingBag))):
-        raise SetupError("sparse gradients (an Embedding with sparse=True) are not supported "
-                         "with --shard: FSDP2 reduce-scatters dense gradients; use "
-                         "sparse=False")
-    if any(name.split(".")[-1] == "_orig_mod" for name, _ in model.named_modules()):
-        raise SetupError("a torch.compile'd model is not supported with --shard yet: FSDP2 "
-                         "must shard the plain module, which is then rebuilt at each resize; "
-                         "leave torch.compile out of the cell")
 
 
 @dataclass

@@ -34,15 +34,16 @@ class SetupTrials:
         config: the run's options (seed, plateau_metric).
         objects: the cell's objects.
         plan: the run's batch plan (the first step's samples).
-        device: where the model runs. A sharded run's model on a GPU is not run (its trained
-            parameters wait on the host for the first mesh): its ``metric_fn`` is first called
-            at the first evaluation.
+        device: where the model runs.
+        model_runs: whether the trials may run the model (not a sharded run's on a GPU, whose
+            trained parameters wait on the host for the first mesh: its ``metric_fn`` is
+            first called at the first evaluation; engine.state_mode).
     """
 
     def __init__(self, config: RunConfig, objects: CellObjects, plan: BatchPlan,
-                 device: torch.device):
+                 device: torch.device, model_runs: bool = True):
         self.config, self.objects, self.plan, self.device = config, objects, plan, device
-        self.model_runs = not (config.shard and device.type == "cuda")
+        self.model_runs = model_runs  # the state mode's model_runs_at_setup
 
     def run(self) -> None:
         """Call, once at setup, the functions the run calls later, on a small batch, so that a

@@ -35,7 +35,6 @@ from ..events import Event
 from . import state as state_mod
 from .batching import BatchPlan, Cut, steps_per_epoch
 from .checkpoint_writer import CheckpointWriter
-from .collective import collectives_within
 from .cut_choice import CutChoice
 from .evaluation import Evaluation
 from .faultpoints import fault_point
@@ -49,10 +48,10 @@ from .optimizers import Substep, check_resumed, learning_rates, optimized, owner
 from .precision import Precision, PrecisionError
 from .protocol import TrainingState
 from .randomness import host_generators_kept, micro_batch_stream
-from .reduce import GradReducer, LayoutError
+from .reduce import LayoutError
 from .running_stats import RunningStats
-from .sharded_mode import ShardedMode, is_pad, pad_source
-from .sharding import move_model
+from .sharded_mode import is_pad, pad_source
+from .modes import state_mode
 from .streams import Streams
 from .transfer import to_device
 from .vote import Vote
@@ -78,12 +77,6 @@ def _step_record(p: state_mod.Progress, epoch: int, losses: dict[str, list[float
     return record
 
 
-def _before_write(worker: Worker) -> None:
-    """Before each checkpoint write, on the writer's thread."""
-    fault_point("checkpoint", worker)
-    worker.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
-
-
 def _place_extra_state(extra: dict, device: torch.device) -> None:
     """Move the cell's extra modules to the model's device: an EMA updates from the model where
     it is, unless it says where it lives (timm's ModelEmaV3(device="cpu"))."""
@@ -103,8 +96,7 @@ def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
         keep_after = min(keep_after, max(0, (step // every - 1) * every) if every else 0)
         if worker.writer.saved_step is not None:
             keep_after = min(keep_after, worker.writer.saved_step)
-    if worker.sharded is not None and worker.sharded.folder:  # every rank writes its part
-        keep_after = min(keep_after, worker.sharded.writer.saved_step or 0)
+    keep_after = worker.mode.history_kept_after(keep_after)  # a part writer's records
     if isinstance(worker.lr_scheduler, ReduceLROnPlateau) and not worker.config.plateau_metric:
         start = worker.history.epoch_start(worker.progress.epoch)
         if start is not None:
@@ -125,16 +117,6 @@ def _add_metrics(p: state_mod.Progress, sub: Substep, first: bool, metrics: dict
     if metrics and not p.metric_names:
         p.metric_names, extras = sorted(metrics), [0.0 for _ in metrics]
     return [e + weighted(metrics[name], weight) for e, name in zip(extras, p.metric_names)]
-
-
-def _collectives_in_passes(worker: Worker):
-    """SyncBatchNorm's and FSDP2's collectives run inside the forward and backward passes: a
-    peer failing there (torch's DistError) is a fault, like in our own collectives."""
-    if worker.sharded is not None:
-        return collectives_within("FSDP2's all-gather or reduce-scatter")
-    if not worker.config.sync_batchnorm:
-        return contextlib.nullcontext()
-    return collectives_within("SyncBatchNorm statistics")
 
 
 class Worker:
@@ -167,16 +149,16 @@ class Worker:
         if config.sync_batchnorm:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
-        move_model(self.model, self.device, config.shard, not config.move_frozen)
+        # who holds the training state: every rank, or each its rows (engine.state_mode)
+        self.mode = state_mode(config)
+        self.mode.check(cell, self.device)
+        self.mode.place_model(self.model, self.device)
         self.frozen = FrozenWeights(self.model, not config.move_frozen, frozen_digests)
         _place_extra_state(self.extra_state, self.device)
-        # shard=True: the model sharded over each generation (engine.sharded_mode)
-        self.sharded = ShardedMode(cell, config, self.device) if config.shard else None
-        if self.sharded is not None:  # a fault point in backward, between reduce-scatters
-            self.sharded.reducer.fault = functools.partial(fault_point, "reduce_scatter", self)
+        self.mode.set_up(cell, self.device, functools.partial(fault_point, "reduce_scatter", self))
         try:
-            self.reducer = (self.sharded.reducer if self.sharded is not None else
-                            GradReducer(self.model, self.device, owners=owners(cell.substeps)))
+            self.reducer = self.mode.gradient_reducer(self.model, self.device,
+                                                      owners(cell.substeps))
             self.precision = Precision(config.precision, self.device)
         except (LayoutError, PrecisionError) as e:
             raise SetupError(str(e)) from None
@@ -194,7 +176,7 @@ class Worker:
                               shuffle=not (config.no_shuffle or isinstance(cell.dataset, Streams)))
         self.progress = state_mod.Progress()  # its cut is recorded at the first generation
         self.pipeline = input_pipeline(cell, self.plan, config, self.device, lambda: self.progress)
-        self.evaluation = Evaluation(config, cell, self.plan, self.device)
+        self.evaluation = Evaluation(config, cell, self.plan, self.device, self.mode)
         self.total_steps = config.total_steps or config.steps or (
             (config.epochs or 1) * steps_per_epoch(samples, B, drop_last))
         # the dataset's fingerprint (engine.fingerprint) once the setup took it: checkpoints
@@ -208,24 +190,28 @@ class Worker:
         # the record of a committed step whose evaluation, history entry and scheduler step
         # are still to do (a fault hit its evaluation): the next generation does them first
         self.pending: dict | None = None
-        self.writer: CheckpointWriter | None = None
         self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
-        if config.checkpoint_dir and not config.shard:  # sharded: one part per rank
-            self.writer = CheckpointWriter(config.checkpoint_dir, config.keep_checkpoints,
-                                           before_write=lambda: _before_write(self))
+        # rank 0's whole checkpoints (None: no folder, or every rank writes its part)
+        self.writer: CheckpointWriter | None = self.mode.checkpoint_writer(self._before_write)
 
     # state -------------------------------------------------------------------------------------
+
+    def _before_write(self) -> None:
+        """Before each checkpoint write, on the writer's thread."""
+        fault_point("checkpoint", self)
+        self.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
 
     def capture(self, copy_tensors: bool = True, staging: state_mod.Staging | None = None
                 ) -> TrainingState:
         """The training state as plain data (engine.state); ``copy_tensors=False`` gives the
         live tensors, for a reader done before training goes on; `staging` reused buffers to
         copy into (a checkpoint's)."""
-        return state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
-                                 self.history.records, self.config_record(),
-                                 copy_tensors=copy_tensors, grad_scaler=self.precision.scaler,
-                                 staging=staging, extra=self.extra_state,
-                                 frozen=self.frozen.digests, rows=self.sharded is None)
+        return self.mode.capture(
+            state_mod.capture, model=self.model, optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler, progress=self.progress,
+            history=self.history.records, config=self.config_record(),
+            copy_tensors=copy_tensors, grad_scaler=self.precision.scaler, staging=staging,
+            extra=self.extra_state, frozen=self.frozen.digests)
 
     def config_record(self) -> dict:
         """The run's options as its checkpoints store them (plain data): the config's fields,
@@ -243,8 +229,7 @@ class Worker:
         self.pending, self.in_flight = state.get("pending"), False
         self.progress, records = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler,
-            self.extra_state, load_model=(lambda weights: self.frozen.load(weights, state))
-            if self.sharded is None else lambda weights: None)  # rows: at the generation
+            self.extra_state, load_model=self.mode.model_loader(self.frozen, state))
         self.history = History(records)
         check_resumed(self.objects.substeps, self.progress.substep, self.progress.losses)
         if self.writer is not None:  # what it wrote before may be of another timeline
@@ -275,9 +260,7 @@ class Worker:
         # engine.cut_choice.CutChoice.record: a collective with --pass-cost measure
         event = self.cut_choice.record(self.plan, self.progress, rank, world_size) \
             if self.progress.cut is None else None
-        if self.sharded is not None:  # measured above on the whole model; the rows come now
-            self.model = self.sharded.start(rank, world_size, self.optimizer, self.device)
-            self.running_stats = RunningStats(self.model)
+        self.mode.start(self, rank, world_size)  # a sharded model's rows come now
         self.reducer.sync_order(world_size)
         self._first_step_of_generation = True
         return event
@@ -294,8 +277,7 @@ class Worker:
         a checkpoint's copies and a sharded one's write (engine.generation gives it up)."""
         self.pipeline.stop()
         self.staging.wait()
-        if self.sharded is not None:
-            self.sharded.writer.wait()
+        self.mode.end_generation()
 
     # one optimizer step ----------------------------------------------------------------------
 
@@ -303,14 +285,9 @@ class Worker:
                 world_size: int) -> list[tuple[int, torch.Tensor]]:
         """This rank's passes of a step over `batch` (sample indices): its micro-batches
         (index k, sample indices), or with --sync-batchnorm all of them in one pass."""
-        parts = self.plan.rank_micro_batches(batch, rank, world_size)
-        if self.sharded is not None:  # as many passes as rank 0 (FSDP2's collectives)
-            return self.sharded.padded(self.plan, batch, parts, world_size)
-        if self.config.sync_batchnorm and parts:
-            # SyncBatchNorm's statistics span what every rank forwards at once: one pass over
-            # the rank's whole share gives the global batch (and no rank waits on another)
-            parts = [(parts[0][0], torch.cat([chunk for _, chunk in parts]))]
-        return parts
+        return self.mode.passes(self.plan, batch,
+                                self.plan.rank_micro_batches(batch, rank, world_size),
+                                world_size)
 
     def _micro_batch_passes(self, parts: list[tuple[int, torch.Tensor]], B: int,
                             world_size: int):
@@ -357,7 +334,7 @@ class Worker:
                     if kept is not None:
                         kept.append(batch)
                 fault_point("forward", self)
-                with _collectives_in_passes(self), micro_batch_note(
+                with self.mode.collectives_in_passes(), micro_batch_note(
                         len(chunk), self.progress.step + 1, B, self.plan.cut,
                         self.config.global_batch):
                     with self.precision.autocast():

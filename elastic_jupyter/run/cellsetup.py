@@ -47,10 +47,10 @@ class CellSetup:
     """
 
     def __init__(self, calls: EngineCalls, log: RunLog, config: dict, source: str | None,
-                 setup_bytes: bytes | None, push: dict, workdir: str,
+                 setup_bytes: bytes | None, push: dict, workdir: str, memory: MemoryBound,
                  preload: Callable[[list[str]], None] = lambda modules: None):
         self.calls, self.log, self.config, self.preload = calls, log, config, preload
-        self.memory = MemoryBound(bool(config.get("shard")))
+        self.memory = memory  # the run's bound, filled by the first engines' setup
         self.source, self.setup_bytes, self.push = source, setup_bytes, push
         self.workdir = workdir
         self._elsewhere: set[str] = set()  # hosts that run the cell outside `workdir`

@@ -29,12 +29,12 @@ from ..pool.processes import kill
 from ..owner import background
 from ..server.snapshot import TRAINING_STATES, RunState
 from .cellsetup import CellSetup
-from .final_state import FinalState
 from .generation_end import GenerationEnded, GenerationFaulted
 from .membership import Membership
 from .recovery import BelowMinimum, Recovery, RepeatedFailure
 from .rendezvous import Rendezvous
 from .resume import Resume
+from .run_mode import RunMode
 from .runlog import RunLog
 from .sizing import SizePolicy, Sizer
 
@@ -82,15 +82,15 @@ class Driver:
 
     def __init__(self, pool: EnginePool, calls: EngineCalls, log: RunLog, sizer: Sizer,
                  policies: list[SizePolicy], cell: CellSetup, config: RunConfig,
-                 checkpoint_dir: str, on_end: Callable[[], None]):
+                 mode: RunMode, checkpoint_dir: str, on_end: Callable[[], None]):
         self.pool, self.calls, self.log = pool, calls, log
         self.sizer, self.policies, self.cell = sizer, policies, cell
         self.config, self.checkpoint_dir, self._on_end = config, checkpoint_dir, on_end
+        self.mode = mode  # where the training state lives (run.run_mode)
         self.membership = Membership(pool, log, self.prepare)
         self.recovery = Recovery(self.membership, calls, log, sizer, pool, checkpoint_dir,
                                  config.standby, POLL)
-        self.final = FinalState(calls, log, checkpoint_dir, config.keep_checkpoints,
-                                config.shard)
+        self.final = mode.final_state(calls, log, checkpoint_dir, config.keep_checkpoints)
         self.rendezvous: Rendezvous | None = None
         self.state = RunState.CREATED
         self.error: str | None = None
@@ -175,7 +175,7 @@ class Driver:
                     newcomers = await self.recovery.recover(end.outcome)
                 else:
                     # a sharded run's rows are saved once every rank left: else one more to stop
-                    saved = not self.config.shard or len(end.handed_over) == len(self.members)
+                    saved = self.mode.saved_for_stop(len(end.handed_over), len(self.members))
                     await self._drain(end.drained)  # (drained members leave the list)
                     if end.reason == "finished" or (self.sizer.stop_requested and saved):
                         return await self._finish(
@@ -261,14 +261,13 @@ class Driver:
         return GenerationEnded.of(self.members, outcome.results)
 
     def _leavers(self, end_at: int | None) -> list[int]:
-        """A sharded run's ranks that go when the generation ends after `end_at`: they hand
-        their rows to the others first (engine.sharded_mode), and exactly those leave
-        (:meth:`_change_membership`); on a stop every rank (their checkpoint is the end)."""
-        if not self.config.shard or end_at is None:
+        """The ranks named to go when the generation ends after `end_at` (run_mode.RunMode
+        .leavers: a sharded run's hand their rows to the others first, and exactly those
+        leave, :meth:`_change_membership`)."""
+        if end_at is None:
             return []
-        if self.sizer.stop_requested:
-            return list(range(len(self.members)))
-        return self.membership.leavers(self.sizer.target_after(end_at), self._wanted())
+        return self.mode.leavers(len(self.members), self.sizer.stop_requested, lambda: (
+            self.membership.leavers(self.sizer.target_after(end_at), self._wanted())))
 
     def take_requests(self) -> None:
         """Feed the size policies' new requests to the sizer, and keep as many engines set up
@@ -312,14 +311,13 @@ class Driver:
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
         if handed_over:  # exactly they leave, and a shrink is done where nothing joins
             _let_go(self.membership, self.log, step, change, handed_over, self._wanted())
-        W, target = len(self.members), change.target
-        if self.config.shard:  # the rest of a shrink goes after the next step, named
-            target = max(target, W)
+        W = len(self.members)
+        target = self.mode.size_now(change.target, W)  # a sharded shrink: named, next step
         # a scheduled resize is exact (after its step, the ranks wait for its engines)
         if self.sizer.grow_in_parts and not change.scheduled and target > W:
             target = min(target, W + len(self.membership.spares))  # the rest when they are up
         if target == W:  # off slots the arbiter wants back (sharded: handed over above)
-            newcomers = [] if self.config.shard else self.membership.swap()
+            newcomers = self.mode.swap(self.membership)
             if newcomers:
                 self.log.event(EventKind.SLOT, message=f"moved {len(newcomers)} rank(s) off slot(s) "
                                "the machine's arbiter wants back")

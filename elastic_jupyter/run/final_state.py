@@ -4,12 +4,18 @@ Once a run ends its state is kept in the kernel (``run.state_dict()``, ``export(
 finished or stopped run's last step, or after an error the last committed step's. The owner
 writes it as a checkpoint when no rank did (a stop, an error, every rank drained), so
 ``--resume`` works from it. The only writer of the final state.
+
+Where the state is depends on the run's state mode (run.run_mode): :class:`WholeFinalState`
+keeps a replicated run's whole state, taken from rank 0 or its last checkpoint;
+:class:`ShardedFinalState` a sharded run's, whose rows stay in its newest checkpoint folder.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, cast
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, cast
 
+from ..config import UsageError
 from ..engine import checkpoint as ckpt
 from ..engine import sharded_checkpoint
 from ..engine.protocol import TrainingState
@@ -24,8 +30,10 @@ RECORDS_TIMEOUT = 10.0  # seconds rank 0 has to send its last records after an e
 STATE_TIMEOUT = 120.0  # seconds rank 0 has to send its committed state after an error
 
 
-class FinalState:
-    """Args: calls (EngineCalls), log (RunLog), checkpoint_dir, keep (checkpoints kept, as
+class FinalState(ABC):
+    """The run's final state (see the module's docstring).
+
+    Args: calls (EngineCalls), log (RunLog), checkpoint_dir, keep (checkpoints kept, as
     ``RunConfig.keep_checkpoints``).
 
     Attributes:
@@ -38,28 +46,68 @@ class FinalState:
             in the same folder may prune or replace it).
     """
 
-    def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int,
-                 sharded: bool = False):
+    def __init__(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str, keep: int):
         self.calls, self.log, self.checkpoint_dir, self.keep = calls, log, checkpoint_dir, keep
-        # a sharded run's ranks write their parts themselves (engine.sharded_checkpoint), and
-        # its final state comes from them: rank 0 holds its rows only
-        self.sharded = sharded
         self.state: TrainingState | None = None
         self.folder: str | None = None
         self.stamp: tuple | None = None
 
     async def take(self, members: list[Engine]) -> TrainingState:
         """Keep the run's state at its last step as its final state; returns it. From the
-        checkpoint of that step when rank 0 wrote one (a finished run always does; so did a
-        drain of every rank, which leaves no `members`), which spares rank 0 a serialized copy
-        of the whole state in a reply; else from rank 0 (``members[0]``)."""
+        checkpoint of that step when one was written (a finished run always has one; so does
+        a drain of every rank, which leaves no `members`), which spares rank 0 a serialized
+        copy of the whole state in a reply; else from rank 0 (``members[0]``)."""
         self.state = await self._last_state(members)
         return self.state
 
+    @abstractmethod
+    async def _last_state(self, members: list[Engine]) -> TrainingState:
+        """The state at the run's last step (:meth:`take`)."""
+
+    @abstractmethod
+    async def keep_after_error(self, task: GenerationTask, rank0: Engine) -> None:
+        """An error ends the run; no committed step is lost. Takes rank 0's records the live
+        stream had not delivered (the step whose evaluation failed among them), so the history
+        keeps every committed step, and the last committed step's state as the run's final
+        state: ``state_dict()``, ``export()`` and ``--resume`` work from it. Skipped when rank
+        0 (`task`: its generation) is still out (hung) or does not answer."""
+
+    async def _records_after_error(self, task: GenerationTask, rank0: Engine) -> bool:
+        """Rank 0's records the run's log lacks, merged; False when rank 0 is out or could not
+        be read (logged)."""
+        if not task.future.done():
+            return False
+        try:
+            records = await asyncio.wait_for(self.calls.history_since(
+                rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
+        except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
+            self.log.log(f"rank 0's last records or state could not be read: {e}")
+            return False
+        self.log.merge({"records": records}, complete=True)
+        return True
+
+    @abstractmethod
+    async def write_checkpoint(self, state: TrainingState) -> None:
+        """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
+        slow); a failed write is an event, not an error."""
+
+    @abstractmethod
+    def listing(self) -> list[dict]:
+        """The run's checkpoints in its folder, oldest first: file, path, step, bytes, time."""
+
+    @abstractmethod
+    def model_folder(self, name: str) -> str | None:
+        """The checkpoint folder a run's model is read from one tensor at a time: a sharded
+        run's final state's once it ended, else its newest (None: the state holds the model,
+        or no checkpoint yet). Raises UsageError when run `name`'s final folder was pruned or
+        replaced since it ended."""
+
+
+class WholeFinalState(FinalState):
+    """A replicated run's final state: whole, in the kernel."""
+
     async def _last_state(self, members: list[Engine]) -> TrainingState:
         written = self.log.last_event(EventKind.CHECKPOINT)  # this run's, not an older file's
-        if self.sharded:
-            return await self._sharded_state()
         if written is not None and written["step"] == self.log.step:
             try:
                 return await asyncio.get_running_loop().run_in_executor(
@@ -69,24 +117,11 @@ class FinalState:
         return await self.calls.training_state(members[0])
 
     async def keep_after_error(self, task: GenerationTask, rank0: Engine) -> None:
-        """An error ends the run; no committed step is lost. Takes rank 0's records the live
-        stream had not delivered (the step whose evaluation failed among them), so the history
-        keeps every committed step, and rank 0's state (a failed step is undone on every rank:
-        the state is the last committed step's) as the run's final state, written as a
-        checkpoint unless its step has one: ``state_dict()``, ``export()`` and ``--resume``
-        work from it. Skipped when rank 0 (`task`: its generation) is still out (hung) or does
-        not answer; a sharded run's state is then still its newest checkpoint on disk."""
-        if not task.future.done():
-            if self.sharded:  # the parts on disk need no answer from rank 0
-                await self._sharded_after_error()
+        """As FinalState's, rank 0's state (a failed step is undone on every rank: the state
+        is the last committed step's), written as a checkpoint unless its step has one."""
+        if not await self._records_after_error(task, rank0):
             return
         try:
-            records = await asyncio.wait_for(self.calls.history_since(
-                rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
-            self.log.merge({"records": records}, complete=True)
-            if self.sharded:  # rank 0 holds its own rows only
-                await self._sharded_after_error()
-                return
             state = await asyncio.wait_for(self.calls.training_state(rank0), STATE_TIMEOUT)
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
             self.log.log(f"rank 0's last records or state could not be read: {e}")
@@ -94,7 +129,40 @@ class FinalState:
         self.state = state
         await self.write_checkpoint(state)
 
-    async def _sharded_after_error(self) -> None:
+    async def write_checkpoint(self, state: TrainingState) -> None:
+        step = state["progress"]["step"]
+        if any(c["step"] == step for c in ckpt.list_checkpoints(self.checkpoint_dir)):
+            return
+        args = (self.checkpoint_dir, state, self.keep)
+        try:
+            try:
+                record = await asyncio.get_running_loop().run_in_executor(
+                    None, ckpt.write_checkpoint, *args)
+            except RuntimeError:  # at interpreter exit the executor takes no work: write here
+                record = ckpt.write_checkpoint(*args)
+            self.log.event(EventKind.CHECKPOINT, step=step, path=record["path"],
+                           bytes=record["bytes"])
+        except ckpt.CheckpointError as e:
+            self.log.event(EventKind.CHECKPOINT_FAILED, step=step, message=str(e))
+
+    def listing(self) -> list[dict]:
+        return ckpt.list_checkpoints(self.checkpoint_dir)
+
+    def model_folder(self, name: str) -> str | None:
+        return None  # the state holds the whole model
+
+
+class ShardedFinalState(FinalState):
+    """A sharded run's final state: its newest checkpoint folder, which its ranks wrote
+    themselves (engine.sharded_checkpoint); rank 0 holds its own rows only."""
+
+    async def _last_state(self, members: list[Engine]) -> TrainingState:
+        return await self._sharded_state()
+
+    async def keep_after_error(self, task: GenerationTask, rank0: Engine) -> None:
+        """As FinalState's, the newest checkpoint on disk, which needs no answer from rank 0
+        (its records are taken when it answers)."""
+        await self._records_after_error(task, rank0)
         try:
             self.state = await self._sharded_state()
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
@@ -141,19 +209,19 @@ class FinalState:
         return None
 
     async def write_checkpoint(self, state: TrainingState) -> None:
-        """Write `state` unless its step has a checkpoint (off the owner loop: the disk may be
-        slow); a failed write is an event, not an error."""
-        step = state["progress"]["step"]
-        if self.sharded or any(c["step"] == step
-                               for c in ckpt.list_checkpoints(self.checkpoint_dir)):
-            return
-        args = (self.checkpoint_dir, state, self.keep)
-        try:
-            try:
-                record = await asyncio.get_running_loop().run_in_executor(
-                    None, ckpt.write_checkpoint, *args)
-            except RuntimeError:  # at interpreter exit the executor takes no work: write here
-                record = ckpt.write_checkpoint(*args)
-            self.log.event(EventKind.CHECKPOINT, step=step, path=record["path"], bytes=record["bytes"])
-        except ckpt.CheckpointError as e:
-            self.log.event(EventKind.CHECKPOINT_FAILED, step=step, message=str(e))
+        pass  # every rank wrote its part of each checkpoint itself
+
+    def listing(self) -> list[dict]:
+        return sharded_checkpoint.list_parts(self.checkpoint_dir)
+
+    def model_folder(self, name: str) -> str | None:
+        if self.state is None:
+            return sharded_checkpoint.latest(self.checkpoint_dir)
+        folder = self.folder
+        if folder is not None and sharded_checkpoint.stamp(folder) != self.stamp:
+            raise UsageError(
+                f"run {name!r} ended with its model in {folder}, which a later run in the "
+                "same checkpoint folder pruned or replaced since: its weights are no longer "
+                "on disk. Export a sharded run before another one trains in its folder, or "
+                "give each its own --checkpoint-dir")
+        return folder

@@ -54,8 +54,7 @@ class RunResults:
         cached = self._listing  # (stamp, list), one attribute: read by views' threads too
         if cached is not None and cached[0] == stamp:
             return list(cached[1])
-        listing = (sharded_checkpoint.list_parts(self.checkpoint_dir) if self.final.sharded
-                   else ckpt.list_checkpoints(self.checkpoint_dir))
+        listing = self.final.listing()
         if time.time_ns() - stamp > LISTING_SETTLED_NS:
             self._listing = (stamp, listing)
         return list(listing)
@@ -95,21 +94,9 @@ class RunResults:
         return os.path.dirname(path), state
 
     def _sharded_folder(self) -> str | None:
-        """A sharded run's checkpoint folder that holds its model: the final state's once it
-        ended, else the newest (None: not sharded, or no checkpoint yet). Raises UsageError
-        when the final state's folder was removed or replaced since the run ended."""
-        if not self.final.sharded:
-            return None
-        if self.final.state is None:
-            return sharded_checkpoint.latest(self.checkpoint_dir)
-        folder = self.final.folder
-        if folder is not None and sharded_checkpoint.stamp(folder) != self.final.stamp:
-            raise UsageError(
-                f"run {self.name!r} ended with its model in {folder}, which a later run in the "
-                "same checkpoint folder pruned or replaced since: its weights are no longer "
-                "on disk. Export a sharded run before another one trains in its folder, or "
-                "give each its own --checkpoint-dir")
-        return folder
+        """The checkpoint folder the model is read from one tensor at a time (a sharded
+        run's), or None (final_state.FinalState.model_folder). Raises UsageError."""
+        return self.final.model_folder(self.name)
 
     def load_into(self, model: Any, part: str = "model") -> Any:
         """Copy `part`'s weights into the torch.nn.Module `model`; returns it. The run's frozen

@@ -28,6 +28,7 @@ from .claim import LEASED_SCHEDULE, RunClaim
 from .driver import Driver
 from .progress import ProgressPrinter
 from .results import RunResults
+from .run_mode import run_mode
 from .runlog import RunLog, describe_event
 from .speed_meter import SpeedMeter
 from .sizing import Schedule, SizeRequest, Sizer, UserRequests
@@ -103,13 +104,16 @@ class TrainingRun:
         self._sizer = Sizer()
         cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir,
                            pool_min_size=pool.min_size, pool_max_size=pool.max_size)
+        self.mode = run_mode(config)  # where the training state lives (run.run_mode)
         self._cell = CellSetup(pool.calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
-                               dict(push or {}), self.workdir, pool.launcher.preload)
+                               dict(push or {}), self.workdir, self.mode.memory_bound(),
+                               pool.launcher.preload)
         self.memory = self._cell.memory
         self._driver = Driver(pool, pool.calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
-                              self._cell, config, self.checkpoint_dir, on_end=self._on_end)
+                              self._cell, config, self.mode, self.checkpoint_dir,
+                              on_end=self._on_end)
         self._claim = RunClaim(pool, self, config, engines, self.checkpoint_dir, self.log_dir,
                                resume, notebook, scheduled=bool(schedule))
         self._results = RunResults(self.name, self.checkpoint_dir, self.log_dir, self.log,

@@ -110,7 +110,9 @@ class RunSnapshot:
     resize: dict | None = None
     kernel_id: str | None = None
     started: float | None = None
-    sharded: bool = False  # --shard: each rank holds its rows of the training state
+    # where the training state lives: "replicated" (every rank), "sharded" (--shard: each rank
+    # its rows); run.run_mode's name
+    state_mode: str = "replicated"
 
     @property
     def active(self) -> bool:
@@ -128,7 +130,7 @@ class RunSnapshot:
         """One-line text summary (plus the error), for plain-text front ends."""
         loss = f"{self.loss:.4f}" if self.loss is not None else "-"
         text = (f"run {self.name!r}: {self.state}, step {self.step}/{self.total_steps}, "
-                f"world size {self.world_size}{' (sharded)' if self.sharded else ''}, "
+                f"world size {self.world_size}{_mode_note(self.state_mode)}, "
                 f"loss {loss}")
         return text + (f"\n{self.error}" if self.error else "")
 
@@ -160,7 +162,12 @@ def of_run(run: Any, run_id: str | None) -> RunSnapshot:
         lease=run.pool.lease_status(), resize=log.resize,
         queued=[f"slot {slot}: {job}" for slot, job in sorted(run.pool.queued.items())],
         excluded=[{"slot": slot, **vars(x)} for slot, x in sorted(run.pool.excluded_slots.items())],
-        sharded=run.config.shard)
+        state_mode=run.mode.name)
+
+
+def _mode_note(state_mode: str) -> str:
+    """The summary's note of a state mode other than the usual one."""
+    return "" if state_mode == "replicated" else f" ({state_mode})"
 
 
 def last_snapshot(entry: dict) -> dict:

@@ -102,7 +102,7 @@ export interface RunSnapshot {
   queued?: string[]; // engines waiting in a scheduler's queue: "slot 2: job 41 pending (Resources)"
   excluded?: Exclusion[]; // slots left out of engine starts
   resize: ResizeLife | null;
-  sharded?: boolean; // --shard: each rank holds its rows of the training state
+  state_mode?: 'replicated' | 'sharded'; // sharded (--shard): each rank holds its rows of the state
 }
 
 const BLANK: RunSnapshot = {
