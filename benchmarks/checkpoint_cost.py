@@ -118,8 +118,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
-        config = {"global_batch": args.global_batch, "seed": 0, "keep_checkpoints": 1, "pass_cost": 0.0,
-                  "steps": 10**6, "checkpoint_dir": folder}
+        config = {"global_batch": args.global_batch, "seed": 0, "keep_checkpoints": 1,
+                  "pass_cost": 0.0, "steps": 10**6, "checkpoint_dir": folder}
         worker = Worker(_run_setup(gpt.cell(args.size, args.seq_len), None, {}, None), config,
                         "cpu")
         writer = worker.writer

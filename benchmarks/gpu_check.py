@@ -239,8 +239,8 @@ def gpt_objects(size: str, seq_len: int, dataset, seed: int = 0) -> dict:
 def config(**options) -> dict:
     """A Worker config as the tests build one: B=16, seed 3, fp32, a given pass cost of 0 (one
     pass over a rank's share at world size 1, no measuring passes), no checkpoints."""
-    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep_checkpoints": 1, "precision": None,
-            "pass_cost": 0.0}
+    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep_checkpoints": 1,
+            "precision": None, "pass_cost": 0.0}
     return {**base, **options}
 
 
@@ -806,8 +806,8 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
     ok = losses_finite and (ctx.quick or ratio <= AIM)
     return Outcome(ok, f"ours/plain {ratio:.3f}",
                    f"{med['ours'] * 1e3:.1f} vs {med['plain'] * 1e3:.1f} ms/step "
-                   f"(+item {ratio_item:.3f}; --loader-processes 2: {ratio_fed:.3f}), GPT {size} bf16 "
-                   f"B={batch}x{seq}; {aim}{memory}",
+                   f"(+item {ratio_item:.3f}; --loader-processes 2: {ratio_fed:.3f}), GPT "
+                   f"{size} bf16 B={batch}x{seq}; {aim}{memory}",
                    {"median_step_s": med, "ratio": ratio, "ratio_vs_plain_item": ratio_item,
                     "ratio_workers2": ratio_fed,
                     "pair_ratios": pair_ratios, "overhead_ms": (med["ours"] - med["plain"]) * 1e3,

@@ -60,8 +60,8 @@ from elastic_jupyter.engine import checkpoint as ckpt
 CELL = {cell!r}
 UNPACED = {unpaced!r}
 def soak_config(name, steps):
-    return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=100, keep_checkpoints=3,
-                     collective_timeout=5, seed=7)
+    return RunConfig(name=name, global_batch=64, steps=steps, checkpoint_every=100,
+                     keep_checkpoints=3, collective_timeout=5, seed=7)
 ROOT = {root!r}
 pool = EnginePool(n=2, max_size=3, gpus="none").start()
 run = TrainingRun(pool, soak_config("soak", 10**8), source=CELL, workspace=ROOT).start()

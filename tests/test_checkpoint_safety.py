@@ -216,7 +216,8 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(tmp_path, damage)
 
 
 def _digits_config(name, **kw):
-    return RunConfig(name=name, global_batch=32, steps=30, checkpoint_every=10, keep_checkpoints=3, **kw)
+    return RunConfig(name=name, global_batch=32, steps=30, checkpoint_every=10,
+                     keep_checkpoints=3, **kw)
 
 
 def test_resume_skips_a_corrupted_newest_checkpoint_and_finishes(idle_pool, tmp_path):

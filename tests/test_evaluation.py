@@ -139,8 +139,8 @@ def _evaluate_rank(rank: int, worlds: tuple, store_path: str, out: str):
                                 world_size=world_size, timeout=datetime.timedelta(seconds=60))
         try:
             vote = Vote(dist.PrefixStore("control/", store), rank, world_size, 60.0)
-            worker = Worker(cell_namespace(TOKEN_CELL, 3), config(**EVAL_CONFIG, loader_processes=2),
-                            "cpu")
+            worker = Worker(cell_namespace(TOKEN_CELL, 3),
+                            config(**EVAL_CONFIG, loader_processes=2), "cpu")
             results[world_size] = worker.evaluate(rank, world_size, vote)
         finally:
             dist.destroy_process_group()

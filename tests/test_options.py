@@ -15,8 +15,8 @@ from elastic_jupyter.config import (NEEDS_VALUE, REMOVED, VARIABLES, Group, Laun
 from elastic_jupyter.ui import magics, options_page
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DECLARATIONS = (RunConfig, RunStart, PoolOptions, LauncherOptions, magics._TrainLine, magics._PoolLine,
-                magics._ResizeLine)
+DECLARATIONS = (RunConfig, RunStart, PoolOptions, LauncherOptions, magics._TrainLine,
+                magics._PoolLine, magics._ResizeLine)
 
 
 def test_a_run_config_crosses_as_a_dict_and_reads_back_the_same():

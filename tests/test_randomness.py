@@ -145,7 +145,8 @@ def test_a_loss_fns_numpy_draws_follow_the_micro_batch_whatever_ran_before(worke
     transform drew (in this process or in loader processes), and the cell's own draws outside
     micro-batches go on as if no micro-batch had drawn."""
     ns = cell_namespace(MIXUP_CELL, 3)
-    worker = Worker(ns, config(global_batch=16, micro_batch=4, steps=3, loader_processes=workers), "cpu")
+    worker = Worker(ns, config(global_batch=16, micro_batch=4, steps=3,
+                               loader_processes=workers), "cpu")
     expected = []
     for step in range(3):
         first = len(ns["drawn"])

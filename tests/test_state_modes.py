@@ -103,3 +103,11 @@ def test_the_sharded_modes_refusals_are_its_methods_in_one_class():
         state_mode(RunConfig("m", shard=True, sync_batchnorm=True)).check(
             cell, torch.device("cpu"))
     state_mode(RunConfig("m", sync_batchnorm=True)).check(cell, torch.device("cpu"))
+    # one optimizer, but named: the dict form is several optimizers' (engine.optimizers)
+    named = CellObjects.of({"model": model,
+                            "optimizer": {"main": torch.optim.SGD(model.parameters(), 0.1)},
+                            "dataset": [torch.zeros(2)] * 64,
+                            "loss_fn": {"main": lambda model, batch: model(batch).sum()}},
+                           RunConfig("m"))
+    with pytest.raises(SetupError, match="--shard trains one optimizer"):
+        state_mode(RunConfig("m", shard=True)).check(named, torch.device("cpu"))

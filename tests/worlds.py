@@ -49,7 +49,8 @@ class Result:
 def config(**options) -> dict:
     """A Worker config: B=16, seed 3, no checkpoints, plus `options`; ``late={...}`` is set
     on the config after the Worker's setup (sync_batchnorm, which its setup refuses on CPU)."""
-    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep_checkpoints": 1, "precision": None}
+    base = {"global_batch": 16, "micro_batch": None, "seed": 3, "keep_checkpoints": 1,
+            "precision": None}
     return {**base, **options}
 
 

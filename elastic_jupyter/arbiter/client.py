@@ -15,8 +15,8 @@ import time
 from typing import cast
 
 # arbiter_dir and arbiter_configured: their public home before location.py, kept importable
-from .machine_view import MachineView
 from .location import SOCKET, arbiter_configured, arbiter_dir, locate  # noqa: F401
+from .machine_view import MachineView
 from .table import ArbiterError, UnknownRun
 
 START_TIMEOUT = 15.0  # seconds for an arbiter started on demand to answer (a Python start)

@@ -286,9 +286,10 @@ class Generation:
 
     def _finish_step(self, record: dict) -> None:
         """After a committed step, on every rank: its evaluation when one is due, its history
-        record, the scheduler's step, and on rank 0 its checkpoint. A fault in the evaluation
-        (a collective) leaves the record as ``Worker.pending`` on every survivor (the vote
-        ends an evaluation alike everywhere), and the next generation finishes it first.
+        record, the scheduler's step, and its checkpoint when one is due (the state mode's:
+        rank 0's, or every rank's part). A fault in the evaluation (a collective) leaves the
+        record as ``Worker.pending`` on every survivor (the vote ends an evaluation alike
+        everywhere), and the next generation finishes it first.
         Before the final evaluation, rank 0 writes the final state (:meth:`_keep_final_state`):
         an error there (the user's metric_fn) fails the run but loses no training."""
         w, step = self.worker, self.worker.progress.step
@@ -321,9 +322,10 @@ class Generation:
         scheduler step), so that user code failing in that evaluation loses no training:
         ``run.state_dict()`` and ``export()`` read it, and ``--resume`` loads it and finishes
         the step (Worker.restore). Once the evaluation succeeded, the final checkpoint is
-        written again as always (the state mode's ``checkpoint``), the step finished. Copied as a
-        periodic checkpoint is (the evaluation sets rank 0's buffers again) and written while
-        the evaluation runs: the other ranks do not wait for the disk in its collectives."""
+        written again as always (the state mode's ``checkpoint``), the step finished. Copied
+        as a periodic checkpoint is (the evaluation sets rank 0's buffers again) and written
+        while the evaluation runs: the other ranks do not wait for the disk in its
+        collectives."""
         w = self.worker
         if w.writer is None or w.eval_dataset is None or w.writer.saved_step == record["step"]:
             return  # nothing to evaluate; or written already (a generation before a fault)

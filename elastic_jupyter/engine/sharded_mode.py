@@ -58,7 +58,6 @@ from .sharded_writer import PartWriter
 from .sharding import ShardedModel, ShardingError, Snapshot
 from .transfer import to_device
 
-# (what the option is, why it is refused for now)
 def is_pad(index: int) -> bool:
     """Whether pass `index` (from :meth:`ShardedMode.padded`) is a zero-weight pass."""
     return index < 0
@@ -77,8 +76,8 @@ class ShardedMode:
         config: the run's options.
         device: the engine's (on a GPU, the cell's trained parameters stay on the host until
             the first mesh shards them: engine.worker).
-    Raises SetupError for an option the sharded mode does not support yet, or a cell that
-    keeps other training state (``extra_state``, ``after_step``).
+    Raises SetupError for a model it cannot lay out. What the sharded mode does not support
+    yet is refused before, by engine.sharded_state.Sharded.check: build this through it.
 
     Attributes:
         held: the layout of the rows this rank holds, (world size, rank), or None (a newcomer,
@@ -106,7 +105,8 @@ class ShardedMode:
         self.held: tuple[int, int] | None = (1, 0)
         self.parked: Snapshot | None = None
         self.replicas = PartnerReplicas()  # this rank's and its partner's parts, host memory
-        self.replica_state: TrainingState | None = None  # the rest of the state at the replicas' step
+        # the rest of the state at the replicas' step
+        self.replica_state: TrainingState | None = None
         # the copies before the last refresh and their state, until a step commits after it
         # (every rank then finished that refresh): a fault in between may find a rank with
         # the new copies and one without them, and both hold these

@@ -71,7 +71,7 @@ class Sharded(StateMode):
             refusal(cell, device)
 
     def _one_optimizer(self, cell: CellObjects, device: torch.device) -> None:
-        if len(cell.substeps) > 1:
+        if cell.substeps[0].name is not None:  # named optimizers, even one: a dict of them
             raise SetupError("--shard trains one optimizer: several optimizers would each need "
                              "their own sharded state; train without --shard")
 
@@ -177,6 +177,10 @@ class Sharded(StateMode):
     # ---------------------------------------------------------------- a generation
 
     def agree(self, worker: Worker, place: Place, newcomer: bool) -> Event | None:
+        # a checkpoint part of an earlier generation may have been given up (a peer failed):
+        # a leave point of this one writes its step again
+        self._written = None
+        self._noted = []  # a failed generation's copies are of its own timeline
         # survivors of a lost rank's rows go back to their replicas' step before newcomers
         # are sent the state
         event = self.sharded.agree(place.world_size, newcomer, worker.progress.step,
@@ -230,7 +234,7 @@ class Sharded(StateMode):
     def checkpoint(self, worker: Worker, place: Place, step: int) -> None:
         """Every rank starts writing its part of step `step`'s checkpoint beside training,
         from the host copy of a refresh at that step (one more when the last was of another
-        step); rank 0's events come when the writes end (:meth:`write_events`)."""
+        step); rank 0's events come when the writes end (:meth:`take_events`)."""
         self._written = step  # every rank: the same decision at a leave point
         worker.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
         s = self.sharded

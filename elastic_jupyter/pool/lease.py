@@ -311,8 +311,8 @@ class LeaseFollower:
                 if event["kind"] == "value":  # the arbiter's value pass moved slots: why
                     claimant.note_event(EventKind.SLOT, message=f"by value: {event['why']}")
                 else:
-                    claimant.note_event(EventKind.SLOT, message=describe_slot_event(event, self._kind),
-                                        slot=event["slot"])
+                    claimant.note_event(EventKind.SLOT, slot=event["slot"],
+                                        message=describe_slot_event(event, self._kind))
 
     def warn(self, message: str) -> None:
         """A failed look at the arbiter (or a request to it): logged, and noted on the

@@ -319,8 +319,8 @@ class Driver:
         if target == W:  # off slots the arbiter wants back (sharded: handed over above)
             newcomers = self.mode.swap(self.membership)
             if newcomers:
-                self.log.event(EventKind.SLOT, message=f"moved {len(newcomers)} rank(s) off slot(s) "
-                               "the machine's arbiter wants back")
+                self.log.event(EventKind.SLOT, message=f"moved {len(newcomers)} rank(s) off "
+                               "slot(s) the machine's arbiter wants back")
             self.membership.trim(self._wanted())
             return {e.engine_id for e in newcomers}
         self.state = RunState.RESIZING

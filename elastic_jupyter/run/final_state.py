@@ -80,10 +80,10 @@ class FinalState(ABC):
         try:
             records = await asyncio.wait_for(self.calls.history_since(
                 rank0, self.log.complete_upto, pending=True), RECORDS_TIMEOUT)
+            self.log.merge({"records": records}, complete=True)
         except Exception as e:  # noqa: BLE001 -- the error itself is what the run reports
             self.log.log(f"rank 0's last records or state could not be read: {e}")
             return False
-        self.log.merge({"records": records}, complete=True)
         return True
 
     @abstractmethod
@@ -161,7 +161,7 @@ class ShardedFinalState(FinalState):
 
     async def keep_after_error(self, task: GenerationTask, rank0: Engine) -> None:
         """As FinalState's, the newest checkpoint on disk, which needs no answer from rank 0
-        (its records are taken when it answers)."""
+        (its records are taken when it answers; the checkpoint also when it does not)."""
         await self._records_after_error(task, rank0)
         try:
             self.state = await self._sharded_state()

@@ -190,7 +190,8 @@ class Membership:
         missing = min(wanted - len(staying) - len(self.spares), self.pool.slots.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
-                                       lambda e: self.log.event(EventKind.WARNING, message=f"boot: {e}"))
+                                       lambda e: self.log.event(EventKind.WARNING,
+                                                                message=f"boot: {e}"))
 
     def trim(self, wanted: int) -> None:
         """Stop ready spares that no pending request or standby needs any more."""
@@ -296,8 +297,8 @@ class Membership:
         elif False in outcomes:
             self.boot_failures += 1
             if self.gave_up:
-                self.log.event(EventKind.WARNING, message=f"gave up growing after {MAX_BOOT_FAILURES}"
-                               " failed boots in a row")
+                self.log.event(EventKind.WARNING, message=f"gave up growing after "
+                               f"{MAX_BOOT_FAILURES} failed boots in a row")
 
     async def _boot_together(self, k: int, blame: bool = True) -> bool | None:
         """Start up to `k` engines together on free slots and set them up as spares: True
@@ -318,7 +319,8 @@ class Membership:
             self.log.log(str(e))
             return None
         except Exception as e:  # reported as an event; the run trains on
-            self.log.event(EventKind.WARNING, message=f"could not start {len(slots)} engine(s): {e}")
+            self.log.event(EventKind.WARNING,
+                           message=f"could not start {len(slots)} engine(s): {e}")
             why = (str(e).strip().splitlines() or [type(e).__name__])[0]
             # engines started together fail together: only a lone start blames its slot
             for slot in slots if len(slots) == 1 and blame else ():

@@ -154,7 +154,8 @@ class Recovery:
                 step = steps.pop()
                 return step + any(h["in_flight"] for h in held), step, receivers
             # the vote rules this out; should it happen, a checkpoint is still consistent
-            self.log.event(EventKind.WARNING, message=f"survivors disagree on the step ({sorted(steps)})")
+            self.log.event(EventKind.WARNING,
+                           message=f"survivors disagree on the step ({sorted(steps)})")
             reached = max(steps)
         else:
             reached = self.log.step

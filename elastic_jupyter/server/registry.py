@@ -94,11 +94,12 @@ def register(run) -> Registration | None:
         reg = Registration(run)
         reg.write(run)
     except OSError as e:
-        run.log.event(EventKind.WARNING, message=f"could not register the run for discovery (the side "
-                      f"panel and the server will not list it): {e}")
+        run.log.event(EventKind.WARNING, message=f"could not register the run for discovery "
+                      f"(the side panel and the server will not list it): {e}")
         return None
     background(ControlServer(run, reg.socket_path).start(),
-               lambda e: run.log.event(EventKind.WARNING, message=f"control channel not started: {e}"))
+               lambda e: run.log.event(EventKind.WARNING,
+                                       message=f"control channel not started: {e}"))
     atexit.register(_unlink, reg.socket_path)
     return reg
 
@@ -109,7 +110,8 @@ def update(reg: Registration | None, run) -> None:
         try:
             reg.write(run)
         except OSError as e:
-            run.log.event(EventKind.WARNING, message=f"could not update the run's discovery entry: {e}")
+            run.log.event(EventKind.WARNING,
+                          message=f"could not update the run's discovery entry: {e}")
 
 
 def _unlink(path: str) -> None:

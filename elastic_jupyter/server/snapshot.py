@@ -183,7 +183,9 @@ def of_entry(entry: dict) -> RunSnapshot:
     last = last_snapshot(entry)
     if last.get("state") in FINAL_STATES:
         known = {f.name for f in dataclasses.fields(RunSnapshot)}
-        return RunSnapshot(**{**{k: v for k, v in last.items() if k in known},
+        # entries of 0.1.0 said "sharded": true or false
+        mode = {"state_mode": "sharded"} if last.get("sharded") else {}
+        return RunSnapshot(**{**{k: v for k, v in last.items() if k in known}, **mode,
                               "checkpoints": checkpoints})
     state = RunState.UNRESPONSIVE if entry["live"] else RunState.LOST
     step = max([last.get("step") or 0] + [c["step"] for c in checkpoints])
