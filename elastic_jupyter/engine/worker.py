@@ -133,6 +133,18 @@ class Worker:
     Raises SetupError when the objects or options cannot make a run.
     """
 
+    @property
+    def config(self) -> RunConfig:
+        """The run's options; the state mode reads the same (set both, as tests do to turn
+        on an option the setup refuses on this machine)."""
+        return self._config
+
+    @config.setter
+    def config(self, value: RunConfig) -> None:
+        self._config = value
+        if "mode" in vars(self):
+            self.mode.config = value
+
     # the cell's objects (engine.objects), shared with the owners this Worker hands them to
     model, optimizer, dataset = CellAttribute(), CellAttribute(), CellAttribute()
     lr_scheduler, eval_dataset, metric_fn = CellAttribute(), CellAttribute(), CellAttribute()
