@@ -41,6 +41,7 @@ from .launchers import Arbiter, Launcher, StartWithdrawn
 
 POLL_S = 0.5  # seconds between the pool's looks at its grant (the arbiter reaps every 0.5 s)
 RETRY_S = 5.0  # after a failed look at the grant (or engine start), wait this long
+KEPT_EVENTS = 50  # slot events an unclaimed pool keeps for the run that claims it next
 
 log = logging.getLogger(__name__)
 
@@ -304,15 +305,19 @@ class LeaseFollower:
 
     def _show_events(self) -> None:
         """The arbiter's events ("grew into", "gave", and why its value pass moved slots) go to
-        the claimant's events (its chart)."""
+        the claimant's events (its chart). While no run claims the pool they wait (the newest
+        KEPT_EVENTS of them): the slots a pool took as it started belong on the chart of the
+        run that then starts on it, however the two race."""
+        if (claimant := self._claimant()) is None:
+            del self.lease.events[:-KEPT_EVENTS]
+            return
         events, self.lease.events = self.lease.events, []
-        if (claimant := self._claimant()) is not None:
-            for event in events:
-                if event["kind"] == "value":  # the arbiter's value pass moved slots: why
-                    claimant.note_event(EventKind.SLOT, message=f"by value: {event['why']}")
-                else:
-                    claimant.note_event(EventKind.SLOT, slot=event["slot"],
-                                        message=describe_slot_event(event, self._kind))
+        for event in events:
+            if event["kind"] == "value":  # the arbiter's value pass moved slots: why
+                claimant.note_event(EventKind.SLOT, message=f"by value: {event['why']}")
+            else:
+                claimant.note_event(EventKind.SLOT, slot=event["slot"],
+                                    message=describe_slot_event(event, self._kind))
 
     def warn(self, message: str) -> None:
         """A failed look at the arbiter (or a request to it): logged, and noted on the
