@@ -43,7 +43,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402
-from elastic_jupyter.engine.checkpoint_writer import PROCESS_MIN_BYTES  # noqa: E402
+from elastic_jupyter.engine.state.checkpoint_writer import PROCESS_MIN_BYTES  # noqa: E402
 from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
 
@@ -81,7 +81,7 @@ PROBES = {
 def sync_save(state: dict, folder: str) -> float:
     start = time.perf_counter()
     path = os.path.join(folder, "sync.pt")
-    with open(path, "wb") as f:  # as engine.checkpoint writes: without the zip's CRC32
+    with open(path, "wb") as f:  # as engine.state.checkpoint writes: without the zip's CRC32
         with torch.utils.serialization.config.patch({"save.compute_crc32": False}):
             torch.save(state, f)
         f.flush()

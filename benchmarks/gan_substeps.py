@@ -1,8 +1,8 @@
-"""Several optimizers (engine.optimizers): what a GAN's step sums across ranks when each
+"""Several optimizers (engine.step.optimizers): what a GAN's step sums across ranks when each
 sub-step sums only its own optimizer's buckets, against summing every bucket in every sub-step.
 
 Two ranks (processes, gloo on loopback) run the reduction side of a step as the Worker does
-(engine.reduce.GradReducer: begin_step, the backward pass, last_pass, finish): an MLP GAN on
+(engine.group.reduce.GradReducer: begin_step, the backward pass, last_pass, finish): an MLP GAN on
 28x28 images, generator 64 -> 1024 -> 1024 -> 784 and discriminator 784 -> 1024 -> 1024 -> 1
 (about 1.9 M parameters each, float32), a micro-batch of 64 per rank, the discriminator's
 sub-step (real against detached fakes), then the generator's (through the discriminator). The
@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from elastic_jupyter.engine.reduce import GradReducer  # noqa: E402
+from elastic_jupyter.engine.group.reduce import GradReducer  # noqa: E402
 
 STEPS, BATCH = 20, 64
 

@@ -6,11 +6,11 @@ rewritten after every check so a run cut short keeps what it measured.
 
   nccl_single_rank     a world-size-1 generation (nccl, cuda) trains a float64 MLP for 8 steps:
                        parameters and losses equal a plain PyTorch loop over the same samples in
-                       the same order (engine.batching's plan), rtol 1e-6
-  sharded_single_rank  the same with shard=True (engine.sharded_mode: FSDP2 on a 1-rank nccl mesh,
-                       the rows of a first generation, a partner replica refresh, --clip-grad-norm
-                       from the norm the vote summed; the trained parameters on the host until
-                       the first mesh): parameters equal a plain loop's, rtol 1e-6
+                       the same order (engine.data.batching's plan), rtol 1e-6
+  sharded_single_rank  the same with shard=True (engine.sharded.lifecycle: FSDP2 on a 1-rank nccl
+                       mesh, the rows of a first generation, a partner replica refresh,
+                       --clip-grad-norm from the norm the vote summed; the trained parameters on the
+                       host until the first mesh): parameters equal a plain loop's, rtol 1e-6
   bf16, fp16           precision "bf16"/"fp16": steps run on cuda under autocast to that dtype,
                        the loss is finite and falls, parameters match a plain autocast loop
                        (fp16: with its GradScaler, whose state is in worker.capture())
@@ -28,9 +28,9 @@ rewritten after every check so a run cut short keeps what it measured.
   step_overhead        GPT 50M, bf16, AdamW: run_generation's step time against a plain loop of
                        the same model, optimizer, data and precision, interleaved; the ratio
                        ours/plain is the figure (aim <= 1.03), with peak GPU memory of both
-  pinned_memory        engine.transfer.to_device's non_blocking copy of a pinned batch arrives
+  pinned_memory        engine.data.to_device.to_device's non_blocking copy of a pinned batch arrives
                        equal; whether the engine's batches are pinned at all
-  frozen_hash          engine.frozen: digests of device tensors (dtypes, a view, one past a
+  frozen_hash          engine.state.frozen: digests of device tensors (dtypes, a view, one past a
                        hashing chunk) equal their host copies'; a frozen layer is left out of
                        the capture, and a change to it is caught (verify)
   nvml                 the arbiter's NVML slot provider: with 2 GiB held by this process, the
@@ -41,7 +41,8 @@ Training runs only through the engine's public surfaces, ``Worker(objects, confi
 ``run_generation(worker, spec, store)``, on a TCPStore hosted here; before each generation the
 script writes ``gen{g}/end_at`` and ``gen{g}/version`` as the owner does
 (elastic_jupyter/rendezvous.py). It imports only torch, the standard library and
-elastic_jupyter.engine.* (and, for the nvml check, elastic_jupyter.arbiter.providers and NVML), and downloads nothing: text is benchmarks/gpt.py's StdlibText.
+elastic_jupyter.engine.* (and, for the nvml check, elastic_jupyter.arbiter.providers and NVML), and
+downloads nothing: text is benchmarks/gpt.py's StdlibText.
 
 Usage, on the GPU machine (about 1-2 minutes on an H200; no check starts after --budget 210 s):
     python benchmarks/gpu_check.py
@@ -77,12 +78,12 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402  benchmarks/gpt.py: the GPT decoder and StdlibText
-from elastic_jupyter.engine.batching import BatchPlan, micro_batch_count  # noqa: E402
-from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter  # noqa: E402
+from elastic_jupyter.engine.data.batching import BatchPlan, micro_batch_count  # noqa: E402
+from elastic_jupyter.engine.state.checkpoint_writer import CheckpointWriter  # noqa: E402
 from elastic_jupyter.engine.generation import run_generation  # noqa: E402
 from elastic_jupyter.engine.protocol import GenerationSpec  # noqa: E402
-from elastic_jupyter.engine.state_transfer import broadcast_state  # noqa: E402
-from elastic_jupyter.engine.transfer import to_device  # noqa: E402
+from elastic_jupyter.engine.group.state_transfer import broadcast_state  # noqa: E402
+from elastic_jupyter.engine.data.to_device import to_device  # noqa: E402
 from elastic_jupyter.engine.worker import SetupError, Worker  # noqa: E402
 
 AIM = 1.03  # the project's aim for ours / plain step time
@@ -264,7 +265,7 @@ def _plain_to(batch, device: torch.device):
 class Plain:
     """The same objects trained as a user would without this package: the whole global batch in
     one pass, zero_grad / autocast forward / backward / step, the samples in the order of
-    engine.batching's plan (the Worker's at world size 1 with one micro-batch per step)."""
+    engine.data.batching's plan (the Worker's at world size 1 with one micro-batch per step)."""
 
     def __init__(self, objects: dict, cfg: dict, device: torch.device):
         self.model = objects["model"].to(device)
@@ -540,7 +541,7 @@ def _root_error(errors: dict) -> str:
 def check_gloo_two_ranks(ctx: Ctx) -> Outcome:
     steps = 6
     # a pool of up to 2: each step is cut so both ranks get micro-batches; the plan, and so
-    # the update, is the same at world size 1 (engine.batching)
+    # the update, is the same at world size 1 (engine.data.batching)
     cfg = config(steps=steps, pool_max_size=2)
     generation = ctx.new_generation()
     # where ipyparallel is installed, run_generation's _publish outside an engine creates an
@@ -776,7 +777,7 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
     cfg["global_batch"] = batch
     plain = Plain(plain_objects, cfg, ctx.device)
     worker = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1), str(ctx.device))
-    # the same with 2 loader processes fetching ahead into pinned memory (engine.loader)
+    # the same with 2 loader processes fetching ahead into pinned memory (engine.data.map_pipeline)
     fed = Worker(gpt_objects(size, seq, dataset), dict(cfg, steps=1, loader_processes=2),
                  str(ctx.device))
     runs = {"ours": [], "plain": [], "plain_item": [], "ours_workers2": []}
@@ -819,8 +820,8 @@ def check_step_overhead(ctx: Ctx) -> Outcome:
 
 
 def pipeline_pinned(ctx: Ctx) -> bool:
-    """Whether the engine's input pipeline hands over pinned batches (engine.loader), with a
-    loader process: the batches the engine moves to the device with non_blocking copies."""
+    """Whether the engine's input pipeline hands over pinned batches (engine.data.map_pipeline),
+    with a loader process: the batches the engine moves to the device with non_blocking copies."""
     model = nn.Linear(8, 1).to(ctx.device)
     objects = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
                "dataset": Pairs(64, 8, torch.float32), "loss_fn": mse_loss}
@@ -853,10 +854,10 @@ def check_pinned_memory(ctx: Ctx) -> Outcome:
 
 
 def check_frozen_hash(ctx: Ctx) -> Outcome:
-    """engine.frozen on the device: digests of device tensors (several dtypes, a view, one
+    """engine.state.frozen on the device: digests of device tensors (several dtypes, a view, one
     larger than a hashing chunk) equal the host copies'; a model's frozen part is left out of
     its capture and a change to it is caught."""
-    from elastic_jupyter.engine import frozen
+    from elastic_jupyter.engine.state import frozen
     tensors = [torch.randn(1000, 37, device=ctx.device).t(),
                torch.randn(4096, dtype=torch.float64, device=ctx.device)[::3],
                torch.randn(64, 64, device=ctx.device).to(torch.bfloat16),

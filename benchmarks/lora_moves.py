@@ -6,7 +6,7 @@ on q_proj and v_proj trains 8 steps on a pool of 2 (max 3), grows to 3 after ste
 checkpoints every 4 steps. Side by side in one run, alternating (``--rounds`` times each):
 
 - **frozen stay** (the default): a grow sends, and a checkpoint writes, the adapter and its
-  AdamW state (engine.frozen);
+  AdamW state (engine.state.frozen);
 - **frozen moved** (``--move-frozen``, what every run did before): the base model too.
 
 Per mode: the bytes the grow sent (structure and tensors, at the transport: the ``state_sent``

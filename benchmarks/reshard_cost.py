@@ -1,21 +1,22 @@
 """Resizing a sharded training state in memory against its costs and against a restart.
 
-The 200M GPT of benchmarks/gpt.py, sharded with FSDP2 per block (engine.sharding), AdamW after
-one step (its two moments: the state is 2.4 GB in fp32), on gloo processes of this machine:
+The 200M GPT of benchmarks/gpt.py, sharded with FSDP2 per block (engine.sharded.resizable_model),
+AdamW after one step (its two moments: the state is 2.4 GB in fp32), on gloo processes of this
+machine:
 
 - **grow 2 -> 3** with ``ShardedModel.reshard_to`` and **shrink 3 -> 2** as a generation's
   end and the next one's start do it (rank 1 leaves: ``hand_over`` in the old group, then
   ``reshard_to`` from the rows handed over in the new one): the time (every rank from a
-  barrier to done; the shrink's two parts added, the new group's rendezvous left out), the bytes that
-  travelled (point to point, counted as the plan sends them, plus the pickled structure)
+  barrier to done; the shrink's two parts added, the new group's rendezvous left out), the bytes
+  that travelled (point to point, counted as the plan sends them, plus the pickled structure)
   against the minimum for the new layout (the rows whose owner changes), and against one
   ``all_to_all_single`` of the same bytes between the same ranks in the same processes;
 - **the restart path** users have today: the state written with ``torch.distributed.checkpoint``
   (fsync on), the files dropped from the page cache (``posix_fadvise(DONTNEED)``: no root
   needed), new processes started, torch imported, the model built and sharded at the new size,
   and the checkpoint read back, to the moment every process is ready;
-- **the partner replica's refresh** (engine.replicas): its time against a training step's, so
-  the step overhead at a refresh every K steps is refresh / (K x step).
+- **the partner replica's refresh** (engine.sharded.replicas): its time against a training step's,
+  so the step overhead at a refresh every K steps is refresh / (K x step).
 
 Run: ``python benchmarks/reshard_cost.py [--size 200M]``; figures in BENCHMARKS.md.
 """
@@ -37,9 +38,9 @@ from torch.distributed.device_mesh import DeviceMesh
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, SIZES  # noqa: E402
 
-from elastic_jupyter.engine.replicas import PartnerReplicas  # noqa: E402
-from elastic_jupyter.engine.reshard import Layout, moved_bytes, plan  # noqa: E402
-from elastic_jupyter.engine.sharding import ShardedModel  # noqa: E402
+from elastic_jupyter.engine.sharded.replicas import PartnerReplicas  # noqa: E402
+from elastic_jupyter.engine.sharded.reshard import Layout, moved_bytes, plan  # noqa: E402
+from elastic_jupyter.engine.sharded.resizable_model import ShardedModel  # noqa: E402
 
 SEQ = 32
 

@@ -1,11 +1,11 @@
 """What a sharded checkpoint costs training: a ``shard=True`` run of the GPT of benchmarks/gpt.py
 on a fresh pool, a checkpoint every `--every` steps, each rank's part written beside training
-(engine/sharded_writer.py) from the host copy of a partner refresh at that step.
+(engine/sharded/part_writer.py) from the host copy of a partner refresh at that step.
 
 Printed: the median step time, each checkpoint step's time above it (the refresh, and what the
 write in the background takes from training), and each write's and refresh's own seconds from
 the run's events. The first checkpoints' refreshes touch host memory for the first time (their
-buffers are reused after: engine/replicas.py), so the steady cost is that of the later ones.
+buffers are reused after: engine/sharded/replicas.py), so the steady cost is that of the later ones.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 time (run/streamed_export.py), against gathering it whole and ``torch.save`` (the way before).
 
 A sharded checkpoint of the GPT of benchmarks/gpt.py (``--size``, 200M by default) is written
-as ``--world-size`` ranks write one (engine/sharded_checkpoint.py ``write_part`` and
+as ``--world-size`` ranks write one (engine/sharded/checkpoint_parts.py ``write_part`` and
 ``commit``; each rank's rows of every parameter and AdamW's two moments, from the model's own
 tensors cut by rows: no process group needed). Then, alternating, ``--repeats`` times each:
 
@@ -37,8 +37,8 @@ ONE = '''
 import json, os, sys, threading, time
 import torch
 torch.set_num_threads(1)
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.sharded_checkpoint import load_whole, model_layout, read_model
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.sharded.checkpoint_parts import load_whole, model_layout, read_model
 from elastic_jupyter.run.streamed_export import write_streamed
 
 def anon():
@@ -69,9 +69,9 @@ def write_checkpoint(size: str, world_size: int, folder: str) -> int:
     it; returns the model's bytes."""
     import torch
 
-    from elastic_jupyter.engine.reshard import chunk_rows
-    from elastic_jupyter.engine.sharded_checkpoint import commit, write_part
-    from elastic_jupyter.engine.sharding import Snapshot
+    from elastic_jupyter.engine.sharded.reshard import chunk_rows
+    from elastic_jupyter.engine.sharded.checkpoint_parts import commit, write_part
+    from elastic_jupyter.engine.sharded.resizable_model import Snapshot
     layers, width, heads = gpt.SIZES[size]
     model = gpt.GPT(layers, width, heads)
     params = dict(model.named_parameters())

@@ -43,7 +43,7 @@ from gpt import GPT, SIZES, cell, parameters  # noqa: E402
 from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.generation import run_generation  # noqa: E402
 from elastic_jupyter.engine.protocol import GenerationSpec  # noqa: E402
-from elastic_jupyter.engine.sharding import default_units  # noqa: E402
+from elastic_jupyter.engine.sharded.resizable_model import default_units  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
 from elastic_jupyter.run.rendezvous import Rendezvous  # noqa: E402
 

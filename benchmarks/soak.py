@@ -21,7 +21,7 @@ samples; a sample counts what is there in each of 5 looks over 0.4 s, so a conne
 a moment is not a leak); and memory grows by no more than the history's records: the
 least-squares slope of each process's resident memory over steps is at most what one record
 costs (the kernel's run log keeps one a step; an engine keeps only the newest:
-engine.history), times --rss-slack for the allocator. A record's cost is measured
+engine.state.history), times --rss-slack for the allocator. A record's cost is measured
 (tracemalloc) on fresh copies of the run's newest records: its dict, values and list slot; the
 keys are shared.
 
@@ -56,7 +56,7 @@ from elastic_jupyter.run import faults
 # at a minute here (the soak's kills are transient by design; the doubling up to 10 minutes
 # is test_faults'), else after ~15 minutes of chaos the soak mostly waits for cooldowns
 faults.COOLDOWN = (faults.COOLDOWN[0], 60.0)
-from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.state import checkpoint as ckpt
 CELL = {cell!r}
 UNPACED = {unpaced!r}
 def soak_config(name, steps):

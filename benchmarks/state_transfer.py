@@ -7,8 +7,8 @@ run): rank 0 holds the trained state, rank 1 a fresh model. Timed from a barrier
 receiver having loaded the state (model and optimizer), median of ``--repeats``:
 
 - ``pickled``: rank 0 captures a CPU copy and ``broadcast_object_list`` sends it (what a
-  generation start did before engine.state_transfer);
-- ``buckets``: ``engine.state_transfer.broadcast_state`` of the live state, received into the
+  generation start did before engine.group.state_transfer);
+- ``buckets``: ``engine.group.state_transfer.broadcast_state`` of the live state, received into the
   receiver's own model tensors (``into``), as a generation's start does;
 - ``broadcast``: one ``dist.broadcast`` of a flat tensor of the same bytes (the achievable limit
   on this backend) and ``memcpy``: one copy of those bytes in memory.
@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gpt  # noqa: E402
-from elastic_jupyter.engine import state as state_mod  # noqa: E402
-from elastic_jupyter.engine.state_transfer import broadcast_state  # noqa: E402
+from elastic_jupyter.engine.state import training_state as state_mod  # noqa: E402
+from elastic_jupyter.engine.group.state_transfer import broadcast_state  # noqa: E402
 
 
 def _objects(size: str, rank: int):

@@ -1,5 +1,5 @@
-"""Streaming input (engine.streams): its reading against a plain DataLoader, and what opening
-the streams costs a new generation.
+"""Streaming input (engine.data.stream_split): its reading against a plain DataLoader, and what
+opening the streams costs a new generation.
 
 The data: 8 JSON-lines shard files of 2,000 samples, each 256 token ids (as a tokenised
 pre-training corpus), read by ``datasets`` streaming with ``with_format("torch")``. One
@@ -34,10 +34,10 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only
 import datasets  # noqa: E402  (after the offline switch)
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from elastic_jupyter.engine.batching import BatchPlan, Cut  # noqa: E402
-from elastic_jupyter.engine.state import Progress  # noqa: E402
-from elastic_jupyter.engine.stream_loader import StreamPipeline  # noqa: E402
-from elastic_jupyter.engine.streams import Streams  # noqa: E402
+from elastic_jupyter.engine.data.batching import BatchPlan, Cut  # noqa: E402
+from elastic_jupyter.engine.state.training_state import Progress  # noqa: E402
+from elastic_jupyter.engine.data.stream_pipeline import StreamPipeline  # noqa: E402
+from elastic_jupyter.engine.data.stream_split import Streams  # noqa: E402
 
 SHARDS, PER_SHARD, TOKENS, BATCH, STEPS, WORKERS, PAIRS = 8, 2000, 256, 128, 125, 2, 3
 

@@ -11,7 +11,7 @@ __all__ = ["EnginePool", "Engine", "TrainingRun", "RunConfig", "PoolConfig", "Us
            "RunSetupError", "MeanOver", "LocalLauncher", "SSHLauncher", "SlurmLauncher",
            "load_ipython_extension"]
 _LAZY = {"EnginePool": "pool.pool", "Engine": "pool.processes", "TrainingRun": "run.run",
-         "RunSetupError": "run.run", "MeanOver": "engine.losses",
+         "RunSetupError": "run.run", "MeanOver": "engine.step.losses",
          "LocalLauncher": "pool.launchers", "SSHLauncher": "pool.launchers",
          "SlurmLauncher": "pool.launchers"}
 

@@ -1,5 +1,5 @@
-"""The owner's abort as a rank sees it (engine.abort), on a real TCPStore: forming a gloo group
-with a peer that never comes ends when the owner sets ``abort``, not at the timeout; the nccl
+"""The owner's abort as a rank sees it (engine.group.abort), on a real TCPStore: forming a gloo
+group with a peer that never comes ends when the owner sets ``abort``, not at the timeout; the nccl
 watch calls the group's abort once the key is set, and never otherwise."""
 import datetime
 import multiprocessing
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic_jupyter.engine.abort import AbortableStore, AbortWatch, GenerationAborted
+from elastic_jupyter.engine.group.abort import AbortableStore, AbortWatch, GenerationAborted
 
 
 def control(server):

@@ -83,7 +83,7 @@ def test_extra_state_and_after_step_are_checked_at_setup():
 
 def _newcomer_rank(rank: int, store_path: str, out: str) -> None:
     import torch.distributed as dist
-    from elastic_jupyter.engine.state_transfer import broadcast_state
+    from elastic_jupyter.engine.group.state_transfer import broadcast_state
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
         worker = Worker(cell_namespace(CELL, rank), config(steps=6), "cpu")

@@ -2,8 +2,8 @@
 contracts in pyproject.toml hold (the layers ui -> run -> (server | pool) -> (arbiter | engine),
 engine/ apart from the rest, no import cycles), mypy finds no error in elastic_jupyter/, the
 engines (and the options and event kinds they read) import only torch, numpy and the standard
-library, engines are called only from pool/engine_calls.py, and no module reads another
-object's private state.
+library, each of engine/'s wings names its modules in its docstring, engines are called only
+from pool/engine_calls.py, and no module reads another object's private state.
 Each tool runs as the developer would run it, and its report is the failure's message."""
 import ast
 import os
@@ -60,6 +60,19 @@ def test_the_engines_import_only_torch_numpy_and_the_standard_library():
                         if name.split(".")[0] not in allowed
                         and not (name + ".").startswith("elastic_jupyter.engine.")]
     assert not outside, "\n".join(outside)
+
+
+def test_each_engine_wing_names_its_modules_in_its_map():
+    # a wing's __init__ docstring is its part of the map (docs/ARCHITECTURE.md): a module it does
+    # not name is one a newcomer cannot find from there
+    unnamed = []
+    for init in sorted(ENGINE.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        unnamed += [f"{path.relative_to(ROOT)}: not in its wing's docstring"
+                    for path in sorted(init.parent.glob("*.py"))
+                    if path.name != "__init__.py" and f"``{path.stem}``" not in doc]
+    assert len(list(ENGINE.glob("*/__init__.py"))) == 6  # modes, sharded, step, data, state, group
+    assert not unnamed, "\n".join(unnamed)
 
 
 def _trees():

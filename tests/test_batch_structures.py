@@ -11,7 +11,7 @@ import pytest
 import torch
 from worlds import cell_namespace, config
 
-from elastic_jupyter.engine.transfer import to_device
+from elastic_jupyter.engine.data.to_device import to_device
 from elastic_jupyter.engine.worker import Worker
 
 STRUCTURES = '''

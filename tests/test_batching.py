@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from elastic_jupyter.engine.batching import (BatchPlan, Cut, busiest_rank, choose_cut,
-                                             epoch_permutation, micro_batch_bounds,
-                                             micro_batch_count, micro_batches, rank_share,
-                                             steps_per_epoch)
+from elastic_jupyter.engine.data.batching import (BatchPlan, Cut, busiest_rank, choose_cut,
+                                                  epoch_permutation, micro_batch_bounds,
+                                                  micro_batch_count, micro_batches, rank_share,
+                                                  steps_per_epoch)
 
 
 def test_shares_cover_the_batch_and_differ_by_at_most_one():

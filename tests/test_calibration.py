@@ -1,4 +1,4 @@
-"""The cost of a pass (engine.calibration): measured on rank 0, shared by every rank, without a
+"""The cost of a pass (engine.step.calibration): measured on rank 0, shared by every rank, without a
 trace in the model, and kept by the run's state so every generation and a resume cut steps alike.
 """
 import time
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine import calibration
+from elastic_jupyter.engine.step import calibration
 from elastic_jupyter.engine.worker import SetupError, Worker
 
 from worlds import cell_namespace, config, train

@@ -8,9 +8,9 @@ import torch
 from conftest import DIGITS_CELL
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter
-from elastic_jupyter.engine import state as state_mod
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.state.checkpoint_writer import CheckpointWriter
+from elastic_jupyter.engine.state import training_state as state_mod
 
 
 def _state(step):

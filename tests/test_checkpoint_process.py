@@ -13,11 +13,11 @@ import psutil
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter
-from elastic_jupyter.engine import state as state_mod
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.state.checkpoint_writer import CheckpointWriter
+from elastic_jupyter.engine.state import training_state as state_mod
 
-WRITER = "elastic_jupyter.engine.checkpoint_process"
+WRITER = "elastic_jupyter.engine.state.checkpoint_process"
 
 
 def _writers(pid: int | None = None) -> list[psutil.Process]:
@@ -161,8 +161,8 @@ def test_a_checkpoint_whose_writer_process_is_killed_is_written_on_the_thread(tm
 
 ENGINE = textwrap.dedent("""
     import sys, time, torch
-    from elastic_jupyter.engine import state as state_mod
-    from elastic_jupyter.engine.checkpoint_writer import CheckpointWriter
+    from elastic_jupyter.engine.state import training_state as state_mod
+    from elastic_jupyter.engine.state.checkpoint_writer import CheckpointWriter
     model = torch.nn.Linear(64, 64)
     opt = torch.optim.Adam(model.parameters())
     staging = state_mod.Staging()

@@ -22,7 +22,7 @@ import torch
 from conftest import DIGITS_CELL
 
 from elastic_jupyter import RunConfig, RunSetupError, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.state import checkpoint as ckpt
 
 RUN_TIMEOUT = 180  # generous: other people's tests share these 2 cores
 
@@ -59,7 +59,7 @@ def _wait_finished(run) -> None:
 ZYGOTE = r'''
 import os, sys
 import torch
-from elastic_jupyter.engine.checkpoint import write_checkpoint
+from elastic_jupyter.engine.state.checkpoint import write_checkpoint
 folder, numel = sys.argv[1], int(sys.argv[2])
 print("ready", flush=True)
 for line in sys.stdin:

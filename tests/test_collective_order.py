@@ -5,8 +5,8 @@ process group wrapped by torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checker, whi
 collective whose kind, shapes or sequence number differ between ranks.
 
 One case runs without the checker: a sharded start at world size 3. Its rows go from rank 0
-to ranks 1 and 2 point to point (engine.reshard), two sends against one receive each, and the
-checker counts point-to-point operations in its sequence numbers, so the next collective reads
+to ranks 1 and 2 point to point (engine.sharded.reshard), two sends against one receive each, and
+the checker counts point-to-point operations in its sequence numbers, so the next collective reads
 as a mismatch ("Sequence number: 10vs 11") although every rank issues the same collectives
 (it read the same at c2f1eda, before the state modes)."""
 import datetime

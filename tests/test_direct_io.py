@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from elastic_jupyter.engine import checkpoint, direct_io
-from elastic_jupyter.engine.direct_io import ALIGN, BUFFER, DirectFile, open_for_writing
+from elastic_jupyter.engine.state import checkpoint, direct_io
+from elastic_jupyter.engine.state.direct_io import ALIGN, BUFFER, DirectFile, open_for_writing
 
 LENGTHS = [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, BUFFER - 1, BUFFER, BUFFER + 1,
            2 * BUFFER + ALIGN + 7]

@@ -9,7 +9,7 @@ as torchvision's ``resnet18`` builds it (BasicBlock, [2, 2, 2, 2], Kaiming init)
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine.batching import epoch_permutation
+from elastic_jupyter.engine.data.batching import epoch_permutation
 
 CELL = '''
 import torch

@@ -11,8 +11,8 @@ import torch.distributed as dist
 from worlds import cell_namespace, config, spawn
 
 from elastic_jupyter import MeanOver, RunConfig, TrainingRun
-from elastic_jupyter.engine.batching import BatchPlan, choose_cut
-from elastic_jupyter.engine.vote import Vote
+from elastic_jupyter.engine.data.batching import BatchPlan, choose_cut
+from elastic_jupyter.engine.group.vote import Vote
 from elastic_jupyter.engine.worker import Worker
 
 CELL = '''

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from elastic_jupyter.engine.fingerprint import dataset_fingerprint
+from elastic_jupyter.engine.data.fingerprint import dataset_fingerprint
 
 
 @dataclasses.dataclass

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine.frozen import FrozenWeights, FrozenWeightsError, frozen_keys
+from elastic_jupyter.engine.state.frozen import FrozenWeights, FrozenWeightsError, frozen_keys
 from elastic_jupyter.run.run import RunSetupError
 from kernels import Kernel, kill_leftovers
 from test_bad_input import assert_pool_still_trains, unique

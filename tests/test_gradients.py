@@ -12,7 +12,7 @@ import pytest
 import torch
 from worlds import cell_namespace, config, max_relative_deviation, reference, train
 
-from elastic_jupyter.engine.batching import BatchPlan, Cut, rank_share
+from elastic_jupyter.engine.data.batching import BatchPlan, Cut, rank_share
 from elastic_jupyter.engine.worker import SetupError, Worker
 
 # ------------------------------------------------------------------------- mixed dtypes

@@ -1,10 +1,10 @@
-"""A rank's held records and the checkpoint folder's history file (engine.history), without a
+"""A rank's held records and the checkpoint folder's history file (engine.state.history), without a
 cluster; the real runs that read a resumed history from the file are in test_resume."""
 import json
 import os
 
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.history import HISTORY_FILE, History, append, whole_history
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.state.history import HISTORY_FILE, History, append, whole_history
 
 
 def records(first, last, **fields):

@@ -20,8 +20,8 @@ import torch
 from elastic_jupyter import EnginePool, RunConfig, RunSetupError, TrainingRun
 from elastic_jupyter.arbiter.hosts import Relay
 from elastic_jupyter.config import UsageError
-from elastic_jupyter.engine.checkpoint import list_checkpoints
-from elastic_jupyter.engine.interface import address_of
+from elastic_jupyter.engine.state.checkpoint import list_checkpoints
+from elastic_jupyter.engine.group.network_interface import address_of
 from elastic_jupyter.pool.launchers import SSHLauncher
 from kernels import BODY as LIFECYCLE_BODY
 from netns_hosts import Hosts, available

@@ -2,18 +2,19 @@
 
 Each run trains the same float64 model on the same data with a constant global batch of 64:
 at world size 1, at 2, and 2 -> 3 -> 1 with resizes scheduled mid-epoch, on default settings:
-the test pool's --max 4 cuts every step into 4 micro-batches of 16 (engine.batching.Cut), by
+the test pool's --max 4 cuts every step into 4 micro-batches of 16 (engine.data.batching.Cut), by
 rule, the same in every run. All must end with the parameters (and buffers) of
 a single-process reference that runs the same micro-batches in order, each with its own random
-stream, and takes the mean gradient of each batch. The model is plain, or has dropout (a mask per micro-batch), or BatchNorm in training
-mode (statistics per micro-batch, running statistics updated in micro-batch order).
+stream, and takes the mean gradient of each batch. The model is plain, or has dropout (a mask per
+micro-batch), or BatchNorm in training mode (statistics per micro-batch, running statistics updated
+in micro-batch order).
 """
 import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine.batching import BATCHNORM_FLOOR, BatchPlan, choose_cut, rank_share
-from elastic_jupyter.engine.randomness import stream_seed
+from elastic_jupyter.engine.data.batching import BATCHNORM_FLOOR, BatchPlan, choose_cut, rank_share
+from elastic_jupyter.engine.data.randomness import stream_seed
 
 CELL = '''
 import torch

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
+from elastic_jupyter.engine.state import checkpoint as ckpt
 from kernels import BODY, Kernel, describe, process_ident, wait_gone
 
 STEPS = 180

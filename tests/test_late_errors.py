@@ -14,7 +14,7 @@ from conftest import DIGITS_CELL
 from worlds import cell_namespace, config
 
 from elastic_jupyter import RunConfig, RunSetupError, TrainingRun
-from elastic_jupyter.engine.trials import SetupTrials
+from elastic_jupyter.engine.step.trials import SetupTrials
 from elastic_jupyter.engine.worker import SetupError, Worker
 
 # the typo: top-50 accuracy over 10 classes

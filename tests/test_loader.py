@@ -1,6 +1,6 @@
-"""The input pipeline (engine.loader): DataLoader processes fetch each rank's passes ahead, with
-the cell's collate_fn and worker_init_fn, and a sample's random transform is the same at any
-world size and any number of loader processes."""
+"""The input pipeline (engine.data.map_pipeline): DataLoader processes fetch each rank's passes
+ahead, with the cell's collate_fn and worker_init_fn, and a sample's random transform is the same at
+any world size and any number of loader processes."""
 import os
 
 import torch

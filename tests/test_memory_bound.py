@@ -1,4 +1,5 @@
-"""A sharded run's memory bound (engine.memory_need, run.memory_bound, ``--memory-per-rank``).
+"""A sharded run's memory bound (engine.sharded.memory_need, run.memory_bound,
+``--memory-per-rank``).
 
 The count is checked against what FSDP2 and the optimizers really hold after a step; the bound
 refuses a pool's --min and a resize below it with the numbers, leaving the pool usable; where a
@@ -18,8 +19,8 @@ from torch.distributed.tensor import DTensor
 
 from elastic_jupyter import RunConfig, TrainingRun, UsageError
 from elastic_jupyter.config import byte_size
-from elastic_jupyter.engine.memory_need import MemoryNeed, activation_bytes, measure
-from elastic_jupyter.engine.sharding import default_units, skeleton_of
+from elastic_jupyter.engine.sharded.memory_need import MemoryNeed, activation_bytes, measure
+from elastic_jupyter.engine.sharded.resizable_model import default_units, skeleton_of
 from elastic_jupyter.engine.worker import Worker
 from elastic_jupyter.run.memory_bound import MemoryBound
 from test_sharded_step import CELL

@@ -1,4 +1,4 @@
-"""Several optimizers (engine.optimizers): a GAN on the digits, its discriminator and generator
+"""Several optimizers (engine.step.optimizers): a GAN on the digits, its discriminator and generator
 stepped in order within each step, resized, SIGKILLed between its sub-steps, stopped and
 resumed — the parameters of the undisturbed run (float64), each optimizer's step once."""
 import pytest
@@ -7,9 +7,9 @@ from test_faults import kill_in_phase, wait_for
 from worlds import cell_namespace
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.objects import CellObjects, SetupError
-from elastic_jupyter.engine.modes import state_mode
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.step.objects import CellObjects, SetupError
+from elastic_jupyter.engine.modes.factory import state_mode
 from elastic_jupyter.pool.processes import alive
 
 GAN_CELL = '''
@@ -153,7 +153,7 @@ def test_a_later_optimizers_loss_with_metrics_fails_at_its_step(idle_pool, tmp_p
 def test_a_state_between_sub_steps_resumes_only_with_its_optimizers_in_order():
     """A state taken after the discriminator's sub-step goes on only where the discriminator
     steps first: another order would step it twice and skip the generator."""
-    from elastic_jupyter.engine.optimizers import check_resumed
+    from elastic_jupyter.engine.step.optimizers import check_resumed
     steps = _objects(GAN_CELL.replace("time.sleep(PAUSE)", "")).substeps
     check_resumed(steps, 1, {"discriminator": [0.7]})
     check_resumed(steps, 0, {})

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, RunSetupError, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine import state as state_mod
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.state import training_state as state_mod
 
 Betas = collections.namedtuple("Betas", "beta1 beta2")
 

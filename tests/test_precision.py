@@ -7,7 +7,7 @@ import torch
 from worlds import cell_namespace, config, max_relative_deviation, reference, train
 
 from elastic_jupyter import RunConfig, UsageError
-from elastic_jupyter.engine import precision as precision_mod
+from elastic_jupyter.engine.step import precision as precision_mod
 from elastic_jupyter.engine.worker import SetupError, Worker
 from elastic_jupyter.ui.magics import _train_parser
 

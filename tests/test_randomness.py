@@ -1,5 +1,5 @@
 """Randomness independent of the world size: a random stream per micro-batch, BatchNorm running
-statistics replayed in micro-batch order (engine.randomness, engine.running_stats)."""
+statistics replayed in micro-batch order (engine.data.randomness, engine.step.running_stats)."""
 import collections
 import copy
 import glob
@@ -11,11 +11,11 @@ import torch
 from worlds import cell_namespace, config
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine.batching import BatchPlan, Cut
-from elastic_jupyter.engine.loader import SeededSamples
-from elastic_jupyter.engine.randomness import (host_generators_kept, micro_batch_stream,
-                                               sample_seed, seed_host_generators, stream_seed)
-from elastic_jupyter.engine.running_stats import RunningStats
+from elastic_jupyter.engine.data.batching import BatchPlan, Cut
+from elastic_jupyter.engine.data.map_pipeline import SeededSamples
+from elastic_jupyter.engine.data.randomness import (host_generators_kept, micro_batch_stream,
+                                                    sample_seed, seed_host_generators, stream_seed)
+from elastic_jupyter.engine.step.running_stats import RunningStats
 from elastic_jupyter.engine.worker import Worker
 
 CPU = torch.device("cpu")
@@ -194,7 +194,7 @@ def test_running_statistics_replay_the_sequential_updates(momentum):
 def test_batchnorm_called_twice_a_micro_batch_keeps_a_plain_loops_running_statistics(momentum):
     """A GAN's discriminator normalises the real batch, then the fake one, in one micro-batch:
     the running statistics after a step are those of a plain loop over the micro-batches in
-    order (engine.running_stats folds the two updates); without a momentum (a cumulative
+    order (engine.step.running_stats folds the two updates); without a momentum (a cumulative
     average) that is refused, on every rank."""
     torch.manual_seed(0)
     model = torch.nn.BatchNorm1d(4, momentum=momentum).double()

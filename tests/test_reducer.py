@@ -1,12 +1,12 @@
-"""The gradient reduction itself (engine.reduce), on a real gloo group of 3 processes: buckets
+"""The gradient reduction itself (engine.group.reduce), on a real gloo group of 3 processes: buckets
 start while the last backward runs, in the same order on every rank even when ranks produce
 gradients in different orders, and the result is the sum of every rank's gradients."""
 import torch
 import torch.distributed as dist
 from worlds import spawn
 
-from elastic_jupyter.engine.reduce import GradReducer
-from elastic_jupyter.engine.vote import Vote
+from elastic_jupyter.engine.group.reduce import GradReducer
+from elastic_jupyter.engine.group.vote import Vote
 
 
 def _reduce(reducer: GradReducer, scalars: list[float], world_size: int, vote=None) -> list:

@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
-from elastic_jupyter.engine.reshard import chunk_rows
-from elastic_jupyter.engine.sharded_checkpoint import commit, read_rows, write_part
-from elastic_jupyter.engine.sharding import Snapshot
+from elastic_jupyter.engine.sharded.replicas import HostBuffers, PartnerReplicas
+from elastic_jupyter.engine.sharded.reshard import chunk_rows
+from elastic_jupyter.engine.sharded.checkpoint_parts import commit, read_rows, write_part
+from elastic_jupyter.engine.sharded.resizable_model import Snapshot
 from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from worlds import spawn
 
@@ -115,7 +115,7 @@ def _refresh_twice(rank: int, folder: str) -> None:
                for e, t in _parts(1 - rank, rows, 2.0).items())
     assert all(torch.equal(second.own.parts[e], t)
                for e, t in _parts(rank, rows, 2.0).items())
-    # a checkpoint's part is written from these copies (engine.sharded_writer)
+    # a checkpoint's part is written from these copies (engine.sharded.part_writer)
     write_part(f"{folder}/ckpt", 2, 0, second.own, rank, 2)
     dist.barrier()
     if rank == 0:

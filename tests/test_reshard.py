@@ -5,11 +5,11 @@ that travel are exactly the rows whose owner changes, counted row by row here.""
 import pytest
 import torch
 import torch.distributed as dist
-
-from elastic_jupyter.engine import reshard as reshard_mod
-from elastic_jupyter.engine.reshard import (Layout, chunk_rows, empty_like_rows, moved_bytes,
-                                            plan, reshard)
 from worlds import spawn
+
+from elastic_jupyter.engine.sharded import reshard as reshard_mod
+from elastic_jupyter.engine.sharded.reshard import (Layout, chunk_rows, empty_like_rows,
+                                                    moved_bytes, plan, reshard)
 
 # rows per tensor: fewer rows than ranks, one row, a prime, model-sized ones (the last one's
 # pieces are past DIRECT_BYTES: they travel alone, the others in buckets)

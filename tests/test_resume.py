@@ -11,8 +11,8 @@ import torch
 from conftest import DIGITS_CELL
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun, UsageError
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.history import whole_history
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.state.history import whole_history
 
 CELL = '''
 import time

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from elastic_jupyter import RunConfig, RunSetupError, TrainingRun, UsageError
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.batching import BatchPlan
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.data.batching import BatchPlan
 
 CELL = '''
 import torch
@@ -115,7 +115,8 @@ def test_a_plateau_metric_the_evaluation_lacks_is_refused_at_setup_naming_those_
     config = RunConfig(name=f"plateau-{uuid.uuid4().hex[:6]}", global_batch=B, steps=10,
                        eval_every=5, plateau_metric="val_los", seed=SEED)
     run = TrainingRun(idle_pool, config, source=cell(PLATEAU), workspace=str(tmp_path))
-    # metric_fn is tried when the cell runs (engine.trials.SetupTrials, from engine.entrypoints)
+    # metric_fn is tried when the cell runs (engine.step.trials.SetupTrials, from
+    # engine.entrypoints)
     with pytest.raises(RunSetupError, match="--plateau-metric val_los: metric_fn, tried at "
                                             "setup, gives val_accuracy, val_loss"):
         run.start()
@@ -161,7 +162,7 @@ def test_plateau_metric_options_are_validated(options, expected):
 
 
 def test_an_epochs_mean_loss_weighs_each_step_by_what_its_loss_is_a_mean_over():
-    from elastic_jupyter.engine.schedulers import epoch_mean_loss
+    from elastic_jupyter.engine.step.schedulers import epoch_mean_loss
     # 40 samples, B 16: steps of 16, 16 and 8 samples
     by_samples = [{"epoch": 0, "loss": 1.0}, {"epoch": 1, "loss": 2.0}, {"epoch": 1, "loss": 4.0},
                   {"epoch": 1, "loss": 8.0}]

@@ -12,21 +12,22 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
+from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
 from torch.distributed.device_mesh import init_device_mesh
+from worlds import spawn
 
 from elastic_jupyter.config import UsageError
-from elastic_jupyter.engine.checkpoint import CheckpointError
-from elastic_jupyter.engine.replicas import HostBuffers, PartnerReplicas
-from elastic_jupyter.engine.sharded_checkpoint import (commit, latest, load_whole, model_layout,
-                                                       read_model, read_rows, stamp, write_part)
-from elastic_jupyter.engine.sharded_writer import PartWriter
-from elastic_jupyter.engine.sharding import ShardedModel, Snapshot
+from elastic_jupyter.engine.sharded.checkpoint_parts import (commit, latest, load_whole,
+                                                             model_layout, read_model, read_rows,
+                                                             stamp, write_part)
+from elastic_jupyter.engine.sharded.part_writer import PartWriter
+from elastic_jupyter.engine.sharded.replicas import HostBuffers, PartnerReplicas
+from elastic_jupyter.engine.sharded.resizable_model import ShardedModel, Snapshot
+from elastic_jupyter.engine.state.checkpoint import CheckpointError
 from elastic_jupyter.run.final_state import ShardedFinalState
 from elastic_jupyter.run.results import RunResults
 from elastic_jupyter.run.runlog import RunLog
 from elastic_jupyter.run.streamed_export import write_streamed
-from test_sharding import build, fixed_at_2, sharded_cell, train_step, whole
-from worlds import spawn
 
 
 def _write(rank: int, folder: str) -> None:

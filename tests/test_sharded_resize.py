@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from elastic_jupyter.engine.collective import PeerFailure
+from elastic_jupyter.engine.group.collective import PeerFailure
 from elastic_jupyter.engine.generation import run_generation
 from elastic_jupyter.engine.protocol import LEAVERS_KEY, GenerationSpec
 from elastic_jupyter.engine.worker import Worker

@@ -1,5 +1,5 @@
-"""The sharded mode's step (``shard=True``: engine.sharded_mode, engine.sharded_reduce) against the
-replicated mode's and a plain loop: FSDP2 per block over real gloo groups, float64.
+"""The sharded mode's step (``shard=True``: engine.sharded.lifecycle, engine.sharded.reduce_scatter)
+against the replicated mode's and a plain loop: FSDP2 per block over real gloo groups, float64.
 
 What must hold at any world size and micro-batch cut: the update is the mean gradient of the
 global batch (ranks with fewer micro-batches, or none, run zero-weight passes that add nothing),
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from elastic_jupyter.engine.objects import SetupError
+from elastic_jupyter.engine.step.objects import SetupError
 from elastic_jupyter.engine.worker import Worker
 from test_gradients import TOKENS_CELL
 from worlds import cell_namespace, config, reference, train

@@ -1,18 +1,20 @@
 """An FSDP2-sharded model and its AdamW state resized in memory (issue 36): over real gloo
-process groups, a float64 model with a BatchNorm buffer and a frozen layer trains 2 steps at each world size of
-2 -> 3 -> 1 -> 2 (a newcomer, two leavers, another newcomer) and ends with the parameters of the
-same model trained at 2 throughout (rtol 1e-9). Each step's loss is weighted by the rank's
-share of the global batch and the reduce-scatter sums, as the engine weights micro-batches."""
+process groups, a float64 model with a BatchNorm buffer and a frozen layer trains 2 steps at each
+world size of 2 -> 3 -> 1 -> 2 (a newcomer, two leavers, another newcomer) and ends with the
+parameters of the same model trained at 2 throughout (rtol 1e-9). Each step's loss is weighted by
+the rank's share of the global batch and the reduce-scatter sums, as the engine weights
+micro-batches."""
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
-
-from elastic_jupyter.engine.reshard import Layout
-from elastic_jupyter.engine.sharding import ShardedModel, ShardingError, default_units
 from worlds import spawn
+
+from elastic_jupyter.engine.sharded.reshard import Layout
+from elastic_jupyter.engine.sharded.resizable_model import (ShardedModel, ShardingError,
+                                                            default_units)
 
 B = 12  # the global batch: 6, 4 and 12 samples a rank at 2, 3 and 1
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from elastic_jupyter import EnginePool, RunConfig, TrainingRun
-from elastic_jupyter.engine.checkpoint import list_checkpoints
+from elastic_jupyter.engine.state.checkpoint import list_checkpoints
 from elastic_jupyter.pool.launchers import SlurmLauncher
 from kernels import BODY as LIFECYCLE_BODY, Kernel
 from slurm_cluster import SlurmCluster, available

@@ -1,5 +1,5 @@
 """Replicated and sharded state are two implementations of one interface on each side
-(engine.state_mode.StateMode, run.run_mode.RunMode): no code outside them and their factories
+(engine.modes.state_mode.StateMode, run.run_mode.RunMode): no code outside them and their factories
 branches on the mode, the interfaces have no flag for callers to read, and every refusal of
 ``--shard`` is a method of the sharded mode."""
 import ast
@@ -10,20 +10,21 @@ import pytest
 import torch
 
 from elastic_jupyter.config import RunConfig
-from elastic_jupyter.engine.modes import state_mode
-from elastic_jupyter.engine.objects import CellObjects, SetupError
-from elastic_jupyter.engine.replicated_state import Replicated
-from elastic_jupyter.engine.sharded_state import Sharded
-from elastic_jupyter.engine.state_mode import StateMode
+from elastic_jupyter.engine.modes.factory import state_mode
+from elastic_jupyter.engine.step.objects import CellObjects, SetupError
+from elastic_jupyter.engine.modes.replicated import Replicated
+from elastic_jupyter.engine.modes.sharded import Sharded
+from elastic_jupyter.engine.modes.state_mode import StateMode
 from elastic_jupyter.run.run_mode import ReplicatedRun, RunMode, ShardedRun, run_mode
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "elastic_jupyter"
 # the modes, their machinery, the one factory on each side, and the option's own validation
-ALLOWED = {"engine/state_mode.py", "engine/replicated_state.py", "engine/sharded_state.py",
-           "engine/sharded_mode.py", "engine/modes.py", "run/run_mode.py", "config/run.py"}
+ALLOWED = {"engine/modes/state_mode.py", "engine/modes/replicated.py", "engine/modes/sharded.py",
+           "engine/sharded/lifecycle.py", "engine/modes/factory.py", "run/run_mode.py",
+           "config/run.py"}
 MODE_CLASSES = {"Replicated", "Sharded", "ReplicatedRun", "ShardedRun", "WholeFinalState",
-                "ShardedFinalState"}
+                "ShardedFinalState", "GradReducer", "ShardedReducer"}
 
 
 def _mode_reads(tree: ast.AST) -> list[tuple[int, str]]:
@@ -103,7 +104,7 @@ def test_the_sharded_modes_refusals_are_its_methods_in_one_class():
         state_mode(RunConfig("m", shard=True, sync_batchnorm=True)).check(
             cell, torch.device("cpu"))
     state_mode(RunConfig("m", sync_batchnorm=True)).check(cell, torch.device("cpu"))
-    # one optimizer, but named: the dict form is several optimizers' (engine.optimizers)
+    # one optimizer, but named: the dict form is several optimizers' (engine.step.optimizers)
     named = CellObjects.of({"model": model,
                             "optimizer": {"main": torch.optim.SGD(model.parameters(), 0.1)},
                             "dataset": [torch.zeros(2)] * 64,

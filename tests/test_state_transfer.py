@@ -1,5 +1,5 @@
-"""The state broadcast of a generation's start (engine.state_transfer), on a real gloo group of
-3 processes: every receiver ends with rank 0's state, bit for bit, whatever the bucket size."""
+"""The state broadcast of a generation's start (engine.group.state_transfer), on a real gloo group
+of 3 processes: every receiver ends with rank 0's state, bit for bit, whatever the bucket size."""
 import random
 
 import numpy as np
@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 from worlds import spawn
 
-from elastic_jupyter.engine import state as state_mod
-from elastic_jupyter.engine import state_transfer
-from elastic_jupyter.engine.state_transfer import broadcast_state, plan_buckets
+from elastic_jupyter.engine.state import training_state as state_mod
+from elastic_jupyter.engine.group import state_transfer
+from elastic_jupyter.engine.group.state_transfer import broadcast_state, plan_buckets
 
 
 def _objects(seed: int):

@@ -1,6 +1,6 @@
-"""Streaming data on a real cluster: an iterable dataset split into streams (engine.streams)
-trains each sample once per epoch across a resize and a SIGKILL, and to the parameters of the
-undisturbed run.
+"""Streaming data on a real cluster: an iterable dataset split into streams
+(engine.data.stream_split) trains each sample once per epoch across a resize and a SIGKILL, and to
+the parameters of the undisturbed run.
 
 The data: scikit-learn's digits, written by the test as four JSON-lines shard files and read
 by ``datasets`` streaming (with ``state_dict``) and by a plain IterableDataset over the files
@@ -22,11 +22,11 @@ from sklearn.datasets import load_digits
 from test_faults import kill_in_phase, wait_for
 
 from elastic_jupyter import RunConfig, TrainingRun
-from elastic_jupyter.engine import checkpoint as ckpt
-from elastic_jupyter.engine.batching import BatchPlan, Cut
-from elastic_jupyter.engine.state import Progress
-from elastic_jupyter.engine.stream_loader import StreamPipeline
-from elastic_jupyter.engine.streams import Streams
+from elastic_jupyter.engine.state import checkpoint as ckpt
+from elastic_jupyter.engine.data.batching import BatchPlan, Cut
+from elastic_jupyter.engine.state.training_state import Progress
+from elastic_jupyter.engine.data.stream_pipeline import StreamPipeline
+from elastic_jupyter.engine.data.stream_split import Streams
 from elastic_jupyter.pool.processes import alive
 
 SHARDS, PER_SHARD, BATCH, EPOCHS = 4, 120, 32, 2  # 15 steps an epoch
@@ -192,10 +192,10 @@ def test_a_stream_shorter_than_declared_fails_at_its_step_and_keeps_the_checkpoi
 
 
 def _objects(source: str, **options):
-    from elastic_jupyter.engine.objects import CellObjects
+    from elastic_jupyter.engine.step.objects import CellObjects
     from elastic_jupyter.config import RunConfig
     from worlds import cell_namespace
-    from elastic_jupyter.engine.modes import state_mode
+    from elastic_jupyter.engine.modes.factory import state_mode
     config = RunConfig.from_dict({"name": "streams", "global_batch": 8, "pool_max_size": 4,
                                   **options})
     cell = CellObjects.of(cell_namespace(source, 0), config)
@@ -234,7 +234,7 @@ class Lines(torch.utils.data.IterableDataset):
      "eval_dataset must be map-style"),
 ])
 def test_an_iterable_dataset_that_cannot_stream_is_refused_at_setup(source, options, message):
-    from elastic_jupyter.engine.objects import SetupError
+    from elastic_jupyter.engine.step.objects import SetupError
     with pytest.raises(SetupError) as excinfo:
         _objects(source, **options)
     assert message in str(excinfo.value), str(excinfo.value)

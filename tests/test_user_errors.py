@@ -20,7 +20,7 @@ from worlds import cell_namespace, config, spawn
 
 from elastic_jupyter import RunConfig, TrainingRun
 from elastic_jupyter.run import faults
-from elastic_jupyter.engine.collective import PeerFailure, collective
+from elastic_jupyter.engine.group.collective import PeerFailure, collective
 from elastic_jupyter.run.recovery import Recovery, RepeatedFailure
 from elastic_jupyter.engine.generation import run_generation
 from elastic_jupyter.engine.protocol import GenerationSpec

@@ -1,5 +1,5 @@
-"""The commit vote (engine.vote) on a real TCPStore, one client connection per rank: every rank
-that returns from a round returns the same values, and a round with a missing vote ends alike
+"""The commit vote (engine.group.vote) on a real TCPStore, one client connection per rank: every
+rank that returns from a round returns the same values, and a round with a missing vote ends alike
 on every rank, however the missing vote and the waiters' deadlines race."""
 import datetime
 import random
@@ -9,8 +9,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic_jupyter.engine import vote as vote_mod
-from elastic_jupyter.engine.vote import StepAborted, Vote
+from elastic_jupyter.engine.group import vote as vote_mod
+from elastic_jupyter.engine.group.vote import StepAborted, Vote
 
 
 def client(server, generation: int = 0):

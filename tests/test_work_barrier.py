@@ -1,4 +1,4 @@
-"""The barrier after local work (engine.work_barrier), on a real TCPStore: ranks wait for a
+"""The barrier after local work (engine.group.work_barrier), on a real TCPStore: ranks wait for a
 peer's work far past the collective timeout while it lives, fail fast when its process stops
 or the owner aborts, and a rank's own error in its work stays its own."""
 import datetime
@@ -11,8 +11,8 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic_jupyter.engine.collective import PeerFailure
-from elastic_jupyter.engine.work_barrier import work_then_wait
+from elastic_jupyter.engine.group.collective import PeerFailure
+from elastic_jupyter.engine.group.work_barrier import work_then_wait
 
 TIMEOUT = 1.0  # the collective timeout these waits get
 

@@ -3,7 +3,7 @@ import pytest
 import torch
 from worlds import cell_namespace, config
 
-from elastic_jupyter.engine.vote import StepAborted, Vote
+from elastic_jupyter.engine.group.vote import StepAborted, Vote
 from elastic_jupyter.engine.worker import SetupError, Worker
 
 CELL = '''
@@ -132,7 +132,7 @@ def test_a_step_record_logs_every_param_groups_learning_rate():
     record = w.train_step(0, 1)[0]
     assert (record["lr"], record["lr_1"], record["lr_2"]) == (0.1, 0.5, 0.25)
     assert type(record["lr_2"]) is float and "lr_3" not in record
-    w.lr_scheduler.step()  # as the generation steps it (engine.schedulers)
+    w.lr_scheduler.step()  # as the generation steps it (engine.step.schedulers)
     record = w.train_step(0, 1)[0]
     assert (record["lr"], record["lr_1"]) == (0.05, 0.25)
     names = series.column_names([record])

@@ -4,7 +4,8 @@ same cell in a plain single-process PyTorch loop (the right answer).
 ``train(cell, config, world_size, steps, tmp_path)`` runs ``Worker.train_step`` on every rank
 (world size 1 in this process; more in spawned processes whose process group and commit vote
 go through a FileStore) and returns one
-``Result`` per rank; the ranks measure the cost of a pass first, as a generation does. ``reference(cell, config, steps)`` trains the cell the way a user would
+``Result`` per rank; the ranks measure the cost of a pass first, as a generation does.
+``reference(cell, config, steps)`` trains the cell the way a user would
 without this package: the whole global batch in one forward pass, ``loss.backward()``,
 ``optimizer.step()``, with the same samples in the same order.
 """
@@ -24,11 +25,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
-from elastic_jupyter.engine.batching import BatchPlan
+from elastic_jupyter.engine.data.batching import BatchPlan
 from elastic_jupyter.engine.entrypoints import _run_setup
-from elastic_jupyter.engine.losses import MeanOver
-from elastic_jupyter.engine.state_mode import Place
-from elastic_jupyter.engine.vote import Vote
+from elastic_jupyter.engine.step.losses import MeanOver
+from elastic_jupyter.engine.modes.state_mode import Place
+from elastic_jupyter.engine.group.vote import Vote
 from elastic_jupyter.engine.worker import Worker
 
 
@@ -42,7 +43,7 @@ class Result:
     history: list = field(default_factory=list)
     losses: list = field(default_factory=list)  # the reference's loss per step
     scaler: dict | None = None
-    pass_cost: float | None = None  # the rank's (engine.calibration), as its steps were cut
+    pass_cost: float | None = None  # the rank's (engine.step.calibration), as its steps were cut
     per_pass: bool = False  # a sharded rank reduce-scattered after each pass (memory bound)
 
 

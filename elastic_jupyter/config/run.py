@@ -34,9 +34,9 @@ class RunConfig:
     """A run's options; plain data, stored in every checkpoint.
 
     Sizes are in samples; ``total_steps`` is derived from ``epochs`` unless ``steps`` is given
-    (0: the engines derive it). How steps are cut into micro-batches (engine.batching.Cut,
+    (0: the engines derive it). How steps are cut into micro-batches (engine.data.batching.Cut,
     fixed at the run's start and kept by a resume): ``micro_batch`` (N samples each), else
-    ``pass_cost`` (a number, or ``"measure"``: engine.calibration), else one per slot of the
+    ``pass_cost`` (a number, or ``"measure"``: engine.step.calibration), else one per slot of the
     pool's ``pool_max_size``; ``pool_min_size``, ``pool_max_size`` and ``total_steps`` are
     filled in by the run. The fields with a flag are ``%%elastic_train``'s options, shown by
     --help in their groups (config.flags.Group), in this order; docs/options.md lists them.
@@ -69,7 +69,8 @@ class RunConfig:
     epochs: int | None = field(default=None, metadata=flag(
         "--epochs", "epochs to train (unset: 1, unless --steps)", parse=positive_int,
         group=_DATA))
-    # DataLoader processes (engine.loader); "workers" read as ranks to Ray and Horovod users
+    # DataLoader processes (engine.data.map_pipeline); "workers" read as ranks to Ray and
+    # Horovod users
     loader_processes: int = field(default=0, metadata=flag(
         "--loader-processes", "DataLoader processes per engine that fetch and collate the "
         "coming passes' samples ahead, into pinned memory on GPU slots (default %(default)s: "
@@ -275,7 +276,7 @@ class RunStart:
 # the fields' older names, still read (with a FutureWarning from a call) until ALIASES_UNTIL
 RENAMED_FIELDS = {"workers": "loader_processes", "keep": "keep_checkpoints"}
 
-# steps became transactional (engine.vote) in 0.1.0, which left the option nothing to do
+# steps became transactional (engine.group.vote) in 0.1.0, which left the option nothing to do
 COMMIT_EVERY = Removed("--commit-every", "commit_every", "0.2.0",
                        "every step is committed by a vote of every rank, so a fault loses at "
                        "most the step in flight; leave it out")

@@ -28,15 +28,18 @@ import torch.distributed as dist
 
 from ..config.environment import OWNER_ADDRESS, SLOT
 from ..config.run import RunConfig
-from . import drain, history, publish, schedulers
-from . import state as state_mod
+from . import publish
 from . import workdir as workdir_mod
-from .checkpoint import CheckpointError, unloadable
-from .fingerprint import dataset_fingerprint
+from .data.fingerprint import dataset_fingerprint
 from .generation import run_generation
-from .interface import use_interface_towards
+from .group import drain
+from .group.network_interface import use_interface_towards
 from .protocol import GenerationResult, GenerationSpec, TrainingState
-from .trials import SetupTrials
+from .state import history
+from .state import training_state as state_mod
+from .state.checkpoint import CheckpointError, unloadable
+from .step import schedulers
+from .step.trials import SetupTrials
 from .worker import SetupError, Worker
 
 
@@ -124,7 +127,7 @@ def init_engine(slot: int | None, device: str, threads: int,
     torch.set_num_threads(threads)
     # nccl's watchdog, at a collective's timeout, raises the error in the rank (2: clean up
     # only) instead of ending the process (torch's default): a rank whose peer died is a
-    # survivor, never a casualty (engine.abort ends such waits sooner)
+    # survivor, never a casualty (engine.group.abort ends such waits sooner)
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     drain.install()  # a scheduler's SIGTERM: leave the run at a step boundary, then stop
     if owner := OWNER_ADDRESS.get():  # a pool across hosts
@@ -256,17 +259,17 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     ``RunConfig.from_dict``).
     Returns {"samples", "total_steps", "parameters", "eval_samples", "dataset", "frozen",
     "workdir", "memory", "imported"}: "memory" is a sharded run's memory need per rank and
-    budget (engine.sharded_mode's ``count_memory``; None when replicated); "frozen" is the
-    frozen weights' manifest (engine.frozen: their digests, bytes and hashing time), which
+    budget (engine.sharded.lifecycle's ``count_memory``; None when replicated); "frozen" is the
+    frozen weights' manifest (engine.state.frozen: their digests, bytes and hashing time), which
     the owner compares across engines; "imported"
     names the installed modules the setup loaded, in order (for pool.zygote; not the
     notebook's own, see engine.workdir);
-    "dataset" is the dataset's fingerprint (engine.fingerprint), which the owner compares
-    across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is the folder the cell ran in: `workdir`, or, on a host where the notebook's
-    folder does not exist, the engine's own (the run's folder must exist there: it is shared).
-    Raises SetupError (also when the training state holds a value no checkpoint could load,
-    naming its key path) or the cell's own exception (the owner shows its traceback); the
-    engine then holds no Worker.
+    "dataset" is the dataset's fingerprint (engine.data.fingerprint), which the owner compares
+    across engines; the Worker keeps it too, so checkpoints record it in their config. "workdir" is
+    the folder the cell ran in: `workdir`, or, on a host where the notebook's folder does not exist,
+    the engine's own (the run's folder must exist there: it is shared). Raises SetupError (also when
+    the training state holds a value no checkpoint could load, naming its key path) or the cell's
+    own exception (the owner shows its traceback); the engine then holds no Worker.
     """
     _forget_run()
     loaded = set(sys.modules)
@@ -315,7 +318,7 @@ def _check_worker(worker: Worker) -> None:
     """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
     scheduler options do not fit, or (where the state mode lets the engine try them) whose
     functions the run calls later fail when tried once, on a small batch
-    (engine.trials.SetupTrials.run: nothing they change stays)."""
+    (engine.step.trials.SetupTrials.run: nothing they change stays)."""
     schedulers.check(worker)
     worker.mode.check_setup(
         lambda: SetupTrials(worker.config, worker.objects, worker.plan, worker.device,
@@ -426,7 +429,7 @@ def training_state() -> TrainingState:
     final weights: the Worker's full state as plain data on the CPU, with its last committed
     step still to finish as ``pending`` (None unless an error hit its evaluation). A CPU engine
     sends its live tensors, which no step changes any more: the reply's serialization is the
-    only copy. Raises engine.frozen's FrozenWeightsError when a frozen tensor changed (the
+    only copy. Raises engine.state.frozen's FrozenWeightsError when a frozen tensor changed (the
     state leaves them out: it would not resume as this run went on)."""
     w = _state.run_worker()
     w.frozen.verify()
@@ -447,8 +450,8 @@ def progress() -> dict:
     Returns {"step": committed steps, "in_flight": whether a step had begun and was not
     committed (the work the fault lost), "pending": whether the last step's evaluation is
     still to do, "holds_state": False when the fault caught it before it had loaded the
-    state it was to receive (its model may hold part of it)}. The commit vote gives every survivor that holds the state
-    the same step (engine.vote).
+    state it was to receive (its model may hold part of it)}. The commit vote gives every survivor
+    that holds the state the same step (engine.group.vote).
     """
     w = _state.run_worker()
     return {"step": w.progress.step, "in_flight": w.in_flight, "pending": w.pending is not None,
@@ -458,7 +461,7 @@ def progress() -> dict:
 def history_since(step: int, pending: bool = False) -> list[dict]:
     """Called on rank 0 after a fault, for the records the live stream had not delivered:
     this engine's history records after `step` (it holds every one the owner lacks:
-    engine.history). With `pending` (a run that ends with an error), also the record of a
+    engine.state.history). With `pending` (a run that ends with an error), also the record of a
     committed step whose evaluation is still to do (``Worker.pending``: the error hit it)."""
     w = _state.run_worker()
     records = w.history.since(step)

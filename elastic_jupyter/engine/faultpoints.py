@@ -12,17 +12,26 @@ import time
 from typing import Protocol
 
 from ..config.run import RunConfig
-from .state import Progress
 
 FAULT_HOLD = 30.0  # seconds an armed fault point waits for its kill
+
+
+class Progress(Protocol):
+    """Where the engine's run stands (engine.state.training_state.Progress)."""
+
+    @property
+    def step(self) -> int: ...
 
 
 class Engine(Protocol):
     """What a fault point reads of the engine's Worker."""
 
-    config: RunConfig
-    slot: int | None
-    progress: Progress
+    @property
+    def config(self) -> RunConfig: ...
+    @property
+    def slot(self) -> int | None: ...
+    @property
+    def progress(self) -> Progress: ...
 
 
 def fault_point(phase: str, worker: Engine | None) -> None:
@@ -36,8 +45,8 @@ def fault_point(phase: str, worker: Engine | None) -> None:
         phase: "join" (before the process group forms), "resize" (just after), "broadcast",
             "forward", "backward", "allreduce", "vote", "optimizer", "evaluate",
             "checkpoint", or "substep" (with several optimizers, before a sub-step that
-            follows a committed one); under --shard also "reduce_scatter" (as a gradient lands in the
-            backward that reduce-scatters), "refresh" (before the partner replicas' exchange)
+            follows a committed one); under --shard also "reduce_scatter" (as a gradient lands in
+            the backward that reduce-scatters), "refresh" (before the partner replicas' exchange)
             and "handover" (at a generation's end, before the rows go to the ranks that stay).
         worker: the engine's Worker (its config, slot and progress), or None.
     """

@@ -3,9 +3,9 @@
 A generation is a fixed membership with ranks 0..W-1 and its own torch.distributed process
 group. The loop runs until the run ends or every rank agrees to leave after the same step:
 rank 0 reads the owner's request from the rendezvous store in the same trip as the step's
-commit vote (engine.vote), and its leave flag rides in its next vote, so agreement costs no
+commit vote (engine.group.vote), and its leave flag rides in its next vote, so agreement costs no
 extra round trip. The model and optimizer stay in the engine's Worker between generations;
-newcomers get them from rank 0, the oldest survivor (engine.state_transfer). After a fault the
+newcomers get them from rank 0, the oldest survivor (engine.group.state_transfer). After a fault the
 survivors hold the same committed step, so a new generation starts from their state as it is.
 
 This module imports nothing from IPython or the UI: it runs the same way from a script.
@@ -23,19 +23,18 @@ import torch.distributed as dist
 
 from ..config.run import RunConfig
 from ..events import Event, EventKind
-from . import drain
-from .abort import AbortableStore, AbortWatch
-from .collective import PeerFailure, collective
 from .faultpoints import fault_point
-from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX,
-                       VERSION_KEY, GenerationResult, GenerationSpec, decode_end_at,
-                       generation_prefix)
+from .group import drain
+from .group.abort import AbortableStore, AbortWatch
+from .group.collective import PeerFailure, collective
+from .group.state_transfer import broadcast_state
+from .group.vote import Vote
+from .group.work_barrier import work_then_wait
+from .modes.state_mode import Place
+from .protocol import (ACKNOWLEDGED_KEY, END_AT_KEY, LEAVERS_KEY, PROCESS_GROUP_PREFIX, VERSION_KEY,
+                       GenerationResult, GenerationSpec, decode_end_at, generation_prefix)
 from .publish import publish
-from .schedulers import step_lr_scheduler
-from .state_mode import Place
-from .state_transfer import broadcast_state
-from .vote import Vote
-from .work_barrier import work_then_wait
+from .step.schedulers import step_lr_scheduler
 from .worker import Worker
 
 PUBLISH_INTERVAL = 0.2  # seconds between live updates to the owner; the client keeps the latest
@@ -66,7 +65,7 @@ def _out_of_memory_hint(config: RunConfig):
         own = isinstance(e, torch.cuda.OutOfMemoryError) or "CUDA out of memory" in str(e)
         if isinstance(e, PeerFailure) or not own:
             raise
-        now = config.micro_batch or "none: the default cut of engine.batching"
+        now = config.micro_batch or "none: the default cut of engine.data.batching"
         hint = ("--sync-batchnorm forwards a rank's whole share in one pass: use fewer samples "
                 "per rank (a smaller --global-batch or more ranks)"
                 if config.sync_batchnorm else
@@ -94,7 +93,7 @@ class Generation:
         self._acknowledged_step: int | None = None  # read every ACKNOWLEDGED_EVERY steps
         self._went_back_to: int | None = None  # a sharded run's roll back (sharded_mode)
         self.handed_over: list[int] = []  # ranks that left with their rows handed over
-        # this rank's place, as the state mode's generation calls take it (engine.state_mode)
+        # this rank's place, as the state mode's generation calls take it (engine.modes.state_mode)
         self.place = Place(self.rank, self.world_size, spec.generation, spec.timeout)
 
     def run(self) -> GenerationResult:
@@ -158,10 +157,10 @@ class Generation:
     def _position_input(self, first: bool) -> None:
         """Stand the input pipeline at the coming step; together, in a wait, at the
         generation's `first` and where a rank opens a stream mid-epoch
-        (engine.stream_loader.StreamPipeline.opens, the same answer on every rank). Streams read again from their epoch's start, or
-        catching up from a state, take as long as they take, on some ranks only: the others
-        wait for them here, while they live, instead of in the step's first collective, whose
-        timeout would count them hung."""
+        (engine.data.stream_pipeline.StreamPipeline.opens, the same answer on every rank). Streams
+        read again from their epoch's start, or catching up from a state, take as long as they take,
+        on some ranks only: the others wait for them here, while they live, instead of in the step's
+        first collective, whose timeout would count them hung."""
         w, p = self.worker, self.worker.progress
 
         def position() -> None:
@@ -187,7 +186,7 @@ class Generation:
         start = time.perf_counter()
         # its collectives raise PeerFailure; a local error (a layout it cannot take) is an error
         state = broadcast_state(live, self.rank, w.device, into=into, sent=sent)
-        if sent:  # rank 0: what a grow moved (frozen weights stay: engine.frozen)
+        if sent:  # rank 0: what a grow moved (frozen weights stay: engine.state.frozen)
             self.events.append({"kind": EventKind.STATE_SENT.value, "step": w.progress.step,
                                 "bytes": sent["bytes"], "tensor_bytes": sent["tensor_bytes"],
                                 "seconds": round(time.perf_counter() - start, 3),

@@ -7,8 +7,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .batching import Cut
-from .collective import PeerFailure
+from .data.batching import Cut
+from .group.collective import PeerFailure
 
 
 def add_note(error: BaseException, text: str) -> None:

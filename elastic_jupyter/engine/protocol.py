@@ -2,8 +2,8 @@
 rendezvous store's keys are called, and the run's options as an engine reads them.
 
 The kernel (run.driver, run.rendezvous, run.cellsetup) and the engine (engine.generation,
-engine.vote, engine.abort, engine.worker) both spell these names from here, so neither side
-reads a field or a key by a string of its own.
+engine.group.vote, engine.group.abort, engine.worker) both spell these names from here, so neither
+side reads a field or a key by a string of its own.
 
 - :class:`GenerationSpec` travels to each rank of a generation (pickled by ipyparallel: owner
   and engines run the same package, which init_engine's versions check).
@@ -42,7 +42,8 @@ def generation_prefix(generation: int) -> str:
 
 
 def vote_key(round_: int, rank: int) -> str:
-    """The key of `rank`'s vote in round `round_` of a generation's commit vote (engine.vote)."""
+    """The key of `rank`'s vote in round `round_` of a generation's commit vote
+    (engine.group.vote)."""
     return f"vote/{round_}/{rank}"
 
 
@@ -88,7 +89,7 @@ class GenerationSpec:
 
 
 class ProgressState(TypedDict):
-    """Where the run stands, as plain data (engine.state.Progress.as_dict): in every
+    """Where the run stands, as plain data (engine.state.training_state.Progress.as_dict): in every
     checkpoint's ``progress``, in a generation's result, in the owner's recovery."""
 
     step: int  # optimizer steps done
@@ -97,8 +98,9 @@ class ProgressState(TypedDict):
     samples: int  # samples trained on, all epochs
     metric_names: list[str]  # the extra metrics loss_fn returns, in order
     pass_cost: float | None
-    cut: dict[str, Any] | None  # engine.batching.Cut as a dict; None until a generation fixes it
-    streams: dict[str, Any] | None  # an iterable dataset's streams (engine.streams)
+    # engine.data.batching.Cut as a dict; None until a generation fixes it
+    cut: dict[str, Any] | None
+    streams: dict[str, Any] | None  # an iterable dataset's streams (engine.data.stream_split)
     substep: int  # several optimizers: the sub-steps of step + 1 already committed
     losses: dict[str, list[float]]  # their [loss, *extras] by optimizer name
 
@@ -109,8 +111,8 @@ class GenerationResult(TypedDict):
     reason: "finished" (the run's last step is done) or "left" (the owner asked the ranks to
     leave after a step). records and events: complete only on rank 0 (the records are the
     history's dicts: step, loss, lr, ... and extra metrics). drained: the wall time of the
-    SIGTERM this rank left for (engine.drain), else None. handed_over: the ranks of a sharded
-    run that left with their rows handed over (engine.sharded_mode).
+    SIGTERM this rank left for (engine.group.drain), else None. handed_over: the ranks of a sharded
+    run that left with their rows handed over (engine.sharded.lifecycle).
     """
 
     reason: Literal["finished", "left"]
@@ -129,7 +131,7 @@ class _TrainingStateCore(TypedDict):
     lr_scheduler: dict[str, Any] | None
     extra: dict[str, Any]  # the cell's extra_state, {name: state_dict}
     progress: ProgressState
-    rng: dict[str, Any]  # python, numpy and torch generators (engine.state.rng_state)
+    rng: dict[str, Any]  # python, numpy and torch generators (training_state.rng_state)
     history: list[dict[str, Any]]  # the newest records (the folder's history.jsonl the rest)
     config: dict[str, Any]  # RunConfig.as_dict() and the dataset's fingerprint
     numpy_types: list[Any]
@@ -137,12 +139,12 @@ class _TrainingStateCore(TypedDict):
 
 
 class TrainingState(_TrainingStateCore, total=False):
-    """A checkpoint, and the training state a survivor sends or keeps (engine.state.capture):
-    plain data only, so ``torch.load(weights_only=True)`` reads it. The tensors' dicts are
-    the model's and the optimizer's ``state_dict()`` with numpy values made tensors (their
-    types in ``numpy_types``); ``model`` is empty for a sharded run, whose rows travel apart.
-    ``frozen``: {key: digest} of the frozen weights each engine keeps (engine.frozen), when
-    they are left out of ``model``."""
+    """A checkpoint, and the training state a survivor sends or keeps
+    (engine.state.training_state.capture): plain data only, so ``torch.load(weights_only=True)``
+    reads it. The tensors' dicts are the model's and the optimizer's ``state_dict()`` with numpy
+    values made tensors (their types in ``numpy_types``); ``model`` is empty for a sharded run,
+    whose rows travel apart. ``frozen``: {key: digest} of the frozen weights each engine keeps
+    (engine.state.frozen), when they are left out of ``model``."""
 
     frozen: dict[str, str]
     pending: dict[str, Any] | None  # the record of a step whose evaluation a fault interrupted

@@ -3,19 +3,19 @@
 The Worker holds the model, optimizer and dataset the cell defined, captures and restores their
 state (for broadcasts and checkpoints), and runs one optimizer step or an evaluation with every
 rank of the current process group. A step is a transaction: its update is applied only after
-every rank voted that its reduction succeeded (engine.vote); a step that fails before leaves
+every rank voted that its reduction succeeded (engine.group.vote); a step that fails before leaves
 the model, optimizer and BatchNorm statistics as it found them, so after a fault the survivors
 simply go on, and no copy of the state is kept. Forming the group and looping over steps is
 engine.generation's job; the calls the owner makes are in engine.entrypoints.
 
 The Worker keeps the step loop and hands the rest to owners of their own: the cell's objects
-are checked by engine.objects, the cut chosen and recorded by engine.cut_choice, each
-micro-batch weighted by engine.weighting, the input pipeline run by engine.loader, the
-evaluation done by engine.evaluation and the setup's trials by engine.trials.
+are checked by engine.step.objects, the cut chosen and recorded by engine.step.cut_choice, each
+micro-batch weighted by engine.step.weighting, the input pipeline run by engine.data.map_pipeline,
+the evaluation done by engine.step.evaluation and the setup's trials by engine.step.trials.
 
-The update is the mean gradient of the global batch B whatever the world size (engine.weighting;
-the last step of an epoch has fewer samples than B: there B is that step's sample count).
-Gradients are summed as torch's DDP sums them (engine.reduce).
+The update is the mean gradient of the global batch B whatever the world size
+(engine.step.weighting; the last step of an epoch has fewer samples than B: there B is that step's
+sample count). Gradients are summed as torch's DDP sums them (engine.group.reduce).
 
 This module imports nothing from IPython or the UI: it runs the same way from a script.
 """
@@ -32,32 +32,32 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from ..config.run import RunConfig
 from ..events import Event
-from . import state as state_mod
-from .batching import BatchPlan, Cut, steps_per_epoch
-from .checkpoint_writer import CheckpointWriter
-from .cut_choice import CutChoice
-from .evaluation import Evaluation
+from .data.batching import BatchPlan, Cut, steps_per_epoch
+from .data.map_pipeline import input_pipeline
+from .data.randomness import host_generators_kept, micro_batch_stream
+from .data.stream_split import Streams
+from .data.to_device import to_device
 from .faultpoints import fault_point
-from .frozen import FrozenWeights
-from .history import History
-from .loader import input_pipeline
-from .losses import floats, weighted
+from .group.reduce import LayoutError
+from .group.vote import Vote
+from .modes.factory import state_mode
 from .notes import after_step_note, micro_batch_note
-from .objects import CellAttribute, CellObjects, SetupError
-from .optimizers import Substep, check_resumed, learning_rates, optimized, owners
-from .precision import Precision, PrecisionError
 from .protocol import TrainingState
-from .randomness import host_generators_kept, micro_batch_stream
-from .reduce import LayoutError
-from .running_stats import RunningStats
-from .sharded_mode import is_pad, pad_source
-from .modes import state_mode
-from .streams import Streams
-from .transfer import to_device
-from .vote import Vote
-from .weighting import StepWeights
+from .sharded.lifecycle import is_pad, pad_source
+from .state import training_state as state_mod
+from .state.checkpoint_writer import CheckpointWriter
+from .state.frozen import FrozenWeights
+from .state.history import History
+from .step.cut_choice import CutChoice
+from .step.evaluation import Evaluation
+from .step.losses import floats, weighted
+from .step.objects import CellAttribute, CellObjects, SetupError
+from .step.optimizers import Substep, check_resumed, learning_rates, optimized, owners
+from .step.precision import Precision, PrecisionError
+from .step.running_stats import RunningStats
+from .step.weighting import StepWeights
 
-__all__ = ["SetupError", "Worker"]  # SetupError is engine.objects'; the Worker raises it too
+__all__ = ["SetupError", "Worker"]  # SetupError is engine.step.objects'; the Worker raises it too
 
 
 def _step_record(p: state_mod.Progress, epoch: int, losses: dict[str, list[float]], lrs: dict,
@@ -123,13 +123,13 @@ class Worker:
     """One engine's share of a run: the user's objects plus the run's progress.
 
     Args:
-        objects: namespace produced by the cell or setup function (engine.objects: must hold
+        objects: namespace produced by the cell or setup function (engine.step.objects: must hold
             ``model``, ``optimizer``, ``dataset`` and ``loss_fn(model, batch)``).
         config: the run's options (config.RunConfig, or the plain dict the kernel sends,
             ``RunConfig.as_dict()``).
         device: torch device string this engine trains on ("cpu" or "cuda").
         slot: the engine's slot (fault points match it against armed slots), None outside a pool.
-        frozen_digests: the frozen weights' digests, when taken before (engine.frozen).
+        frozen_digests: the frozen weights' digests, when taken before (engine.state.frozen).
     Raises SetupError when the objects or options cannot make a run.
     """
 
@@ -145,7 +145,7 @@ class Worker:
         if "mode" in vars(self):
             self.mode.config = value
 
-    # the cell's objects (engine.objects), shared with the owners this Worker hands them to
+    # the cell's objects (engine.step.objects), shared with the owners this Worker hands them to
     model, optimizer, dataset = CellAttribute(), CellAttribute(), CellAttribute()
     lr_scheduler, eval_dataset, metric_fn = CellAttribute(), CellAttribute(), CellAttribute()
     after_step, extra_state = CellAttribute(), CellAttribute()  # extra: an EMA, {name: obj}
@@ -161,7 +161,7 @@ class Worker:
         if config.sync_batchnorm:
             cell.use_sync_batchnorm(config, self.device)
         self.objects = cell
-        # who holds the training state: every rank, or each its rows (engine.state_mode)
+        # who holds the training state: every rank, or each its rows (engine.modes.state_mode)
         self.mode = state_mode(config)
         self.mode.check(cell, self.device)
         self.mode.place_model(self.model, self.device)
@@ -191,10 +191,10 @@ class Worker:
         self.evaluation = Evaluation(config, cell, self.plan, self.device, self.mode)
         self.total_steps = config.total_steps or config.steps or (
             (config.epochs or 1) * steps_per_epoch(samples, B, drop_last))
-        # the dataset's fingerprint (engine.fingerprint) once the setup took it: checkpoints
+        # the dataset's fingerprint (engine.data.fingerprint) once the setup took it: checkpoints
         # carry it in their config, and a resume checks it
         self.fingerprint: dict | None = None
-        self.history = History()  # the newest records only (engine.history)
+        self.history = History()  # the newest records only (engine.state.history)
         self.in_flight = False  # a step begun, not committed (what a fault now would lose)
         # whether this engine holds the run's state: a generation's rank that is sent none (its
         # setup's state at the run's start), or once a state is loaded (recovery counts these)
@@ -211,13 +211,13 @@ class Worker:
     def _before_write(self) -> None:
         """Before each checkpoint write, on the writer's thread."""
         fault_point("checkpoint", self)
-        self.frozen.verify()  # a frozen tensor that changed fails the run (engine.frozen)
+        self.frozen.verify()  # a frozen tensor that changed fails the run (engine.state.frozen)
 
     def capture(self, copy_tensors: bool = True, staging: state_mod.Staging | None = None
                 ) -> TrainingState:
-        """The training state as plain data (engine.state); ``copy_tensors=False`` gives the
-        live tensors, for a reader done before training goes on; `staging` reused buffers to
-        copy into (a checkpoint's)."""
+        """The training state as plain data (engine.state.training_state); ``copy_tensors=False``
+        gives the live tensors, for a reader done before training goes on; `staging` reused buffers
+        to copy into (a checkpoint's)."""
         return self.mode.capture(
             state_mod.capture, model=self.model, optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler, progress=self.progress,
@@ -251,7 +251,7 @@ class Worker:
             self.plan.cut = Cut(**self.progress.cut)
 
     def forget_history(self, acknowledged: int | None) -> None:
-        """Drop the records no one will ask this rank for (engine.history): those the kernel
+        """Drop the records no one will ask this rank for (engine.state.history): those the kernel
         acknowledged (`acknowledged`: its complete step; None when no kernel reads the run),
         that are in the checkpoint folder's history file (up to the checkpoint before the
         newest scheduled one, or this rank's last written one if older: any rank may write
@@ -265,11 +265,11 @@ class Worker:
         the state broadcast, before the first step): the run's cut recorded if it has none yet
         (measured first with ``--pass-cost measure``), and the gradient buckets laid out as
         rank 0's, then rebuilt once more after the generation's first step in the order its
-        gradients come (engine.reduce).
+        gradients come (engine.group.reduce).
 
         Returns, on rank 0 of the run's first generation, the ``micro_batches`` event.
         """
-        # engine.cut_choice.CutChoice.record: a collective with --pass-cost measure
+        # engine.step.cut_choice.CutChoice.record: a collective with --pass-cost measure
         event = self.cut_choice.record(self.plan, self.progress, rank, world_size) \
             if self.progress.cut is None else None
         self.mode.start(self, rank, world_size)  # a sharded model's rows come now
@@ -306,7 +306,7 @@ class Worker:
         """Yield (zero-weight?, sample indices) for each of this rank's passes `parts` of a
         batch of `B` samples; the caller's loop body (forward, backward) runs in that
         micro-batch's random stream with its BatchNorm statistics recorded, the last one's
-        backward starting the all-reduce as buckets fill (engine.reduce). Then the other
+        backward starting the all-reduce as buckets fill (engine.group.reduce). Then the other
         buckets start and the statistics are combined (collectives: every rank's loop must
         end). An exception in the loop body closes this generator as it leaves the caller,
         which restores the outer RNG state and the layers' momenta."""
@@ -330,7 +330,7 @@ class Worker:
         an earlier sub-step read), else from the input pipeline (then kept, when `kept` is a
         list: more sub-steps follow); returns (loss, extra metrics), each weighted by the
         passes' fraction of the batch: float64 tensors on the device where loss_fn gave
-        tensors (read with engine.losses.floats, once per step), else floats."""
+        tensors (read with engine.step.losses.floats, once per step), else floats."""
         loss_sum: torch.Tensor | float = 0.0
         first = sub is self.objects.substeps[0]  # only its loss_fn may give extra metrics
         extras: list = [0.0] * len(self.progress.metric_names) if first else []
@@ -340,7 +340,7 @@ class Worker:
             for n, (pad, chunk) in enumerate(passes):
                 if kept is not None and n < len(kept):
                     batch = kept[n]
-                else:  # the input pipeline (engine.loader) starts where it must
+                else:  # the input pipeline (engine.data.map_pipeline) starts where it must
                     batch = to_device(self.pipeline.next(*self.input_at(rank, world_size)),
                                       self.device)
                     if kept is not None:
@@ -393,11 +393,11 @@ class Worker:
     def train_step(self, rank: int, world_size: int, vote: Vote | None = None,
                    leave_flag: float = 0.0) -> tuple[dict, bool]:
         """One optimizer step on this rank's share of the global batch; all ranks call it.
-        With several optimizers (engine.optimizers), its sub-steps from the first one not yet
+        With several optimizers (engine.step.optimizers), its sub-steps from the first one not yet
         committed (``progress.substep``), each a transaction of its own.
 
         Args:
-            vote: the generation's commit vote (engine.vote); None with one rank and no store.
+            vote: the generation's commit vote (engine.group.vote); None with one rank and no store.
             leave_flag: 1.0 on rank 0 when the owner asked the ranks to leave after this step.
         Returns (history record, whether any rank asked to leave after this step); the record
         is also :attr:`pending` until the generation has evaluated, recorded it and stepped
@@ -469,7 +469,7 @@ class Worker:
 
     def evaluate(self, rank: int, world_size: int, vote: Vote | None = None) -> dict:
         """The mean of each ``metric_fn`` value over ``eval_dataset``, ``{"val_<name>": mean}``
-        ({} without one; engine.evaluation): the chunks' sums meet in a round of the commit
+        ({} without one; engine.step.evaluation): the chunks' sums meet in a round of the commit
         vote (`vote`; None with one rank), so every rank returns the same or raises."""
         if self.eval_dataset is None:
             return {}

@@ -42,7 +42,7 @@ class CellSetup:
             another dataset later is refused (the run's steps never change mid-run).
         memory: the run's memory bound (run.memory_bound), set up by the first engines'
             counts; a pool whose --min is below it fails the setup with UsageError.
-        frozen: the digests of their frozen weights ({key: digest}, engine.frozen); an engine
+        frozen: the digests of their frozen weights ({key: digest}, engine.state.frozen); an engine
             that builds other ones is refused (they are never sent: each keeps its own).
     """
 

@@ -11,8 +11,8 @@ import os
 import time
 
 from ..config import UsageError
-from ..engine import checkpoint as ckpt
-from ..engine import sharded_checkpoint
+from ..engine.state import checkpoint as ckpt
+from ..engine.sharded import checkpoint_parts as sharded_checkpoint
 from ..server.registry import kernel_id
 
 LOCK_FILE = ".lock"

@@ -6,7 +6,7 @@ adds engines that membership started and set up in the background while the othe
 training pauses only for forming the new group and one broadcast of the state. A fault ends a
 generation too; recovery brings the members back to one state first. A rank its scheduler told
 to go (SIGTERM: preemption, a time limit) ends the generation at a step boundary too
-(engine.drain): it is dropped with nothing lost, and a replacement is started.
+(engine.group.drain): it is dropped with nothing lost, and a replacement is started.
 
 The driver is the only writer of the run's state and error, and holds the run's rendezvous
 store (rendezvous.py) from the setup to the end. Decisions come from the Sizer (sizing.py),
@@ -240,7 +240,7 @@ class Driver:
                 first_failure = time.monotonic()
                 rendezvous.abort(generation)  # ranks waiting for a vote stop waiting
             # a rank blocked with a dead peer fails at once (a closed socket, the owner's abort:
-            # engine.abort) except where it cannot be told (gloo connecting to an address
+            # engine.group.abort) except where it cannot be told (gloo connecting to an address
             # that no longer answers; nccl before torch 2.7): give it the collective timeout
             # before calling it hung
             grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)

@@ -3,12 +3,12 @@
 A *fault* is an engine that died (SIGKILL, out-of-memory kill, segfault: ipyparallel reports
 ``EngineError`` within milliseconds) or hung (a rank that did not return while its peers' collective
 timed out). The run survives a fault: survivors keep the last step every rank voted for
-(engine.vote) and go on without the lost engine. An *error* is an exception raised by the user's code on a live
-engine; it ends the run. A peer's failure makes the other ranks fail inside the collective; those
-secondary errors are neither.
+(engine.group.vote) and go on without the lost engine. An *error* is an exception raised by the
+user's code on a live engine; it ends the run. A peer's failure makes the other ranks fail inside
+the collective; those secondary errors are neither.
 
 Faults are told from errors by signals only: an engine that is gone, a rank that did not return,
-or the engine-side ``PeerFailure`` (engine.collective), raised when one of this package's own
+or the engine-side ``PeerFailure`` (engine.group.collective), raised when one of this package's own
 collectives fails. The words of a message never count: a dataset raising
 ``TimeoutError("read timed out")`` is the user's error. Any other exception on a live rank, the
 user's or this package's own, is an error: it fails the run with its traceback even when the
@@ -40,7 +40,8 @@ def is_engine_death(error: BaseException) -> bool:
 
 def is_peer_failure(error: BaseException) -> bool:
     """One of our collectives failed on this rank because a peer did (not the cause itself):
-    the engine raised ``engine.collective.PeerFailure`` (ipyparallel names its type ``ename``)."""
+    the engine raised ``engine.group.collective.PeerFailure`` (ipyparallel names its type
+    ``ename``)."""
     return (getattr(error, "ename", None) or type(error).__name__) == "PeerFailure"
 
 

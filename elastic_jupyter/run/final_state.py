@@ -16,8 +16,8 @@ from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, cast
 
 from ..config import UsageError
-from ..engine import checkpoint as ckpt
-from ..engine import sharded_checkpoint
+from ..engine.state import checkpoint as ckpt
+from ..engine.sharded import checkpoint_parts as sharded_checkpoint
 from ..engine.protocol import TrainingState
 from ..events import EventKind
 from .runlog import RunLog
@@ -41,7 +41,7 @@ class FinalState(ABC):
             it ended (or after an error whose rank 0 could not be read). A sharded run's
             has no ``"model"``: it stays in ``folder``.
         folder: a sharded run's checkpoint folder that holds its final model, read one tensor
-            at a time when asked for (engine.sharded_checkpoint's ``read_model``): it may be
+            at a time when asked for (engine.sharded.checkpoint_parts's ``read_model``): it may be
             larger than the kernel's memory. stamp: its manifest's identity then (a later run
             in the same folder may prune or replace it).
     """
@@ -154,7 +154,7 @@ class WholeFinalState(FinalState):
 
 class ShardedFinalState(FinalState):
     """A sharded run's final state: its newest checkpoint folder, which its ranks wrote
-    themselves (engine.sharded_checkpoint); rank 0 holds its own rows only."""
+    themselves (engine.sharded.checkpoint_parts); rank 0 holds its own rows only."""
 
     async def _last_state(self, members: list[Engine]) -> TrainingState:
         return await self._sharded_state()

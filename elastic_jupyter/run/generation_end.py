@@ -22,8 +22,8 @@ class GenerationEnded:
 
     reason: "finished" (the run's last step is done) or "left" (the owner asked them to).
     drained: (engine, wall time of its SIGTERM) of the ranks that left because their
-    scheduler told them to go (engine.drain). handed_over: the engines of a sharded run that
-    left with their rows handed over to the others (engine.sharded_mode).
+    scheduler told them to go (engine.group.drain). handed_over: the engines of a sharded run that
+    left with their rows handed over to the others (engine.sharded.lifecycle).
     """
 
     reason: Literal["finished", "left"]

@@ -1,7 +1,7 @@
 """A sharded run's memory bound: the smallest world size whose rank fits its memory budget.
 
-The engines count a sharded model's memory per rank at setup (engine.memory_need); the budget
-is ``--memory-per-rank`` where given, else each engine's device memory (a GPU slot's; a CPU
+The engines count a sharded model's memory per rank at setup (engine.sharded.memory_need); the
+budget is ``--memory-per-rank`` where given, else each engine's device memory (a GPU slot's; a CPU
 slot has none, and the run then has no bound). :class:`MemoryBound` holds the result for the
 run: the setup refuses a pool whose ``--min`` lies below it (with the numbers), a resize below
 it is refused, and ``%elastic_pool status`` shows it. The pool's ``--min`` is what the machine's
@@ -10,7 +10,7 @@ arbiter and the fault recovery keep a run at, so a run that starts never goes be
 from __future__ import annotations
 
 from ..config import UsageError
-from ..engine.memory_need import GiB, MemoryNeed
+from ..engine.sharded.memory_need import GiB, MemoryNeed
 
 
 class MemoryBound:

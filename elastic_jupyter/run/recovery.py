@@ -3,8 +3,8 @@
 When a generation ends with a fault (faults.classify), :meth:`Recovery.recover` drops the lost
 engines, waits for replacements if fewer than ``--min`` survive, and names the engines that
 must receive the survivors' state by broadcast in the next generation. The survivors need no
-rollback: a step is applied only once every rank voted (engine.vote), so they all hold the same
-committed step and the fault loses at most the step in flight. An engine that had not loaded
+rollback: a step is applied only once every rank voted (engine.group.vote), so they all hold the
+same committed step and the fault loses at most the step in flight. An engine that had not loaded
 the state it was being sent is no survivor (``holds_state``); with no survivor the newest
 checkpoint is loaded. A survivor that dies meanwhile is dropped and the look retried. When no
 recovery is possible it raises :class:`BelowMinimum` or ``RuntimeError``; the driver ends
@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 from ..events import EventKind
 from . import faults
-from ..engine import checkpoint as ckpt
-from ..engine import sharded_checkpoint
+from ..engine.state import checkpoint as ckpt
+from ..engine.sharded import checkpoint_parts as sharded_checkpoint
 from .membership import Membership
 from .runlog import RunLog
 from .sizing import Sizer
@@ -138,13 +138,13 @@ class Recovery:
     async def roll_back(self) -> tuple[int, int, set]:
         """Bring every member to one consistent state; returns (step the fault hit, step
         restored, engine ids to receive it by broadcast). The survivors hold the same
-        committed step (engine.vote), which stays as it is; without survivors, the newest
+        committed step (engine.group.vote), which stays as it is; without survivors, the newest
         checkpoint is loaded on rank 0."""
         survivors = list(self.membership.members)
         held = await self.calls.progress(survivors) if survivors else []
         joining = self.membership.admit_joining()  # after the look: a retry must not count them
         # an engine the fault caught while it received the state holds part of it: it
-        # receives the state again (engine.state_transfer's `into`)
+        # receives the state again (engine.group.state_transfer's `into`)
         receivers = {e.engine_id for e, h in zip(survivors, held)
                      if not h["holds_state"]} | {e.engine_id for e in joining}
         held = [h for h in held if h["holds_state"]]

@@ -59,14 +59,14 @@ class Rendezvous:
 
     def acknowledge(self, generation: int, step: int) -> None:
         """Tell generation `generation`'s ranks that the run log holds every record up to
-        `step`: they may forget those (engine.history). Call before its ranks start, and again
+        `step`: they may forget those (engine.state.history). Call before its ranks start, and again
         whenever the run log's complete step moved."""
         self.control(generation).set(ACKNOWLEDGED_KEY, str(step))
 
     def abort(self, generation: int) -> None:
         """Tell the ranks of `generation` that one of them failed: a rank waiting for a vote
         that will not come aborts the step now instead of at the collective timeout
-        (engine.vote)."""
+        (engine.group.vote)."""
         self.control(generation).set(ABORT_KEY, "1")
 
     def close(self) -> None:

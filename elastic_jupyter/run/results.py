@@ -11,10 +11,10 @@ import time
 from typing import Any, cast
 
 from ..config import UsageError
-from ..engine import checkpoint as ckpt
-from ..engine import sharded_checkpoint
-from ..engine.frozen import digest
-from ..engine.history import whole_history
+from ..engine.state import checkpoint as ckpt
+from ..engine.sharded import checkpoint_parts as sharded_checkpoint
+from ..engine.state.frozen import digest
+from ..engine.state.history import whole_history
 from ..engine.protocol import TrainingState
 from . import streamed_export
 from .final_state import FinalState
@@ -100,7 +100,7 @@ class RunResults:
 
     def load_into(self, model: Any, part: str = "model") -> Any:
         """Copy `part`'s weights into the torch.nn.Module `model`; returns it. The run's frozen
-        weights (engine.frozen: not in its state) are `model`'s own, checked against their
+        weights (engine.state.frozen: not in its state) are `model`'s own, checked against their
         digests. A sharded run's are read and copied one tensor at a time. Raises UsageError
         when they differ, or when `model` lacks a trained tensor, has other ones or one of
         another shape (nothing is loaded then)."""

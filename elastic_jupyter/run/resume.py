@@ -55,7 +55,7 @@ class Resume:
         return loaded["path"]
 
     def _warn_if_cut_otherwise(self, old: dict, cut: dict | None) -> None:
-        """A resume keeps the cut its checkpoint recorded (engine.batching.Cut), so it goes on
+        """A resume keeps the cut its checkpoint recorded (engine.data.batching.Cut), so it goes on
         as the uninterrupted run would; options that would cut otherwise are said to be
         unused. A checkpoint from before cuts were recorded is cut by this run's options:
         correct, but dropout draws and BatchNorm statistics differ from the uninterrupted

@@ -1,4 +1,4 @@
-"""The kernel's side of a run's state mode (the engines' side: engine.state_mode): what the
+"""The kernel's side of a run's state mode (the engines' side: engine.modes.state_mode): what the
 owner decides differently when every rank holds the whole state (:class:`ReplicatedRun`) and
 when each rank holds its rows (:class:`ShardedRun`, ``--shard``).
 
@@ -88,7 +88,7 @@ class ReplicatedRun(RunMode):
 
 
 class ShardedRun(RunMode):
-    """Each rank holds its rows: ranks leave only after handing them over (engine.sharded_mode:
+    """Each rank holds its rows: ranks leave only after handing them over (engine.sharded.lifecycle:
     a shrink is a drain), and the final state is the newest checkpoint folder."""
 
     name = "sharded"

@@ -8,8 +8,8 @@ archive, with each tensor's bytes reserved but not written), then the file is ma
 copied into its place as it comes. The kernel writes the pages back as they fill; at most one
 tensor is held at once. The result is ``torch.save``'s format, which
 ``torch.load(weights_only=True)`` reads; its CRC32 fields are left out (before torch 2.7:
-stale), as in the engine's checkpoints: torch.load never checks them, a zip tool would. (``skip_data``, torch 2.5+,
-is the save-then-fill method torch's own documentation gives.)
+stale), as in the engine's checkpoints: torch.load never checks them, a zip tool would.
+(``skip_data``, torch 2.5+, is the save-then-fill method torch's own documentation gives.)
 
 This module imports nothing from IPython or the UI.
 """
@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from ..engine import checkpoint as ckpt
+from ..engine.state import checkpoint as ckpt
 
 # key: (shape, dtype), or the key whose tensor it names too (a tied parameter's other name)
 Layout = dict[str, "tuple[tuple[int, ...], torch.dtype] | str"]

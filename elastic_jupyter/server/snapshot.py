@@ -43,7 +43,7 @@ from typing import Any
 
 from ..events import EventKind
 from . import series
-from ..engine.checkpoint import list_checkpoints
+from ..engine.state.checkpoint import list_checkpoints
 
 SPARKLINE_POINTS = 60
 

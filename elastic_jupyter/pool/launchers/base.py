@@ -18,7 +18,7 @@ from typing import Any, Callable, Protocol
 
 from ...arbiter.machine_view import MachineView
 from ...config import UsageError
-from ...engine.interface import address_of, address_towards, interface_of
+from ...engine.group.network_interface import address_of, address_towards, interface_of
 
 LOOPBACK = "127.0.0.1"
 

@@ -4,7 +4,7 @@ Engines start through ipyparallel's ``SlurmEngineSetLauncher`` with our batch te
 submits jobs and the run grows when Slurm starts them; a rank that left exits (its job ends
 with it). Slurm's SIGTERM ahead of a kill (``scancel --signal=TERM``, preemption with a grace
 time, the time limit through ``--signal=TERM@grace``) drains the engine at the next step
-boundary (engine.drain).
+boundary (engine.group.drain).
 """
 from __future__ import annotations
 
