@@ -3,7 +3,8 @@ contracts in pyproject.toml hold (the layers ui -> run -> (server | pool) -> (ar
 engine/ apart from the rest, no import cycles), mypy finds no error in elastic_jupyter/, the
 engines (and the options and event kinds they read) import only torch, numpy and the standard
 library, each of engine/'s wings names its modules in its docstring, engines are called only
-from pool/engine_calls.py, and no module reads another object's private state.
+from pool/engine_calls.py, no module but the Sizer's writes a Sizer's attribute, and no module
+reads another object's private state.
 Each tool runs as the developer would run it, and its report is the failure's message."""
 import ast
 import os
@@ -86,6 +87,28 @@ def test_only_the_engine_calls_module_calls_apply_async():
              for node in ast.walk(tree)
              if isinstance(node, ast.Attribute) and node.attr == "apply_async"]
     assert not calls, "\n".join(calls)
+
+
+def _names_a_sizer(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id.lstrip("_") == "sizer") or (
+        isinstance(node, ast.Attribute) and node.attr.lstrip("_") == "sizer")
+
+
+def test_no_code_outside_the_sizing_module_writes_a_sizers_attribute():
+    """The Sizer alone writes its state (run/sizing.py): everyone else calls its methods."""
+    writes = []
+    for path, tree in _trees():
+        if path == pathlib.Path("elastic_jupyter/run/sizing.py"):
+            continue
+        for node in ast.walk(tree):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                    and node.func.id in ("setattr", "delattr") and node.args:
+                targets = [ast.Attribute(value=node.args[0], attr="?")]
+            writes += [f"{path}:{node.lineno}" for target in targets
+                       if isinstance(target, ast.Attribute) and _names_a_sizer(target.value)]
+    assert not writes, "\n".join(writes)
 
 
 def test_the_owner_side_touches_no_other_objects_private_state():

@@ -5,7 +5,8 @@ from elastic_jupyter.config import UsageError
 from elastic_jupyter.pool.slots import free_slots
 from elastic_jupyter.run.membership import (SlotHealth, cooldown, plan_shrink, plan_trim,
                                         restart_delay)
-from elastic_jupyter.run.sizing import COALESCE_S, Schedule, SizeRequest, Sizer, UserRequests
+from elastic_jupyter.run.sizing import (COALESCE_S, Decision, Look, Schedule, SizeRequest, Sizer,
+                                        UserRequests)
 
 
 def sizer(size=2, min_size=1, usable=4):
@@ -118,6 +119,48 @@ def test_a_burst_of_requests_ends_the_generation_only_once_it_settled():
     # settled: the newest wish (1) acts, the overridden 2 never did
     assert s.end_at(world_size=2, ready_spares=0, now=10.0 + 2 * COALESCE_S) == 0
     assert s.due(step=5, step_time=0.0).target == 1
+
+def look(**seen):
+    values = dict(step=10, world_size=2, ready_spares=0, usable=4, grow_in_parts=False,
+                  gave_up=False, swappable=False, training=True, now=100.0)
+    return Look(**{**values, **seen})
+
+
+def test_a_look_returns_one_decision_with_every_choice_in_it():
+    s, user = sizer(size=2), UserRequests()
+    assert s.look([user], look(), standby=1) == Decision(
+        target=2, end_at=None, size_after=2, wanted=3, boot=True, swap=False, stop=False)
+    user.add(SizeRequest(4, time=5.0))
+    grow = s.look([user], look(now=100.0), standby=0)
+    assert [r.size for r in grow.requests] == [4]
+    # no engine ready yet; none boots until the request settled (a slider may move on)
+    assert (grow.target, grow.end_at, grow.wanted, grow.boot) == (4, None, 4, False)
+    ready = s.look([user], look(ready_spares=2, now=101.0), standby=0)
+    assert (ready.end_at, ready.size_after, ready.boot, ready.requests) == (0, 4, True, ())
+    # the requests a look took are not part of what it decided
+    assert grow == Decision(4, None, 4, 4, False, False, False, requests=())
+
+
+def test_a_look_ends_the_generation_to_swap_ranks_off_slots_given_back_and_follows_the_slots():
+    s = sizer(size=3, usable=4)
+    swap = s.look([], look(world_size=3, swappable=True), standby=0)
+    assert (swap.end_at, swap.swap, swap.target) == (0, True, 3)
+    fewer = s.look([], look(world_size=3, usable=2), standby=0)  # a slot left out
+    assert (fewer.target, fewer.end_at, fewer.wanted) == (2, 0, 2)
+    s.look([], look(world_size=2, usable=4, gave_up=True), standby=0)  # failed starts
+    assert s.requested == 2
+    assert not s.look([], look(training=False), standby=0).boot  # stopping: boot nothing
+
+
+def test_a_run_that_grows_in_parts_is_told_so_by_each_look():
+    s = sizer(size=2)
+    s.submit(SizeRequest(4), now=0)
+    assert s.look([], look(ready_spares=1), standby=0).end_at is None  # all at once: wait
+    assert s.reachable(4, world_size=2, ready_spares=1, scheduled=False) == 4
+    assert s.look([], look(ready_spares=1, grow_in_parts=True), standby=0).end_at == 0
+    assert s.reachable(4, world_size=2, ready_spares=1, scheduled=False) == 3
+    assert s.reachable(4, world_size=2, ready_spares=1, scheduled=True) == 4  # exact
+
 
 def test_user_requests_policy_hands_over_what_was_queued_once():
     user = UserRequests()

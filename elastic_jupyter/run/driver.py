@@ -36,7 +36,7 @@ from .rendezvous import Rendezvous
 from .resume import Resume
 from .run_mode import RunMode
 from .runlog import RunLog
-from .sizing import SizePolicy, Sizer
+from .sizing import Decision, Look, SizePolicy, Sizer
 
 if TYPE_CHECKING:
     from ..config import RunConfig
@@ -94,6 +94,7 @@ class Driver:
         self.rendezvous: Rendezvous | None = None
         self.state = RunState.CREATED
         self.error: str | None = None
+        self._decision: Decision | None = None  # the newest look's (logged when it changes)
         self.done = threading.Event()
         self._task: asyncio.Task | None = None
 
@@ -116,7 +117,7 @@ class Driver:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
         self.sizer.begin(size, pool.min_size, pool.slots.usable)
-        self.take_requests()  # a schedule given up front; how the run grows
+        self.look()  # a schedule given up front; how the run grows
         try:
             await self.cell.run_cell(self.members)
             self._check_schedule()
@@ -201,19 +202,15 @@ class Driver:
 
     # ---------------------------------------------------------------- one generation
 
-    def _end_at(self) -> int | None:
-        end_at = self.sizer.end_at(len(self.members), len(self.membership.spares),
-                                   time.monotonic())
-        return 0 if end_at is None and self.membership.swappable() else end_at
-
     async def _run_generation(self, generation: int, newcomers: set, broadcast: bool
                               ) -> GenerationEnded | GenerationFaulted:
-        """Run one generation to its end; returns how it ended."""
-        end_at = self._end_at()
+        """Run one generation to its end; returns how it ended. The ranks are told when to end
+        (and who leaves then) as each look's decision has it."""
+        decision = self.look()
         rendezvous = self.rendezvous
         assert rendezvous is not None, "generations run after the setup opened the store"
-        leavers = self._leavers(end_at)
-        rendezvous.request_end(generation, end_at, leavers)
+        end_at, leavers = decision.end_at, decision.leavers
+        rendezvous.request_end(generation, end_at, list(leavers))
         acknowledged = self.log.complete_upto
         rendezvous.acknowledge(generation, acknowledged)
         W = len(self.members)
@@ -246,11 +243,10 @@ class Driver:
             grace = faults.HANG_GRACE + (self.config.collective_timeout if died else 0)
             if first_failure is not None and time.monotonic() - first_failure > grace:
                 break  # the ranks still out are hung
-            self.take_requests()
-            want = self._end_at()  # a request, or spares became ready
-            if want != end_at or self._leavers(want) != leavers:
-                end_at, leavers = want, self._leavers(want)
-                rendezvous.request_end(generation, end_at, leavers)
+            decision = self.look()  # a request, or spares became ready
+            if (decision.end_at, decision.leavers) != (end_at, leavers):
+                end_at, leavers = decision.end_at, decision.leavers
+                rendezvous.request_end(generation, end_at, list(leavers))
         outcome = faults.classify(self.members, [t.future for t in tasks])
         if outcome.fault:
             return GenerationFaulted(outcome)
@@ -260,40 +256,48 @@ class Driver:
         self.log.merge(outcome.results[self.members[0].engine_id], complete=True)
         return GenerationEnded.of(self.members, outcome.results)
 
-    def _leavers(self, end_at: int | None) -> list[int]:
-        """The ranks named to go when the generation ends after `end_at` (run_mode.RunMode
-        .leavers: a sharded run's hand their rows to the others first, and exactly those
-        leave, :meth:`_change_membership`)."""
-        if end_at is None:
-            return []
-        return self.mode.leavers(len(self.members), self.sizer.stop_requested, lambda: (
-            self.membership.leavers(self.sizer.target_after(end_at), self._wanted())))
-
-    def take_requests(self) -> None:
-        """Feed the size policies' new requests to the sizer, and keep as many engines set up
-        as it wants (once requests settled: no boot for a size overridden a moment later).
-        Call on the owner loop: at every look at a generation, and when a request is queued."""
+    def look(self) -> Decision:
+        """One look at the run: the size policies' new requests go to the sizer, which decides
+        from what the membership shows (sizing.Look); the decision is executed — engines
+        booted and trimmed to what it wants (once requests settled), spares on slots the
+        machine's arbiter wants back stopped, warm engines kept — logged when it changed
+        anything, and returned for the generation's end to follow. Call on the owner loop: at
+        every look at a generation, at the setup and when a request is queued."""
         now = time.monotonic()
-        for request in self.sizer.take(self.policies, self.log.step, now):
+        membership = self.membership
+        membership.readmit()  # slots whose cooldown ended: the target grows back
+        decision = self.sizer.look(self.policies, Look(
+            step=self.log.step, world_size=len(self.members),
+            ready_spares=len(membership.spares), usable=self.pool.slots.usable,
+            grow_in_parts=membership.in_parts(), gave_up=membership.gave_up,
+            swappable=membership.swappable(), training=self.state in TRAINING_STATES,
+            now=now), self.config.standby)
+        decision = decision.with_leavers(self._leavers(decision))
+        for request in decision.requests:
             self.log.log(f"resize request size={request.size} at_step={request.at_step} "
                          f"from {request.source}")
-        self.membership.readmit()  # slots whose cooldown ended: the target grows back
-        self.sizer.set_usable(self.pool.slots.usable)
-        # batch jobs may wait in their queue without bound, and an auto run takes what the
-        # arbiter grants as it comes: those grow by the engines that are up (auto mode may
-        # be turned on or off at any time)
-        self.sizer.grow_in_parts = self.membership.in_parts()
-        if self.membership.gave_up:
-            self.sizer.stop_growing_at(len(self.members))
-        if leaving := self.membership.leaving():  # slots the machine's arbiter wants back
-            self.membership.stop_spares(leaving)
-        if self.sizer.settled(now) and self.state in TRAINING_STATES:
-            self.membership.boot(self._wanted())
-            self.membership.trim(self._wanted())
+        if decision != self._decision:
+            self.log.log(decision.describe())
+        self._decision = decision
+        if leaving := membership.leaving():  # slots the machine's arbiter wants back
+            membership.stop_spares(leaving)
+        if decision.boot:
+            membership.boot(decision.wanted)
+            membership.trim(decision.wanted)
         # a new warm engine would slow a boot under way, and one for a size the boot reaches
         # anyway is not needed: it starts when neither holds
-        start = not self.membership.booting() and self._wanted() < self.pool.max_size
-        self.membership.warm.keep(self._warm_wanted(), start)
+        start = not membership.booting() and decision.wanted < self.pool.max_size
+        membership.warm.keep(self._warm_wanted(), start)
+        return decision
+
+    def _leavers(self, decision: Decision) -> list[int]:
+        """The ranks named to go when the generation ends as `decision` has it (run_mode.RunMode
+        .leavers: a sharded run's hand their rows to the others first, and exactly those
+        leave, :meth:`_change_membership`)."""
+        if decision.end_at is None:
+            return []
+        return self.mode.leavers(len(self.members), decision.stop, lambda: (
+            self.membership.leavers(decision.size_after, decision.wanted)))
 
     def _warm_wanted(self) -> int:
         """An auto run below its max keeps ``--warm`` engines set up on no slot (none with
@@ -306,16 +310,16 @@ class Driver:
     async def _change_membership(self, step: int, handed_over: list) -> set:
         """Apply the size due after `step`; returns the engine ids that join. A sharded run's
         members that `handed_over` their rows leave, and no other: the rest of a shrink (a
-        request since) goes at the next step boundary, where the driver names them."""
-        self.take_requests()
+        request since) goes at the next step boundary, where the driver names them. Takes no
+        new request: the last look decided this boundary, and the next generation's first
+        look takes what came since."""
         change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
         if handed_over:  # exactly they leave, and a shrink is done where nothing joins
             _let_go(self.membership, self.log, step, change, handed_over, self._wanted())
         W = len(self.members)
-        target = self.mode.size_now(change.target, W)  # a sharded shrink: named, next step
-        # a scheduled resize is exact (after its step, the ranks wait for its engines)
-        if self.sizer.grow_in_parts and not change.scheduled and target > W:
-            target = min(target, W + len(self.membership.spares))  # the rest when they are up
+        target = self.sizer.reachable(  # a sharded shrink: named, at the next step
+            self.mode.size_now(change.target, W), W, len(self.membership.spares),
+            change.scheduled)
         if target == W:  # off slots the arbiter wants back (sharded: handed over above)
             newcomers = self.mode.swap(self.membership)
             if newcomers:

@@ -281,7 +281,7 @@ class TrainingRun:
     def _request(self, request: SizeRequest) -> None:
         if self.active:
             self._requests.add(request)
-            self._driver.take_requests()
+            self._driver.look()
 
     def wait(self, timeout: float | None = None, progress: bool = False) -> RunState:
         """Block until the run ends or `timeout` seconds pass; returns the state.

@@ -2,19 +2,28 @@
 
 Every wish for a size is a :class:`SizeRequest` from some :class:`SizePolicy` — the user (the
 slider, the REST API, ``run.resize``), a schedule (``--resize-at``), and later an autoscaler or a
-scheduler's preemption. The :class:`Sizer` turns them into the decisions the generation driver
-acts on: the requested size (the newest immediate request wins; a scheduled one takes effect
-exactly after its step), the step after which the current generation should end, and how many
-engines the run wants set up (members plus ready spares).
+scheduler's preemption. The :class:`Sizer` turns them into decisions: at each of the driver's
+looks at a running generation it takes what the driver sees (a :class:`Look`) and returns one
+frozen :class:`Decision` — the size the run heads for, the step after which the generation ends,
+how many engines to keep set up, whether to boot and trim now — which the driver executes; at
+the generation's end :meth:`Sizer.due` applies the size due (a :class:`Change`). The requested
+size follows the newest immediate request; a scheduled one takes effect exactly after its step.
 
-The :class:`Sizer` is the only writer of the requested size, the schedule and the stop request.
+The growth policy (when a grow ends the generation, by how many engines it grows, how many it
+keeps set up) lives here and nowhere else. The :class:`Sizer` is the only writer of its
+attributes (a test holds that): the requested size, the schedule, the usable slots and the
+stop request.
+
+The shape of a decision as a value follows Ray Train v2's scaling policies
+(``ray/train/v2/_internal/execution/scaling_policy/``), whose ``make_decision_*`` return a
+``ScalingDecision`` the controller executes.
 """
 from __future__ import annotations
 
 import abc
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -110,6 +119,84 @@ class Change:
     scheduled: bool
 
 
+@dataclass(frozen=True)
+class Look:
+    """What the driver sees of its run at one look, the input of :meth:`Sizer.look`.
+
+    Attributes:
+        step: the newest completed step.
+        world_size: the members training now.
+        ready_spares: engines set up outside the group, ready to join.
+        usable: slots the run may use now (the pool's upper bound minus slots left out).
+        grow_in_parts: a grow takes the engines that are up as they come rather than all at
+            once: batch jobs may wait in a scheduler's queue without bound, and an auto run
+            takes what the machine's arbiter grants (auto mode may be turned on at any time).
+        gave_up: engines failed to start too often: ask for no more than `world_size`.
+        swappable: members sit on slots the machine's arbiter wants back, and ready spares can
+            take them over at a step boundary.
+        training: the run is training (engines may be booted for it).
+        now: monotonic seconds (requests coalesce by it).
+    """
+
+    step: int
+    world_size: int
+    ready_spares: int
+    usable: int
+    grow_in_parts: bool
+    gave_up: bool
+    swappable: bool
+    training: bool
+    now: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One look's decision, which the driver executes; the run log records it when it differs
+    from the one before (`requests` aside, which are logged as they come).
+
+    Attributes:
+        target: the size the run heads for now.
+        end_at: the step after which the running generation ends (0: after the current step;
+            None: train on).
+        size_after: the size once the generation ends after `end_at` (scheduled resizes due by
+            then count); `target` when the generation trains on.
+        wanted: engines to keep set up, members and ready spares: boot up to it, trim beyond.
+        boot: boot and trim to `wanted` at this look; False while requests still come in a
+            burst (no engine boots for a size a slider overrides a moment later) or once the
+            run stopped training.
+        swap: the generation ends only to move ranks off slots the machine's arbiter wants
+            back (the size stays).
+        stop: a stop was requested: the run ends after the current step.
+        leavers: the ranks named to go when the generation ends (a sharded run's hand their
+            rows over first); the sizer decides how many, the driver's membership which
+            (:meth:`with_leavers`).
+        requests: the requests this look took.
+    """
+
+    target: int
+    end_at: int | None
+    size_after: int
+    wanted: int
+    boot: bool
+    swap: bool
+    stop: bool
+    leavers: tuple[int, ...] = ()
+    requests: tuple[SizeRequest, ...] = field(default=(), compare=False)
+
+    def with_leavers(self, leavers: list[int]) -> Decision:
+        """This decision with the ranks that go named (the membership's choice)."""
+        return Decision(self.target, self.end_at, self.size_after, self.wanted, self.boot,
+                        self.swap, self.stop, tuple(leavers), self.requests)
+
+    def describe(self) -> str:
+        """One line for the run log."""
+        end = {None: "train on", 0: "after this step"}.get(self.end_at, f"after {self.end_at}")
+        return (f"sizing: target {self.target}, end {end}, then {self.size_after}, "
+                f"{self.wanted} set up{', boot' if self.boot else ''}"
+                f"{', swap' if self.swap else ''}{', stop' if self.stop else ''}"
+                f"{f', leavers {list(self.leavers)}' if self.leavers else ''}")
+
+
 class Sizer:
     """The run's size decisions.
 
@@ -131,11 +218,9 @@ class Sizer:
 
     def begin(self, size: int, min_size: int, usable: int, grow_in_parts: bool = False) -> None:
         """The run starts at `size` within [min_size, usable] (once its pool is known).
-        `grow_in_parts`: a grow takes the engines that are ready as they come (engines whose
-        start may wait without bound, such as batch jobs in a scheduler's queue, or an auto
-        run's) rather than all at once; the driver keeps it current (auto mode may change)."""
+        `grow_in_parts`: as :class:`Look` has it, until the first look."""
         self.requested, self.min_size, self.usable = size, min_size, usable
-        self.grow_in_parts = grow_in_parts
+        self._grow_in_parts = grow_in_parts
 
     def submit(self, request: SizeRequest, now: float) -> None:
         """Take a request (`now`: monotonic seconds, for coalescing). An immediate request
@@ -172,6 +257,35 @@ class Sizer:
         for request in new:
             self.submit(request, now)
         return new
+
+    def look(self, policies: list[SizePolicy], look: Look, standby: int) -> Decision:
+        """The decision of one look at a running generation (or at the run's setup): take the
+        policies' new requests, then decide from what the driver sees (`look`) with `standby`
+        engines kept set up besides the members. Call on the owner loop at every look and
+        when a request is queued; the driver executes what it returns."""
+        requests = tuple(self.take(policies, look.step, look.now))
+        self.usable = look.usable
+        self._grow_in_parts = look.grow_in_parts
+        if look.gave_up:
+            self.stop_growing_at(look.world_size)
+        end_at = self.end_at(look.world_size, look.ready_spares, look.now)
+        swap = end_at is None and look.swappable
+        if swap:
+            end_at = 0
+        return Decision(
+            target=self.target, end_at=end_at,
+            size_after=self.target if end_at is None else self.target_after(end_at),
+            wanted=self.engines_wanted(standby), boot=self.settled(look.now) and look.training,
+            swap=swap, stop=self.stop_requested, requests=requests)
+
+    def reachable(self, target: int, world_size: int, ready_spares: int, scheduled: bool
+                  ) -> int:
+        """The size a step boundary grows to when `target` is due: all of it where the run
+        grows at once, or where the resize was `scheduled` (exact: the ranks wait for its
+        engines); else `world_size` plus the `ready_spares`, the rest when they are up."""
+        if self._grow_in_parts and not scheduled and target > world_size:
+            return min(target, world_size + ready_spares)
+        return target
 
     def stop(self) -> None:
         """The run should stop after the current step."""
@@ -210,7 +324,7 @@ class Sizer:
             return self._schedule[0][0] if self._schedule else None
         missing = self.target - world_size
         if missing < 0 or 0 < missing <= ready_spares or (
-                missing > 0 and ready_spares and self.grow_in_parts):
+                missing > 0 and ready_spares and self._grow_in_parts):
             return 0
         return self._schedule[0][0] if self._schedule else None
 
