@@ -3,8 +3,8 @@ contracts in pyproject.toml hold (the layers ui -> run -> (server | pool) -> (ar
 engine/ apart from the rest, no import cycles), mypy finds no error in elastic_jupyter/, the
 engines (and the options and event kinds they read) import only torch, numpy and the standard
 library, each of engine/'s wings names its modules in its docstring, engines are called only
-from pool/engine_calls.py, no module but the Sizer's writes a Sizer's attribute, and no module
-reads another object's private state.
+from pool/engine_calls.py, no module but the Sizer's writes a Sizer's attribute, run/ enters
+the pool by one door (pool/supply.py), and no module reads another object's private state.
 Each tool runs as the developer would run it, and its report is the failure's message."""
 import ast
 import os
@@ -109,6 +109,76 @@ def test_no_code_outside_the_sizing_module_writes_a_sizers_attribute():
             writes += [f"{path}:{node.lineno}" for target in targets
                        if isinstance(target, ast.Attribute) and _names_a_sizer(target.value)]
     assert not writes, "\n".join(writes)
+
+
+POOL = pathlib.Path("elastic_jupyter/pool/pool.py")
+
+
+def _pool_parts() -> set[str]:
+    """The parts EnginePool.__init__ builds and holds (its public attributes)."""
+    tree = ast.parse((ROOT / POOL).read_text())
+    pool = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EnginePool")
+    init = next(n for n in pool.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr for node in ast.walk(init) if isinstance(node, ast.Assign)
+            for t in node.targets if isinstance(t, ast.Attribute)
+            and isinstance(t.value, ast.Name) and t.value.id == "self"
+            and not t.attr.startswith("_")}
+
+
+def _names_a_pool(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Name) and node.id == "pool") or (
+        isinstance(node, ast.Attribute) and node.attr.lstrip("_") == "pool")
+
+
+def _forwards(member: ast.FunctionDef, parts: set[str]) -> bool:
+    """Whether `member`'s body (its docstring aside) only returns or calls an attribute of one
+    of the pool's parts (``return self.slots.excluded``, ``self.slots.readmit(slot)``)."""
+    body = [s for s in member.body if not (isinstance(s, ast.Expr)
+                                           and isinstance(s.value, ast.Constant))]
+    if len(body) != 1 or not isinstance(body[0], (ast.Return, ast.Expr)) or body[0].value is None:
+        return False
+    value = body[0].value
+    if isinstance(value, ast.Await):
+        value = value.value
+    if isinstance(value, ast.Call):
+        value = value.func
+    return (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Attribute)
+            and isinstance(value.value.value, ast.Name) and value.value.value.id == "self"
+            and value.value.attr in parts)
+
+
+# members that forwarded to a part before the door (pool/supply.py) came; public API, so they
+# stay until a release may drop them
+FORWARDING_KEPT = {"engines", "client", "calls", "queued", "min_size", "max_size", "running",
+                   "excluded_slots", "readmit_slot", "resize_idle"}
+
+
+def test_a_run_goes_through_one_door_into_the_pool_and_the_pool_forwards_nothing_new():
+    """run/ never reaches through the pool into its parts (engine sets, slots, launcher,
+    lease, owner): it holds the pool's EngineSupply (pool/supply.py), the run's one door,
+    and calls it; and EnginePool gains no member that only hands a call on to a part."""
+    parts = _pool_parts()
+    assert {"engine_sets", "slots", "launcher", "lease", "supply"} <= parts, parts
+    reaches = []
+    for path, tree in _trees():
+        if path.parts[:2] != ("elastic_jupyter", "run"):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute):
+                continue
+            if _names_a_pool(node.value) and node.attr in parts - {"supply"}:
+                reaches.append(f"{path}:{node.lineno}: pool.{node.attr}")
+            if isinstance(node.value, ast.Attribute) and node.value.attr == "supply" \
+                    and _names_a_pool(node.value.value):
+                reaches.append(f"{path}:{node.lineno}: pool.supply.{node.attr} (hold the "
+                               "supply instead)")
+    assert not reaches, "\n".join(reaches)
+    pool = next(n for n in ast.parse((ROOT / POOL).read_text()).body
+                if isinstance(n, ast.ClassDef) and n.name == "EnginePool")
+    members = [m for m in pool.body if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    forwarding = {m.name for m in members if _forwards(m, parts)}
+    assert forwarding <= FORWARDING_KEPT, sorted(forwarding - FORWARDING_KEPT)
+    assert forwarding, "the check finds no forwarding member: it no longer reads EnginePool"
 
 
 def test_the_owner_side_touches_no_other_objects_private_state():

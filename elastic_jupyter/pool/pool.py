@@ -32,6 +32,7 @@ from .processes import Engine, rss
 from .queue_printer import QueuePrinter
 from .slots import Exclusion, Slots
 from .status import EngineStatus, ExclusionStatus, LeaseStatus, PoolStatus, WarmStatus
+from .supply import EngineSupply
 
 __all__ = ["EnginePool", "Engine", "Exclusion"]
 
@@ -101,6 +102,8 @@ class EnginePool:
         self.slots = Slots(self.config.max_size, self.lease,
                            lambda: {e.slot for e in self.engines if e.slot is not None})
         self.engine_sets = EngineSets(self.launcher, self.config, self.slots)
+        # a run's one door into the engines and slots (run/ reaches no part of the pool)
+        self.supply = EngineSupply(self.engine_sets, self.slots, self.launcher, self.lease)
         self._claimant: Claimant | None = None  # who trains on this pool (claim / release)
         self._left_by: str | None = None  # the last run to end, which left the pool at its size
         self._queue_printer = QueuePrinter(self.owner, self.lease, lambda: self.queued,

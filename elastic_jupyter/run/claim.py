@@ -41,6 +41,7 @@ class RunClaim:
                  engines: int | None, checkpoint_dir: str, log_dir: str, resume: bool,
                  notebook: str | None, scheduled: bool):
         self.pool, self.claimant, self.config, self.engines = pool, claimant, config, engines
+        self.supply = pool.supply  # its lease, in lease mode
         self.checkpoint_dir, self.log_dir, self.resume = checkpoint_dir, log_dir, resume
         self.notebook, self.scheduled = notebook, scheduled
         self.start_note: str | None = None
@@ -55,7 +56,7 @@ class RunClaim:
         pool.claim(self.claimant)
         try:
             await pool.ensure_started()
-            size = await self._lease_slots() if pool.lease is not None else self._size()
+            size = await self._lease_slots() if self.supply.leased else self._size()
             if self.config.global_batch < size:
                 raise UsageError(
                     f"--global-batch {self.config.global_batch} is smaller than the world size "
@@ -86,7 +87,7 @@ class RunClaim:
     async def _lease_slots(self) -> int:
         """Lease mode: tell the arbiter about the run, wait in the machine's queue for the
         pool's min, and start at the slots kept (the rest is grown into when granted)."""
-        pool, lease = self.pool, self.pool.lease
+        pool, lease = self.pool, self.supply.lease
         assert lease is not None
         if self.scheduled:
             raise UsageError(LEASED_SCHEDULE)

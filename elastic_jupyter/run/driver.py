@@ -87,8 +87,10 @@ class Driver:
         self.sizer, self.policies, self.cell = sizer, policies, cell
         self.config, self.checkpoint_dir, self._on_end = config, checkpoint_dir, on_end
         self.mode = mode  # where the training state lives (run.run_mode)
-        self.membership = Membership(pool, log, self.prepare)
-        self.recovery = Recovery(self.membership, calls, log, sizer, pool, checkpoint_dir,
+        self.supply = pool.supply  # the run's door into the pool's engines and slots
+        self.membership = Membership(self.supply, log, self.prepare)
+        self.recovery = Recovery(self.membership, calls, log, sizer, pool, self.supply,
+                                 checkpoint_dir,
                                  config.standby, POLL)
         self.final = mode.final_state(calls, log, checkpoint_dir, config.keep_checkpoints)
         self.rendezvous: Rendezvous | None = None
@@ -116,7 +118,7 @@ class Driver:
         if size != pool.size:
             await pool.resize_idle(size)
         self.membership.start_with(pool.engines[:size])
-        self.sizer.begin(size, pool.min_size, pool.slots.usable)
+        self.sizer.begin(size, pool.min_size, self.supply.usable)
         self.look()  # a schedule given up front; how the run grows
         try:
             await self.cell.run_cell(self.members)
@@ -125,7 +127,7 @@ class Driver:
                 resume_from = await Resume(self.calls, self.log, self.cell.config).load(
                     self.members[0], self.checkpoint_dir, self.cell.dataset)
             # served on the pool's address: loopback on one host
-            self.rendezvous = Rendezvous(pool.launcher.address,
+            self.rendezvous = Rendezvous(self.supply.address,
                                          timeout=self.config.collective_timeout)
             await self._connect(self.members)
         except BaseException:
@@ -230,7 +232,7 @@ class Driver:
             failed = [(e, error) for e, t in zip(self.members, tasks)
                       if (error := t.error()) is not None]
             for engine, error in failed:
-                if not self.pool.engine_sets.alive(engine) or faults.is_engine_death(error):
+                if not self.supply.alive(engine) or faults.is_engine_death(error):
                     kill(engine)  # a zombie's sockets may still hold peers
                     died = True
             if failed and first_failure is None:
@@ -268,7 +270,7 @@ class Driver:
         membership.readmit()  # slots whose cooldown ended: the target grows back
         decision = self.sizer.look(self.policies, Look(
             step=self.log.step, world_size=len(self.members),
-            ready_spares=len(membership.spares), usable=self.pool.slots.usable,
+            ready_spares=len(membership.spares), usable=self.supply.usable,
             grow_in_parts=membership.in_parts(), gave_up=membership.gave_up,
             swappable=membership.swappable(), training=self.state in TRAINING_STATES,
             now=now), self.config.standby)
@@ -302,8 +304,7 @@ class Driver:
     def _warm_wanted(self) -> int:
         """An auto run below its max keeps ``--warm`` engines set up on no slot (none with
         ``--sync-batchnorm``, which a Worker built on the host refuses)."""
-        lease = self.pool.lease
-        auto = lease is not None and lease.demand["auto"] and not self.config.sync_batchnorm
+        auto = self.supply.auto and not self.config.sync_batchnorm
         grows = len(self.members) < self.pool.max_size and self.state in TRAINING_STATES
         return self.config.warm if auto and grows else 0
 

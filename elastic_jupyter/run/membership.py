@@ -27,7 +27,7 @@ from .runlog import RunLog
 from .warm_engines import WarmEngines
 
 if TYPE_CHECKING:
-    from ..pool.pool import EnginePool
+    from ..pool.supply import EngineSupply
     from ..pool.processes import Engine
 
 
@@ -132,21 +132,21 @@ class Membership:
     """Members, spares and joining engines of one run (owner thread).
 
     Args:
-        pool: the EnginePool (starts, stops and leaves out slots).
+        supply: the pool's engines and slots (pool.supply: starts, stops, leaves out).
         log: the RunLog (warnings as events).
         prepare: ``async prepare(engines)`` sets new engines up for the run (runs the cell,
             connects the rendezvous); raises on failure.
     """
 
-    def __init__(self, pool: EnginePool, log: RunLog,
+    def __init__(self, supply: EngineSupply, log: RunLog,
                  prepare: Callable[[list[Engine]], Awaitable[None]]):
-        self.pool, self.log, self._prepare = pool, log, prepare
+        self.supply, self.log, self._prepare = supply, log, prepare
         self.members: list[Engine] = []
         self.spares: list[Engine] = []
         self.joining: list[Engine] = []
         self.health = SlotHealth()
         self._left_out: set[int] = set()  # slots this run left out for a cooldown
-        self.warm = WarmEngines(pool, log, prepare)  # set up on no slot: bound as it grows
+        self.warm = WarmEngines(supply, log, prepare)  # set up on no slot: bound as it grows
         self.boot_failures = 0
         self._booting: asyncio.Task | None = None
         self._released = False  # the run ended: starts still waiting their turn start none
@@ -160,9 +160,9 @@ class Membership:
         """No engine can come: no boot is under way, no slot is free, and every slot left out
         stays out (a cooldown that ends gives one back; in lease mode the arbiter may grant
         one later)."""
-        pool = self.pool
-        return not self.booting() and pool.lease is None and pool.slots.startable() <= 0 and all(
-            x.until is None for x in pool.excluded_slots.values())
+        supply = self.supply
+        return not self.booting() and not supply.leased and supply.startable() <= 0 and all(
+            x.until is None for x in supply.excluded.values())
 
     def start_with(self, engines: list) -> None:
         self.members = list(engines)
@@ -171,8 +171,7 @@ class Membership:
         """Whether a grow takes engines as each is ready rather than all at once: batch jobs
         start when their scheduler says, and an auto run takes what the arbiter grants as it
         comes (on this host a slot trains seconds sooner than if it waited for the others)."""
-        lease = self.pool.lease
-        return not self.pool.launcher.local or (lease is not None and lease.demand["auto"])
+        return not self.supply.local or self.supply.auto
 
     def booting(self) -> bool:
         """An engine start for members or spares is under way."""
@@ -187,7 +186,7 @@ class Membership:
             return
         self._booting = None
         staying = self._staying()  # members on slots to give back get swapped
-        missing = min(wanted - len(staying) - len(self.spares), self.pool.slots.startable())
+        missing = min(wanted - len(staying) - len(self.spares), self.supply.startable())
         if missing > 0 and not self.gave_up:
             self._booting = background(self._boot(missing),
                                        lambda e: self.log.event(EventKind.WARNING,
@@ -197,11 +196,11 @@ class Membership:
         """Stop ready spares that no pending request or standby needs any more."""
         self.spares, extra = plan_trim(self.spares, wanted, len(self._staying()))
         if extra:
-            self.pool.engine_sets.remove(extra)
+            self.supply.stop(extra)
 
     def leaving(self) -> set:
         """Slots the machine's arbiter wants back (lease mode; else none)."""
-        return self.pool.slots.leaving()
+        return self.supply.leaving()
 
     def _staying(self) -> list:
         leaving = self.leaving()  # once: it is computed from the pool's engines and grant
@@ -236,7 +235,7 @@ class Membership:
         room = max(0, wanted - len(self.members) - len(self.spares))
         kept = [m for m in gone if m.slot not in leaving][:room]
         self.spares += kept
-        self.pool.engine_sets.remove([m for m in gone if m not in kept])
+        self.supply.stop([m for m in gone if m not in kept])
 
     def swap_plan(self) -> list:
         """The members :meth:`swap` would move off slots the arbiter wants back (as many as
@@ -253,7 +252,7 @@ class Membership:
         ready = [s for s in self.spares if s.slot not in leaving][:len(gone)]
         self.members = [m for m in self.members if m not in gone] + ready
         self.spares = [s for s in self.spares if s not in ready]
-        self.pool.engine_sets.remove(gone)
+        self.supply.stop(gone)
         return ready
 
     def stop_spares(self, slots: set) -> None:
@@ -261,12 +260,12 @@ class Membership:
         gone = [e for e in self.spares if e.slot in slots]
         if gone:
             self.spares = [e for e in self.spares if e not in gone]
-            self.pool.engine_sets.remove(gone)
+            self.supply.stop(gone)
 
     async def _boot(self, k: int) -> None:
         if self.warm.ready:  # bound to a free slot: no engine starts
             t0 = time.time()
-            free = self.pool.slots.next_free(min(k, len(self.warm.ready)))
+            free = self.supply.next_free(min(k, len(self.warm.ready)))
             bound = await self.warm.bind([s for s in free if not self.health.delay(s, t0)])
             self.spares.extend(bound)
             k -= len(bound)
@@ -276,7 +275,7 @@ class Membership:
             return
         if not self.in_parts():
             outcomes = [await self._boot_together(k)]
-        elif not self.pool.launcher.local:  # each batch job starts when its scheduler says
+        elif not self.supply.local:  # each batch job starts when its scheduler says
             outcomes = await asyncio.gather(*(self._boot_together(1) for _ in range(k)))
         else:  # a start is mostly one core's work: more at once would make each later
             gate = asyncio.Semaphore(_cores())
@@ -305,16 +304,16 @@ class Membership:
         when they are ready, False when they failed (an event says why), None when none
         started (no slot, or the arbiter took theirs back meanwhile). A lone start that
         fails counts against its slot when `blame`."""
-        first = next(iter(self.pool.slots.next_free(1)), None)
+        first = next(iter(self.supply.next_free(1)), None)
         await asyncio.sleep(self.health.delay(first, time.time()))  # back off a bad slot
-        slots = self.pool.slots.next_free(k)
+        slots = self.supply.next_free(k)
         if not slots:
             return None
         t0 = time.time()
         try:
-            with self.pool.slots.starting(slots):  # taken now: the start's task runs later
+            with self.supply.starting(slots):  # taken now: the start's task runs later
                 started, engines = await self._unless_given_back(
-                    slots, self.pool.engine_sets.add(len(slots), slots))
+                    slots, self.supply.start(slots))
         except StartWithdrawn as e:  # the slot went back before its job ran: no failure
             self.log.log(str(e))
             return None
@@ -335,15 +334,15 @@ class Membership:
         try:
             ready, _ = await self._unless_given_back(slots, self._prepare(engines))
         except asyncio.CancelledError:  # the run ended meanwhile (release)
-            await self.pool.engine_sets.remove(engines)
+            await self.supply.stop(engines)
             raise
         except Exception as e:
-            await self.pool.engine_sets.remove(engines)
+            await self.supply.stop(engines)
             self.log.event(EventKind.WARNING, message=f"new engines failed to set up: "
                            f"{remote_summary(e)}")
             return False
         if not ready:
-            self.pool.engine_sets.remove(engines, grace=0)  # no state of the run is there
+            self.supply.stop(engines, grace=0)  # no state of the run is there
             return None
         self.spares.extend(engines)
         self.log.log(f"{k} engine(s) ready in {time.time() - t0:.2f} s")
@@ -356,7 +355,7 @@ class Membership:
         engines) and return (False, None): on this host the slot goes within a look, not
         after an engine start, the cell and a step boundary. A batch job's start is left to
         its own rule (:class:`~elastic_jupyter.pool.launchers.StartWithdrawn`)."""
-        task, local = asyncio.ensure_future(work), self.pool.launcher.local
+        task, local = asyncio.ensure_future(work), self.supply.local
         try:
             while not task.done() and not (local and (back := set(slots) & self.leaving())):
                 await asyncio.wait([task], timeout=0.05)
@@ -376,7 +375,7 @@ class Membership:
         self.members, kept, stopped = plan_shrink(self.members, target, wanted,
                                                   len(self.spares), leaving_slots)
         self.spares += kept
-        self.pool.engine_sets.remove(stopped)
+        self.supply.stop(stopped)
 
     async def grow(self, target: int, poll: float) -> list:
         """Add ready spares until `target` members, waiting for boots still under way (the
@@ -394,7 +393,7 @@ class Membership:
         """Members their scheduler told to go left the group with the others: forget them and
         end their engines (a batch job ends). Not a fault: their slots count none."""
         self.members = [m for m in self.members if m not in engines]
-        self.pool.engine_sets.remove(engines)
+        self.supply.stop(engines)
 
     # ---------------------------------------------------------------- faults
 
@@ -404,7 +403,7 @@ class Membership:
         for engine in lost:
             kill(engine)
         self.members = [m for m in self.members if m not in lost]
-        self.pool.engine_sets.remove(lost)
+        self.supply.stop(lost)
         now = time.time()
         for engine in lost:
             if (pause := self.health.record_fault(engine.slot, now)) is not None:
@@ -414,7 +413,7 @@ class Membership:
 
     def _leave_out(self, slot: int, reason: str, until: float | None) -> None:
         """Leave `slot` out of engine starts until `until` (wall time; None: for good)."""
-        self.pool.slots.exclude(slot, reason, until)
+        self.supply.exclude(slot, reason, until)
         self._left_out.add(slot)
         back = "it stays out" if until is None else f"back in {until - time.time():.0f} s"
         self.log.event(EventKind.SLOT, slot=slot, until=until,
@@ -422,7 +421,7 @@ class Membership:
 
     def readmit(self) -> None:
         """Announce the slots this run left out whose cooldown ended (usable again)."""
-        back = {slot for slot in self._left_out if slot not in self.pool.excluded_slots}
+        back = {slot for slot in self._left_out if slot not in self.supply.excluded}
         for slot in sorted(back):
             self.log.event(EventKind.SLOT, slot=slot, message=f"slot {slot} is back after its "
                            "cooldown")
@@ -430,10 +429,10 @@ class Membership:
 
     def drop_dead(self) -> bool:
         """Drop members whose process died (a fault during recovery); True if any did."""
-        dead = [m for m in self.members if not self.pool.engine_sets.alive(m)]
+        dead = [m for m in self.members if not self.supply.alive(m)]
         if dead:
             self.members = [m for m in self.members if m not in dead]
-            self.pool.engine_sets.remove(dead)
+            self.supply.stop(dead)
         return bool(dead)
 
     async def wait_for_joiners(self, needed: int, wanted: int, deadline: float,
@@ -463,13 +462,13 @@ class Membership:
         jobs may wait in a scheduler's queue for hours); members stay in the pool."""
         self._released = True
         if self._booting is not None:
-            if not self.pool.launcher.local:
+            if not self.supply.local:
                 self._booting.cancel()
             await asyncio.gather(self._booting, return_exceptions=True)
         spares, self.spares = self.spares + self.joining, []
         self.joining = []
         try:
             if spares:  # nothing of the run is on them: no grace (the run's end waits)
-                await self.pool.engine_sets.remove(spares, grace=0)
+                await self.supply.stop(spares, grace=0)
         finally:
             await self.warm.release()

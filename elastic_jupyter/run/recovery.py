@@ -25,6 +25,7 @@ from .sizing import Sizer
 
 if TYPE_CHECKING:
     from ..pool.engine_calls import EngineCalls
+    from ..pool.supply import EngineSupply
     from ..pool.pool import EnginePool
     from ..pool.processes import Engine
 
@@ -44,13 +45,15 @@ class RepeatedFailure(Exception):
 
 
 class Recovery:
-    """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, checkpoint_dir,
-    standby (engines kept set up besides the members), poll (s between looks while waiting)."""
+    """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, supply (its engines and
+    slots: pool.supply), checkpoint_dir, standby (engines kept set up besides the members),
+    poll (s between looks while waiting)."""
 
     def __init__(self, membership: Membership, calls: EngineCalls, log: RunLog, sizer: Sizer,
-                 pool: EnginePool, checkpoint_dir: str, standby: int, poll: float):
+                 pool: EnginePool, supply: EngineSupply, checkpoint_dir: str, standby: int,
+                 poll: float):
         self.membership, self.calls, self.log = membership, calls, log
-        self.sizer, self.pool = sizer, pool
+        self.sizer, self.pool, self.supply = sizer, pool, supply
         self.checkpoint_dir, self.standby, self.poll = checkpoint_dir, standby, poll
         self._restored_step = 0
         self._faults_without_progress = 0
@@ -63,7 +66,7 @@ class Recovery:
         self._check_repeated(outcome)
         members = self.membership
         members.drop(outcome.lost)
-        self.sizer.set_usable(self.pool.slots.usable)
+        self.sizer.set_usable(self.supply.usable)
         self._count_fault()
         members.boot(self.sizer.engines_wanted(self.standby))
         await self.wait_for_minimum()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import RunConfig, UsageError
 from ..events import Event, EventKind
-from ..owner import background
+from ..owner import background, get_owner
 from ..server import registry
 from ..server.snapshot import ACTIVE_STATES, TRAINING_STATES, RunSnapshot, RunState, of_run
 from .cellsetup import CellSetup, RunSetupError, pickle_by_value
@@ -100,6 +100,7 @@ class TrainingRun:
         self._speed = SpeedMeter(self.log)
         # the run's TensorBoard log opens there once the run is set up
         self.tensorboard_dir = log_folder(config.tensorboard, self.checkpoint_dir, self.name)
+        self._supply = pool.supply  # the run's door into the pool's engines and slots
         self._requests = UserRequests()
         self._sizer = Sizer()
         cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir,
@@ -108,7 +109,7 @@ class TrainingRun:
         self._cell = CellSetup(pool.calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
                                dict(push or {}), self.workdir, self.mode.memory_bound(),
-                               pool.launcher.preload)
+                               self._supply.preload)
         self.memory = self._cell.memory
         self._driver = Driver(pool, pool.calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
@@ -231,7 +232,7 @@ class TrainingRun:
                                                               RunState.STARTING) else
                     "to resize the idle pool use pool.resize(n) or %elastic_pool resize N")
             raise UsageError(f"run {self.name!r} is {self.state}: {hint}")
-        if self.pool.lease is not None:
+        if self._supply.leased:
             if at_step is not None:
                 raise UsageError(LEASED_SCHEDULE)
             return self._on_owner(self._ask_arbiter, n)
@@ -251,7 +252,7 @@ class TrainingRun:
         self.pool.set_auto(on, weight)
 
     def _ask_arbiter(self, n: int) -> None:
-        lease = self.pool.lease
+        lease = self._supply.lease
         assert lease is not None  # resize() checked
         self.log.log(f"resize request size={n} from user, to the machine's arbiter")
         background(lease.update(wanted=n, auto=False),
@@ -273,10 +274,10 @@ class TrainingRun:
 
     def _on_owner(self, fn: Callable[..., Any], *args: Any) -> None:
         """Run `fn` on the owner loop: now when already there (the control channel), else soon."""
-        if self.pool.owner.in_owner_thread():
+        if get_owner().in_owner_thread():
             fn(*args)
         else:
-            self.pool.owner.post(fn, *args)
+            get_owner().post(fn, *args)
 
     def _request(self, request: SizeRequest) -> None:
         if self.active:

@@ -27,7 +27,7 @@ from .faults import is_engine_death
 from .runlog import RunLog
 
 if TYPE_CHECKING:
-    from ..pool.pool import EnginePool
+    from ..pool.supply import EngineSupply
     from ..pool.processes import Engine
 
 MiB = 2**20
@@ -74,15 +74,15 @@ class WarmEngines:
     job is placed with its slot).
 
     Args:
-        pool: the EnginePool (starts, binds and stops the engines).
+        supply: the pool's engines (pool.supply: starts, binds and stops them).
         log: the RunLog (a line when one is ready, warnings as events).
         prepare: ``async prepare(engines)`` sets new engines up for the run (runs the cell,
             connects the rendezvous); raises on failure.
     """
 
-    def __init__(self, pool: EnginePool, log: RunLog,
+    def __init__(self, supply: EngineSupply, log: RunLog,
                  prepare: Callable[[list[Engine]], Awaitable[None]]):
-        self.pool, self.log, self._prepare = pool, log, prepare
+        self.supply, self.log, self._prepare = supply, log, prepare
         self.ready: list[Engine] = []
         self._starting: asyncio.Task | None = None
         self._off: str | None = None  # why this run keeps none any more (said once)
@@ -92,17 +92,17 @@ class WarmEngines:
         """Keep `n` warm engines set up: start one in the background when fewer are ready or
         starting (and `start`), stop those beyond `n`. Call at every look at the run (the
         driver does)."""
-        sets = self.pool.engine_sets
-        if dead := [e for e in self.ready if not sets.alive(e)]:
+        supply = self.supply
+        if dead := [e for e in self.ready if not supply.alive(e)]:
             self.ready = [e for e in self.ready if e not in dead]
-            sets.remove(dead)
+            supply.stop(dead)
             self.log.log(f"warm engine(s) {[e.pid for e in dead]} died; another is set up")
         if len(self.ready) > n:
             extra, self.ready = self.ready[n:], self.ready[:n]
-            sets.remove(extra)
+            supply.stop(extra)
         starting = self._starting is not None and not self._starting.done()
         if (starting or not start or len(self.ready) >= n or self._off
-                or not self.pool.launcher.local or not self.idle_cores.enough()):
+                or not self.supply.local or not self.idle_cores.enough()):
             return
         if why := self._no_room():
             self._turn_off(why)
@@ -110,16 +110,16 @@ class WarmEngines:
         self._starting = background(self._start(), self._failed)
 
     def _no_room(self) -> str | None:
-        sizes = [rss(e.pid) for e in self.pool.engines if e.local]
+        sizes = [rss(e.pid) for e in self.supply.engines if e.local]
         return room_for(max(sizes, default=0), psutil.virtual_memory().available)
 
     async def _start(self) -> None:
         t0 = time.time()
-        engine = await self.pool.engine_sets.add_warm()
+        engine = await self.supply.start_warm()
         try:
             await self._prepare([engine])
         except BaseException:
-            await self.pool.engine_sets.remove([engine])
+            await self.supply.stop([engine])
             raise
         self.ready.append(engine)
         self.log.log(f"warm engine ready in {time.time() - t0:.1f} s (pid {engine.pid}, "
@@ -144,9 +144,9 @@ class WarmEngines:
                 break
             engine = self.ready.pop(0)
             try:
-                bound.append(await self.pool.engine_sets.bind(engine, slot))
+                bound.append(await self.supply.bind(engine, slot))
             except Exception as e:
-                if is_engine_death(e) or not self.pool.engine_sets.alive(engine):  # another comes
+                if is_engine_death(e) or not self.supply.alive(engine):  # another comes
                     self.log.log(f"warm engine {engine.pid} died before its bind")
                     continue
                 self._turn_off(f"a warm engine could not be bound to slot {slot} "
@@ -161,4 +161,4 @@ class WarmEngines:
             await asyncio.gather(self._starting, return_exceptions=True)
         ready, self.ready = self.ready, []  # a cancelled start removed its own engine
         if ready:  # set up on no slot, nothing of the run: no grace (the run's end waits)
-            await self.pool.engine_sets.remove(ready, grace=0)
+            await self.supply.stop(ready, grace=0)
