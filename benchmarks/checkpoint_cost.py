@@ -43,7 +43,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import gpt  # noqa: E402
-from elastic_jupyter.engine.state.checkpoint_writer import PROCESS_MIN_BYTES  # noqa: E402
+from elastic_jupyter.engine.state.checkpoint_writer import (  # noqa: E402
+    PROCESS_MIN_BYTES, CheckpointWriter)
+from elastic_jupyter.engine.state.training_state import Staging  # noqa: E402
 from elastic_jupyter.engine.entrypoints import _run_setup  # noqa: E402
 from elastic_jupyter.engine.worker import Worker  # noqa: E402
 
@@ -119,10 +121,11 @@ def main() -> None:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as folder:
         config = {"global_batch": args.global_batch, "seed": 0, "keep_checkpoints": 1,
-                  "pass_cost": 0.0, "steps": 10**6, "checkpoint_dir": folder}
+                  "pass_cost": 0.0, "steps": 10**6}
         worker = Worker(_run_setup(gpt.cell(args.size, args.seq_len), None, {}, None), config,
                         "cpu")
-        writer = worker.writer
+        # rank 0's writer and reused copies, as engine.state.whole_checkpoints pairs them
+        writer, staging = CheckpointWriter(folder, keep=1), Staging()
         for _ in range(2):  # warm-up: the optimizer's moments exist from the first step
             worker.train_step(0, 1)
         state = worker.capture()
@@ -145,8 +148,8 @@ def main() -> None:
             def start():  # as engine.generation checkpoints: into reused buffers
                 writer.process_min_bytes = PROCESS_MIN_BYTES if process else nbytes * 2
                 submitted.append(worker.progress.step)
-                writer.submit(worker.capture(staging=worker.staging),
-                              ready=worker.staging.ready, arena=worker.staging.arena)
+                writer.submit(worker.capture(staging=staging),
+                              ready=staging.ready, arena=staging.arena)
 
             def done() -> bool:
                 events.extend(writer.take_events())

@@ -190,6 +190,7 @@ def loss_fn(model, batch):
 
 def test_engines_that_build_other_frozen_weights_are_refused_at_setup(idle_pool, tmp_path):
     source = FROZEN_BY_ENGINE.format(seed="os.getpid()", change="")  # unseeded, in effect
+    idle_pool.resize(2)  # two engines to differ (an earlier test may leave the pool at one)
     run = TrainingRun(idle_pool, RunConfig(name=unique("frozen-differ"), steps=10),
                       source=source, workspace=tmp_path)
     with pytest.raises(RunSetupError) as refused:

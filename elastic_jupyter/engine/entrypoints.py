@@ -334,8 +334,7 @@ def _check_worker(worker: Worker) -> None:
 def _close(worker: Worker) -> None:
     """Finish the worker's checkpoint writes and end its writer thread (which holds it), and
     take the gradient reducer's hooks off the parameters (which would hold its buckets)."""
-    if worker.writer is not None:
-        worker.writer.close()
+    worker.checkpoints.close()
     worker.reducer.close()
 
 

@@ -229,9 +229,7 @@ class Generation:
             self._finish_step(record)
             events += self._writes(wait=False)
             if rank == 0:
-                if w.writer:
-                    events += w.writer.take_events()
-                    w.writer.raise_fatal()
+                events += w.checkpoints.events()
                 now = time.time()
                 if now - last_publish >= PUBLISH_INTERVAL:
                     # the owner sees only the newest update: overlapping windows survive one
@@ -250,9 +248,8 @@ class Generation:
         else:
             reason = "finished"
         events += self._writes(wait=True)  # the generation's checkpoints end with it
-        if rank == 0 and w.writer:
-            events += w.writer.drain()
-            w.writer.raise_fatal()
+        if rank == 0:
+            events += w.checkpoints.drain()
         acknowledged = self._acknowledged()
         return GenerationResult(
             reason=reason, progress=p.as_dict(),
@@ -299,8 +296,8 @@ class Generation:
             try:
                 record.update(w.evaluate(self.rank, self.world_size, self.vote))
             except BaseException:
-                if self.rank == 0 and w.writer:  # the error is told once that state is written
-                    w.writer.wait()
+                if self.rank == 0:  # the error is told once that state is written
+                    w.checkpoints.wait()
                 raise
         w.history.append(record)
         step_lr_scheduler(w, record)
@@ -326,9 +323,8 @@ class Generation:
         while the evaluation runs: the other ranks do not wait for the disk in its
         collectives."""
         w = self.worker
-        if w.writer is None or w.eval_dataset is None or w.writer.saved_step == record["step"]:
+        checkpoints = w.checkpoints
+        if not checkpoints.writes or w.eval_dataset is None \
+                or checkpoints.saved_step == record["step"]:
             return  # nothing to evaluate; or written already (a generation before a fault)
-        w.writer.wait()  # the copy reuses the buffers of the write before
-        state = w.capture(staging=w.staging)
-        state["pending"] = dict(record)
-        w.writer.submit(state, ready=w.staging.ready, arena=w.staging.arena)
+        checkpoints.write(w.capture, last=False, pending=record)

@@ -11,7 +11,9 @@ engine.generation's job; the calls the owner makes are in engine.entrypoints.
 The Worker keeps the step loop and hands the rest to owners of their own: the cell's objects
 are checked by engine.step.objects, the cut chosen and recorded by engine.step.cut_choice, each
 micro-batch weighted by engine.step.weighting, the input pipeline run by engine.data.map_pipeline,
-the evaluation done by engine.step.evaluation and the setup's trials by engine.step.trials.
+the evaluation done by engine.step.evaluation and the setup's trials by engine.step.trials,
+rank 0's checkpoints copied and written by engine.state.whole_checkpoints, and which records a
+rank keeps decided by engine.state.history.
 
 The update is the mean gradient of the global batch B whatever the world size
 (engine.step.weighting; the last step of an epoch has fewer samples than B: there B is that step's
@@ -45,9 +47,9 @@ from .notes import after_step_note, micro_batch_note
 from .protocol import TrainingState
 from .sharded.lifecycle import is_pad, pad_source
 from .state import training_state as state_mod
-from .state.checkpoint_writer import CheckpointWriter
 from .state.frozen import FrozenWeights
 from .state.history import History
+from .state.whole_checkpoints import WholeCheckpoints
 from .step.cut_choice import CutChoice
 from .step.evaluation import Evaluation
 from .step.losses import floats, weighted
@@ -83,25 +85,6 @@ def _place_extra_state(extra: dict, device: torch.device) -> None:
     for obj in extra.values():
         if isinstance(obj, torch.nn.Module) and getattr(obj, "device", None) is None:
             obj.to(device)
-
-
-def _history_kept_after(worker: Worker, acknowledged: int | None) -> int:
-    """The step after which :meth:`Worker.forget_history` keeps the records."""
-    step = worker.progress.step
-    # with no kernel to fill, whoever drives the run reads the engine's whole history
-    keep_after = 0 if acknowledged is None else min(step, acknowledged)
-    if worker.writer is not None:
-        every = worker.config.checkpoint_every or 0
-        # without periodic checkpoints the last one holds every record
-        keep_after = min(keep_after, max(0, (step // every - 1) * every) if every else 0)
-        if worker.writer.saved_step is not None:
-            keep_after = min(keep_after, worker.writer.saved_step)
-    keep_after = worker.mode.history_kept_after(keep_after)  # a part writer's records
-    if isinstance(worker.lr_scheduler, ReduceLROnPlateau) and not worker.config.plateau_metric:
-        start = worker.history.epoch_start(worker.progress.epoch)
-        if start is not None:
-            keep_after = min(keep_after, start - 1)
-    return keep_after
 
 
 def _add_metrics(p: state_mod.Progress, sub: Substep, first: bool, metrics: dict, weight,
@@ -202,9 +185,9 @@ class Worker:
         # the record of a committed step whose evaluation, history entry and scheduler step
         # are still to do (a fault hit its evaluation): the next generation does them first
         self.pending: dict | None = None
-        self.staging = state_mod.Staging()  # rank 0's checkpoint copies, reused
-        # rank 0's whole checkpoints (None: no folder, or every rank writes its part)
-        self.writer: CheckpointWriter | None = self.mode.checkpoint_writer(self._before_write)
+        # rank 0's whole checkpoints (engine.state.whole_checkpoints; a sharded run writes
+        # none: every rank its part)
+        self.checkpoints = WholeCheckpoints(self.mode.checkpoint_writer(self._before_write))
 
     # state -------------------------------------------------------------------------------------
 
@@ -237,15 +220,14 @@ class Worker:
         """Continue from `state` (a broadcast or a checkpoint), with its step whose evaluation
         is still to do when it holds one (``pending``: the checkpoint written before the final
         evaluation, engine.generation)."""
-        self.staging.wait()  # a checkpoint's copies read the tensors this overwrites
+        self.checkpoints.wait_for_copies()  # they read the tensors this overwrites
         self.pending, self.in_flight = state.get("pending"), False
         self.progress, records = state_mod.restore(
             state, self.model, self.optimizer, self.lr_scheduler, self.precision.scaler,
             self.extra_state, load_model=self.mode.model_loader(self.frozen, state))
         self.history = History(records)
         check_resumed(self.objects.substeps, self.progress.substep, self.progress.losses)
-        if self.writer is not None:  # what it wrote before may be of another timeline
-            self.writer.saved_step = None
+        self.checkpoints.forget_saved()  # what it wrote before may be of another timeline
         self.holds_state = True
         if self.progress.cut is not None:  # the run's own cut, whatever this run's options
             self.plan.cut = Cut(**self.progress.cut)
@@ -256,7 +238,12 @@ class Worker:
         that are in the checkpoint folder's history file (up to the checkpoint before the
         newest scheduled one, or this rank's last written one if older: any rank may write
         the next), and not of the current epoch when ReduceLROnPlateau steps by its loss."""
-        self.history.forget_upto(_history_kept_after(self, acknowledged))
+        p = self.progress
+        epoch_start = (self.history.epoch_start(p.epoch) if isinstance(
+            self.lr_scheduler, ReduceLROnPlateau) and not self.config.plateau_metric else None)
+        self.history.forget_unneeded(p.step, acknowledged, [
+            self.checkpoints.history_needed_after(p.step, self.config.checkpoint_every or 0),
+            None if epoch_start is None else epoch_start - 1], self.mode.history_kept_after)
 
     # a generation's start -------------------------------------------------------------------
 
@@ -288,7 +275,7 @@ class Worker:
         """The generation ended (or failed): stop its input pipeline's loader processes, finish
         a checkpoint's copies and a sharded one's write (engine.generation gives it up)."""
         self.pipeline.stop()
-        self.staging.wait()
+        self.checkpoints.wait_for_copies()
         self.mode.end_generation()
 
     # one optimizer step ----------------------------------------------------------------------
@@ -454,7 +441,7 @@ class Worker:
             raise
         # committed: every rank applies this update (a rank dying from here on changes nothing)
         fault_point("optimizer", self)
-        self.staging.wait()  # the last checkpoint's copies of the tensors this step changes
+        self.checkpoints.wait_for_copies()  # the last checkpoint's, of what this step changes
         # the scheduler steps in the loop, after evaluation (schedulers.py); each optimizer's
         # gradient norm is its own parameters'
         self.precision.step(sub.optimizer, self.config.clip_grad_norm,

@@ -122,16 +122,11 @@ class Replicated(StateMode):
         it in the background; the next checkpoint's copy waits for that write (it reuses the
         buffers). The last step's state changes no more (the generation waits for the
         write): no copy."""
-        w = worker
-        if place.rank != 0 or w.writer is None:
-            return
-        last = step >= w.total_steps
-        w.writer.wait()
-        w.writer.submit(w.capture(copy_tensors=not last, staging=w.staging),
-                        ready=w.staging.ready, arena=None if last else w.staging.arena)
+        if place.rank == 0:
+            worker.checkpoints.write(worker.capture, last=step >= worker.total_steps)
 
     def take_events(self, rank: int, wait: bool) -> list[Event]:
-        return []  # rank 0's writer's events are the Worker's (Worker.writer)
+        return []  # rank 0's writes' events are the Worker's (Worker.checkpoints)
 
     def leave(self, worker: Worker, place: Place, drained: bool,
               named: Callable[[], list[int] | None]) -> list[int]:

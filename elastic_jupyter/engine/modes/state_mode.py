@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..state.checkpoint_writer import CheckpointWriter
     from ..state.frozen import FrozenWeights
     from ..state.training_state import Progress, Staging
+    from ..state.whole_checkpoints import WholeCheckpoints
     from ..step.objects import CellObjects
     from ..step.running_stats import RunningStats
 
@@ -55,8 +56,7 @@ class Worker(Protocol):
     device: torch.device
     progress: Progress
     frozen: FrozenWeights
-    writer: CheckpointWriter | None
-    staging: Staging
+    checkpoints: WholeCheckpoints  # rank 0's, of the whole state (none under --shard)
     running_stats: RunningStats
     total_steps: int
 

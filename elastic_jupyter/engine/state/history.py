@@ -3,8 +3,8 @@
 Every rank appends the record of each step it commits. Held whole, a run of millions of steps
 would keep millions of records on every engine, copy them all into every checkpoint and send
 them all to every newcomer. A rank holds only the records someone may still ask it for
-(:meth:`History.forget_upto` is given the oldest step still wanted, ``Worker.forget_history``
-works it out):
+(:meth:`History.forget_unneeded` works out the oldest step still wanted, from what
+``Worker.forget_history`` gathers of each owner's needs):
 
 - those the kernel has not acknowledged (its run log's complete step, written in the
   rendezvous store): a generation's result and a recovery's ``history_since`` fill its gaps;
@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+from typing import Callable
 
 from ..protocol import TrainingState
 
@@ -53,6 +54,20 @@ class History:
     def forget_upto(self, step: int) -> None:
         """Drop the records of `step` and before (no one will ask for them again)."""
         del self.records[:bisect.bisect_right(self.records, step, key=_step)]
+
+    def forget_unneeded(self, step: int, acknowledged: int | None, needed_after: list[int | None],
+                        also: Callable[[int], int] = lambda keep_after: keep_after) -> None:
+        """Drop the records no one will ask this rank for, at `step` (the newest committed):
+        keep those after the kernel's `acknowledged` step (None when no kernel reads the run:
+        whoever drives it reads the engine's whole history, so all are kept) and after each of
+        `needed_after` (the steps after which an owner still needs the records: the checkpoint
+        folder's history file, the current epoch's for ReduceLROnPlateau; None: needs none);
+        `also` lowers the result further (a sharded rank's part writer)."""
+        keep_after = 0 if acknowledged is None else min(step, acknowledged)
+        for needed in needed_after:
+            if needed is not None:
+                keep_after = min(keep_after, needed)
+        self.forget_upto(also(keep_after))
 
     def epoch_start(self, epoch: int) -> int | None:
         """The first held step of `epoch`, or None when no held record is of it."""
