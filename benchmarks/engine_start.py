@@ -44,8 +44,8 @@ def one_round(fork: bool, workspace: str, name: str) -> dict[str, float]:
             pool.launcher.zygote.wait_ready(60)  # the run's imports are loaded
         t1 = time.perf_counter()
         pool.resize(3)
-        new = pool.engines[1:]
-        pool.client[[e.engine_id for e in new]].execute(CELL, block=True)
+        new = pool.engine_sets.engines[1:]
+        pool.engine_sets.client[[e.engine_id for e in new]].execute(CELL, block=True)
         after_run = time.perf_counter() - t1
     finally:
         pool.stop()

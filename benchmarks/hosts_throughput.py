@@ -87,7 +87,7 @@ def pool_across(hosts: Hosts):
                            interface=hosts.bridge)
     pool = EnginePool(n=2, min_size=1, max_size=2, launcher=launcher).start()
     try:
-        if sorted(e.host for e in pool.engines) != sorted(hosts.names):
+        if sorted(e.host for e in pool.engine_sets.engines) != sorted(hosts.names):
             raise RuntimeError(f"the engines are not one per host: {pool.status()}")
         yield pool, tempfile.mkdtemp(dir="/var/tmp")  # the hosts' /tmp is their own
     finally:

@@ -150,8 +150,8 @@ def request_resize(run, pool, n: int) -> tuple[float, float]:
     if event["to"] != n:
         raise RuntimeError(f"expected a resize to {n}, got {event}")
     train_through(run, event["step"] + SETTLE_STEPS)
-    wait_until(lambda: len(pool.client.ids) == pool.size, "the removed engine to exit")
-    return requested, max(e.started for e in pool.engines)
+    wait_until(lambda: len(pool.engine_sets.client.ids) == pool.size, "the removed engine to exit")
+    return requested, max(e.started for e in pool.engine_sets.engines)
 
 
 def elastic_phase(pool, run) -> dict:
@@ -219,7 +219,7 @@ def standby_grows(pool, workspace: str) -> list[float]:
 def print_run_state(run, pool) -> None:
     """What the run and the pool looked like when the benchmark gave up (to stderr)."""
     lines = [f"benchmark failed: {run.summary()}", f"pool engines: {pool.status()['engines']}",
-             f"registered engine ids: {pool.client.ids}", "last events:"]
+             f"registered engine ids: {pool.engine_sets.client.ids}", "last events:"]
     lines += [f"  {event}" for event in run.events[-6:]]
     print("\n".join(lines) + "\n" + run.logs(tail=20), file=sys.stderr, flush=True)
 

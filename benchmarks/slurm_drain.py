@@ -112,14 +112,14 @@ def drains_kills_grows(rounds: int) -> tuple[list, list, list]:
     with training("slurm-bench", n=2, min_size=1, max_size=4) as (pool, run):
         wait_for(lambda: run.step > 50, what="training")
         for _ in range(rounds):
-            known = {e.job_id for e in pool.engines}
+            known = {e.job_id for e in pool.engine_sets.engines}
             asked = time.time()
             run.resize(3)
             wait_for(lambda: run.world_size == 3, what="the grow")
-            new = ({e.job_id for e in pool.engines} - known).pop()
+            new = ({e.job_id for e in pool.engine_sets.engines} - known).pop()
             started = slurm_time(new, "StartTime")
             at3 = first_step_after(run, asked, 3)
-            ready = max(e.started for e in pool.engines)
+            ready = max(e.started for e in pool.engine_sets.engines)
             grows.append({"from_job_start": at3 - started, "from_request": at3 - asked,
                           "registered_after_request": ready - asked})
             run.resize(2)

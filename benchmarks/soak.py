@@ -69,7 +69,7 @@ def look():
     print(json.dumps({{"state": run.state, "step": run.step, "world_size": run.world_size,
                       "requested": run.requested_size, "pids": [m.pid for m in run.members],
                       "faults": sum(e["kind"] == "fault" for e in run.events),
-                      "starting": (len(pool.engines) != run.world_size
+                      "starting": (len(pool.engine_sets.engines) != run.world_size
                                    or pool.engine_sets.stopping)}}))
 '''
 WARMUP_S = 60.0  # thread pools and caches fill up once

@@ -194,7 +194,7 @@ def test_an_arbiter_killed_and_restarted_mid_run_costs_no_slot(tmp_path, monkeyp
         time.sleep(2)  # a few looks at the restarted arbiter
         assert holders(client) == before
         assert [r.world_size for r in runs] == [3, 1] and all(r.active for r in runs)
-        engines = [e.slot for p in pools for e in p.engines]
+        engines = [e.slot for p in pools for e in p.engine_sets.engines]
         assert len(engines) == len(set(engines)) == 4, engines  # no slot twice
 
         pools[1].stop()  # the restarted arbiter goes on deciding: A grows into B's slot
@@ -256,13 +256,13 @@ def test_a_standby_engine_is_the_first_to_go_when_another_run_needs_its_slot(tmp
         run = TrainingRun(pools[0], RunConfig(name="a", steps=100000, global_batch=64, seed=7,
                                               checkpoint_every=0, standby=1),
                           source=BODY, push={"DELAY": 0.02}, workspace=str(tmp_path)).start()
-        wait_for("a's standby engine", lambda: len(pools[0].engines) == 3 or holders(client))
+        wait_for("a's standby engine", lambda: len(pools[0].engine_sets.engines) == 3 or holders(client))
         standby = [s["slot"] for s in client.view()["slots"]
                    if s["holder"] and s["holder"]["standby"]]
         assert len(standby) == 1, client.view()
         pools.append(EnginePool(n=2, min_size=2, max_size=2, gpus="none").start())  # needs 2
-        assert standby[0] in {e.slot for e in pools[1].engines}
-        assert run.world_size == 2 and standby[0] not in {e.slot for e in pools[0].engines}
+        assert standby[0] in {e.slot for e in pools[1].engine_sets.engines}
+        assert run.world_size == 2 and standby[0] not in {e.slot for e in pools[0].engine_sets.engines}
     finally:
         for pool in pools:
             pool.stop()
@@ -282,7 +282,7 @@ def test_a_start_that_waits_for_slots_says_its_place_in_the_machine_queue(tmp_pa
         started.start()
         wait_for("the waiting start's line", lambda: "place 1 in the machine's queue" in
                  capsys.readouterr().out or waiter.lease.grant, timeout=30)
-        assert started.is_alive() and not waiter.engines
+        assert started.is_alive() and not waiter.engine_sets.engines
         holder.stop()
         started.join(timeout=60)
         assert not started.is_alive() and waiter.size == 1
@@ -313,7 +313,7 @@ def test_a_slot_the_arbiter_takes_back_while_an_engine_starts_there_goes_at_once
                                             checkpoint_every=0), source=SLOW_GROWTH,
                           push={"DELAY": 0.02}, workspace=str(tmp_path)).start()
         wait_for("engines setting up on the granted slots",
-                 lambda: len(grower.engines) >= 2 or grower.engines)
+                 lambda: len(grower.engine_sets.engines) >= 2 or grower.engine_sets.engines)
         asked = time.monotonic()
         pools.append(EnginePool(n=2, min_size=2, max_size=2, gpus="none").start())
         took = time.monotonic() - asked

@@ -280,7 +280,7 @@ def full_disk_run(pool, tmp_path_factory):
     mounted = _mount_small_tmpfs(folder)
     try:
         if not mounted:
-            pid = pool.engines[0].pid  # rank 0 writes the checkpoints
+            pid = pool.engine_sets.engines[0].pid  # rank 0 writes the checkpoints
             for step in (30, 40):
                 tmp = os.path.join(folder, f"{ckpt.checkpoint_name(step)}.tmp-{pid}")
                 os.symlink("/dev/full", tmp)

@@ -85,7 +85,7 @@ def test_evaluation_keeps_modes_and_uses_rank0_buffers(idle_pool, tmp_path):
 
     # every rank evaluated with rank 0's counter, and the counter (in training mode) kept
     # counting after each evaluation: rank 0's samples so far, at 3 ranks fewer than a peer's
-    totals, uneven = rank0_samples(history, (idle_pool.min_size, idle_pool.max_size))
+    totals, uneven = rank0_samples(history, (idle_pool.config.min_size, idle_pool.config.max_size))
     assert uneven
     assert [r["val_seen"] for r in evals] == [totals[4], totals[8], totals[12]]
     assert float(state["2.seen"]) == totals[12]

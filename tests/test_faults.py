@@ -196,7 +196,8 @@ def test_a_newcomer_that_dies_joining_costs_a_plain_crash(idle_pool, tmp_path, p
     try:
         wait_for(lambda: run.step >= 20, what="step 20")
         survivor = run.members[0]
-        slot = min(set(range(idle_pool.max_size)) - {e.slot for e in idle_pool.engines})
+        used = {e.slot for e in idle_pool.engine_sets.engines}
+        slot = min(set(range(idle_pool.config.max_size)) - used)
         with open(os.path.join(run.config.fault_dir, f"arm.{phase}"), "w") as f:
             f.write(str(slot))
         run.resize(2)
@@ -261,8 +262,8 @@ def test_below_the_minimum_without_replacements_stops_with_a_checkpoint(tmp_path
         last = run.checkpoints[-1]
         assert 0 < last["step"] < STEPS
         # its slot, where no engine could start twice in a row, stays out; nothing else is left
-        assert pool.excluded_slots[slot].until is None
-        assert "failed to start 2 times in a row" in pool.excluded_slots[slot].reason
+        assert pool.slots.excluded[slot].until is None
+        assert "failed to start 2 times in a row" in pool.slots.excluded[slot].reason
         assert any(e["kind"] == "slot" and e["until"] is None for e in run.events), run.events
         warnings = [e["message"] for e in run.events if e["kind"] == "warning"]
         assert any("fewer than --min 2 engines and no slot is left" in m for m in warnings), \
@@ -298,7 +299,7 @@ def test_a_slot_that_keeps_failing_is_left_out_for_a_cooldown_and_comes_back(tmp
                 wait_for(lambda: len(left_out()) > kill // faults.MAX_SLOT_FAULTS, timeout=10,
                          what="the slot to be left out")
                 event = left_out()[-1]
-                assert event["slot"] == slot and slot in pool.excluded_slots
+                assert event["slot"] == slot and slot in pool.slots.excluded
                 assert run.world_size == 1 and run.requested_size == 2  # kept for later
                 pause = event["until"] - event["time"]
                 assert pause == pytest.approx(5.0 * 2 ** (kill // faults.MAX_SLOT_FAULTS),
@@ -308,7 +309,7 @@ def test_a_slot_that_keeps_failing_is_left_out_for_a_cooldown_and_comes_back(tmp
         wait_for(lambda: run.world_size == 2, timeout=60, what="the slot back")
         back = [e for e in run.events if e["kind"] == "slot" and "is back" in e["message"]]
         assert [e["slot"] for e in back] == [slot, slot], run.events
-        assert run.requested_size == 2 and not pool.excluded_slots
+        assert run.requested_size == 2 and not pool.slots.excluded
     finally:
         run.stop()
         run.wait(timeout=60)

@@ -52,8 +52,8 @@ def test_a_pool_across_two_hosts_listens_on_one_interface_and_survives_losing_a_
                                interface=hosts.bridge)
         pool = EnginePool(n=3, launcher=launcher).start()
         try:
-            assert sorted(e.host for e in pool.engines) == [first, second, second]
-            assert all(not e.local for e in pool.engines)
+            assert sorted(e.host for e in pool.engine_sets.engines) == [first, second, second]
+            assert all(not e.local for e in pool.engine_sets.engines)
             config = RunConfig(name="hosts", steps=100_000, global_batch=64, seed=7,
                                checkpoint_every=0, collective_timeout=10)
             run = TrainingRun(pool, config, source=BODY, push={"DELAY": 0.01},
@@ -140,14 +140,15 @@ def test_an_auto_pool_across_hosts_takes_the_slots_each_hosts_arbiter_grants():
             EnginePool(min_size=1, max_size=4, auto=True, launcher=launcher).start()
         pool = EnginePool(min_size=2, max_size=4, auto=True, launcher=launcher).start()
         try:  # idle, an auto pool holds its min: one slot on each host
-            assert sorted(e.host for e in pool.engines) == [first, second], pool.status()
+            hosts = sorted(e.host for e in pool.engine_sets.engines)
+            assert hosts == [first, second], pool.status()
             config = RunConfig(name="auto-hosts", steps=100_000, global_batch=64, seed=7,
                                checkpoint_every=0)
             run = TrainingRun(pool, config, source=BODY, push={"DELAY": 0.01},
                               workspace=workspace).start()
             wait_for("training on the 3 free slots", lambda: run.world_size == 3 or (
                 run.state, run.world_size))
-            assert sorted((e.host, e.slot) for e in pool.engines) == [
+            assert sorted((e.host, e.slot) for e in pool.engine_sets.engines) == [
                 (first, 0), (first, 1), (second, 3)], pool.status()
             other.call("unregister", run="other")
             wait_for("the grow into the freed slot", lambda: run.world_size == 4 or (

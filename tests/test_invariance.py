@@ -120,7 +120,7 @@ def max_relative_deviation(a: dict, b: dict) -> float:
                                              ("sgd", "dropout"), ("adam", "batchnorm")])
 def test_parameters_do_not_depend_on_the_world_size_schedule(idle_pool, tmp_path, optimizer,
                                                              layer):
-    assert (idle_pool.min_size, idle_pool.max_size) == POOL
+    assert (idle_pool.config.min_size, idle_pool.config.max_size) == POOL
     source = cell(optimizer, "float64", layer)
     runs = {"2-3-1": run_elastic(idle_pool, tmp_path, source, 2, SCHEDULE)}
     runs.update({str(n): run_elastic(idle_pool, tmp_path, source, n) for n in (1, 2)})

@@ -58,9 +58,10 @@ print("@@" + _json.dumps({{"step": run.step, "state": run.state, "latest": _late
 
 PIDS = '''
 import json as _json, os as _os
-print("@@" + _json.dumps({"kernel": _os.getpid(), "engines": [e.pid for e in run.pool.engines],
-                          "controller": run.pool.engine_sets.cluster.controller.pid,
-                          "pidfile": run.pool.engine_sets.pidfile}))
+_sets = run.pool.engine_sets
+print("@@" + _json.dumps({"kernel": _os.getpid(), "engines": [e.pid for e in _sets.engines],
+                          "controller": _sets.cluster.controller.pid,
+                          "pidfile": _sets.pidfile}))
 '''
 
 

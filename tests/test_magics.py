@@ -300,7 +300,7 @@ def test_pool_status_prints_a_table_wherever_it_is_in_the_cell(ip, magics, cell,
     assert lines[0] == (f"Pool: {POOL_SIZE} engine(s), bounds [1, 4], backend gloo, on this "
                         "host, run: none")
     assert lines[1].split() == ["slot", "host", "device", "pid", "engine", "id"]
-    for line, engine in zip(lines[2:], magics.pool.engines):
+    for line, engine in zip(lines[2:], magics.pool.engine_sets.engines):
         assert line.split() == [str(engine.slot), os.uname().nodename, engine.device,
                                 str(engine.pid), str(engine.engine_id)]
     assert lines[2 + POOL_SIZE:] == [
@@ -354,4 +354,4 @@ def test_pool_resize_with_no_run(ip, magics, cell):
 def test_pool_misuse(magics, cell, source, fragments):
     result, out, err = cell(source)
     assert_usage_error(result, err, *fragments)
-    assert magics.pool.running and magics.pool.size == POOL_SIZE
+    assert magics.pool.engine_sets.running and magics.pool.size == POOL_SIZE

@@ -79,7 +79,8 @@ def test_stop_is_quick_and_leaves_no_process_of_the_pool():
     ours = set(me.children(recursive=True)) - before
     assert len(ours) >= 1 + 2 * 3 + 1
     pool.resize(2)  # one engine (and its nanny) stopped before the pool stops
-    pool.owner.post(pool.engine_sets.remove, pool.engines[1:])  # one more still stopping
+    # one more still stopping
+    pool.owner.post(pool.engine_sets.remove, pool.engine_sets.engines[1:])
     t0 = time.monotonic()
     pool.stop()
     took = time.monotonic() - t0
@@ -110,9 +111,9 @@ def test_an_engine_opens_nothing_when_c_code_first_writes_to_stderr(monkeypatch)
     monkeypatch.delenv("PYTEST_CURRENT_TEST")  # else ipykernel forwards nothing (pytest's own)
     pool = EnginePool(n=1, gpus="none").start()
     try:
-        engine = pool.engines[0]
+        engine = pool.engine_sets.engines[0]
         before = _anon_inodes(engine.pid)
-        pool.client[engine.engine_id].execute(C_LEVEL_WARNING, block=True)
+        pool.engine_sets.client[engine.engine_id].execute(C_LEVEL_WARNING, block=True)
         assert _anon_inodes(engine.pid) == before
     finally:
         pool.stop()

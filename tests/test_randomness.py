@@ -272,7 +272,7 @@ def test_dropout_masks_follow_the_micro_batch_not_the_rank(idle_pool, tmp_path):
     assert run.wait(timeout=240) == "finished", run.logs()
     assert [r["world_size"] for r in run.history] == [2] * 3 + [3] * 3 + [1] * 2
 
-    expected = expected_masks(5, 8, (idle_pool.min_size, idle_pool.max_size))
+    expected = expected_masks(5, 8, (idle_pool.config.min_size, idle_pool.config.max_size))
     count = len(BatchPlan(192, 48, 5, Cut("pass_cost", pass_cost=0.0, max_size=4))
                 .micro_batches(torch.arange(48)))
     assert len(expected) == 8 * count == 88  # 11 micro-batches of 4-5 samples a step

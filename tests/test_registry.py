@@ -79,7 +79,7 @@ def test_nothing_the_pool_opens_listens_beyond_loopback(idle_pool, tmp_path):
         time.sleep(1.0)  # the group is formed and gloo's sockets are open
         me = psutil.Process()
         pids = {me.pid} | {p.pid for p in me.children(recursive=True)}
-        assert {e.pid for e in idle_pool.engines} <= pids
+        assert {e.pid for e in idle_pool.engine_sets.engines} <= pids
         listeners = _listeners(pids)
         assert listeners, "expected the controller, the store and gloo to listen somewhere"
         exposed = [(c.laddr, c.pid) for c in listeners if not c.laddr.ip.startswith("127.")]

@@ -92,8 +92,8 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
         slurm, slurm_pool, idle_pool, tmp_path):
     pool = slurm_pool
     jobs = {j["id"]: j for j in slurm.jobs("running")}
-    assert {e.job_id for e in pool.engines} <= set(jobs), jobs
-    assert all(not e.local for e in pool.engines) and pool.backend == "gloo"
+    assert {e.job_id for e in pool.engine_sets.engines} <= set(jobs), jobs
+    assert all(not e.local for e in pool.engine_sets.engines) and pool.backend == "gloo"
     blocker = sbatch("-n", "1", "--wrap", "sleep 600")
     run = start_run(pool, tmp_path, "grow")
     try:
@@ -117,7 +117,7 @@ def test_a_slurm_pool_grows_through_the_queue_drains_and_learns_what_one_host_le
         assert drain["slot"] == victim.slot and drain["world_size"] == 2, drain
         assert drain["drain_s"] < 2.0 and drain["time"] - drained_at < 3.0, drain
         wait_for("the replacement job to join", lambda: run.world_size == 3 or run.world_size)
-        assert job not in {e.job_id for e in pool.engines}
+        assert job not in {e.job_id for e in pool.engine_sets.engines}
         wait_for("the drained job to end", lambda: job not in {
             j["id"] for j in slurm.jobs("running")} or slurm.jobs())
     finally:

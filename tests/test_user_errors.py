@@ -99,7 +99,7 @@ def test_a_failure_that_comes_back_the_same_with_no_engine_lost_ends_the_run():
     class Log:
         step = 0
 
-    recovery = Recovery(None, None, Log(), None, None, None, "", 0, 0.05)
+    recovery = Recovery(None, None, Log(), None, None, "", 0, 0.05)
     recovery._check_repeated(first)
     with pytest.raises(RepeatedFailure) as raised:
         recovery._check_repeated(faults.classify(members, [finished_with(peer)] * 2))

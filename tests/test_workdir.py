@@ -44,7 +44,7 @@ def notebook_folder(tmp_path, monkeypatch):
 def test_the_cell_runs_in_the_notebooks_folder_and_imports_edited_modules_afresh(
         idle_pool, notebook_folder):
     folder, module = notebook_folder
-    assert all(psutil.Process(e.pid).cwd() != str(folder) for e in idle_pool.engines)
+    assert all(psutil.Process(e.pid).cwd() != str(folder) for e in idle_pool.engine_sets.engines)
     cell = RELATIVE_CELL.format(module=module)
     first = TrainingRun(idle_pool, RunConfig(name="relative", global_batch=16, steps=8,
                                              checkpoint_every=0),
@@ -63,12 +63,12 @@ def test_the_cell_runs_in_the_notebooks_folder_and_imports_edited_modules_afresh
                          source=cell, engines=2, workspace=str(folder / "b")).start()
     assert second.wait(timeout=180) == "finished", second.logs()
     assert {r["lr"] for r in second.history} == {0.25}
-    assert all(psutil.Process(e.pid).cwd() == str(folder) for e in idle_pool.engines)
+    assert all(psutil.Process(e.pid).cwd() == str(folder) for e in idle_pool.engine_sets.engines)
 
 
 def test_engines_that_build_different_datasets_are_named(idle_pool, tmp_path):
     idle_pool.resize(2)  # the run's engines: the pool's first two (earlier tests vary the slots)
-    first, second = (e.slot for e in idle_pool.engines[:2])
+    first, second = (e.slot for e in idle_pool.engine_sets.engines[:2])
     cell = '''
 import os
 import torch
@@ -99,7 +99,7 @@ def test_a_replacement_engine_with_another_dataset_is_refused(idle_pool, tmp_pat
     # engines on other slots than the run's first two build a longer dataset: with it the run
     # would have more steps
     idle_pool.resize(2)
-    first_two = sorted(e.slot for e in idle_pool.engines[:2])
+    first_two = sorted(e.slot for e in idle_pool.engine_sets.engines[:2])
     cell = '''
 import os, time
 import torch

@@ -39,8 +39,8 @@ def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, mon
     pool.config.threads_per_engine = 2  # not the default here (1): the zygote must be its own
     pool.start()
     try:
-        z = pool.launcher.zygote
-        states = pool.client[:].apply_sync(eval, STATE)
+        z, client = pool.launcher.zygote, pool.engine_sets.client
+        states = client[:].apply_sync(eval, STATE)
         assert sorted(s["slot"] for s in states) == ["0", "1"]
         for s in states:
             assert s["ppid"] == z._proc.pid and s["sid"] == s["pid"] and s["threads"] == 2
@@ -54,20 +54,20 @@ def test_forked_engines_are_new_processes_in_all_but_their_imports(tmp_path, mon
             time.sleep(0.1)
         monkeypatch.chdir(tmp_path / "elsewhere")
         pool.resize(3)  # forked after the run: its installed imports loaded
-        third = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
+        third = client[pool.engine_sets.engines[-1].engine_id].apply_sync(eval, STATE)
         assert third["ppid"] == z._proc.pid and third["modules"] == ["xml.dom.minidom"]
         monkeypatch.setenv("ZYGOTE_TEST_LATE", "1")  # set after the zygote started
         pool.resize(4)
-        fourth = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
+        fourth = client[pool.engine_sets.engines[-1].engine_id].apply_sync(eval, STATE)
         renewed = pool.launcher.zygote  # one started in the kernel's environment of now
         assert renewed is not z and z._proc.poll() is not None  # the old one released
         assert fourth["ppid"] == renewed._proc.pid and fourth["late"] == "1"
         monkeypatch.setenv(zygote.OFF, "0")  # new processes from now on, to compare with
         pool.resize(3)
         pool.resize(4)
-        fifth = pool.client[pool.engines[-1].engine_id].apply_sync(eval, STATE)
+        fifth = client[pool.engine_sets.engines[-1].engine_id].apply_sync(eval, STATE)
         assert third["cwd"] == fifth["cwd"]  # the folder ipyparallel starts engines in
-        engine_pids = [e.pid for e in pool.engines]
+        engine_pids = [e.pid for e in pool.engine_sets.engines]
         zygote_pid = z._proc.pid
     finally:
         pool.stop()
@@ -88,15 +88,15 @@ def test_without_a_zygote_the_next_engine_is_a_new_process(monkeypatch, caplog):
         other.config.threads_per_engine = 3
         other.start()
         assert other.launcher.zygote is None and z.wait_ready()  # while the first one's serves
-        assert psutil.Process(other.engines[0].pid).ppid() == os.getpid()
+        assert psutil.Process(other.engine_sets.engines[0].pid).ppid() == os.getpid()
         monkeypatch.delenv(zygote.OFF)  # the first pool's environment again
-        assert psutil.Process(pool.engines[0].pid).ppid() == z._proc.pid
+        assert psutil.Process(pool.engine_sets.engines[0].pid).ppid() == z._proc.pid
         os.kill(z._proc.pid, 9)
         z._proc.wait()
         pool.resize(2)
-        assert psutil.Process(pool.engines[1].pid).ppid() == os.getpid()
+        assert psutil.Process(pool.engine_sets.engines[1].pid).ppid() == os.getpid()
         assert "engines start as new processes from now on" in caplog.text
-        assert pool.client[:].apply_sync(eval, "1") == [1, 1]
+        assert pool.engine_sets.client[:].apply_sync(eval, "1") == [1, 1]
     finally:
         pool.stop()
         if other is not None:

@@ -75,16 +75,6 @@ def check_versions(infos: list[dict]) -> None:
                                "is simplest)")
 
 
-async def start_warm(engine_sets: EngineSets, n: int) -> list[Engine]:
-    """`n` warm engines (on no slot: :meth:`EngineSets.add_warm`), started side by side.
-    Raises the first failure; those that started stay listed and stop with the pool."""
-    started = await asyncio.gather(*(engine_sets.add_warm() for _ in range(n)),
-                                   return_exceptions=True)
-    if failed := [e for e in started if isinstance(e, BaseException)]:
-        raise failed[0]
-    return [e for e in started if isinstance(e, Engine)]
-
-
 def _gpu_of(config: PoolConfig, lease_mode: bool, slot: int | None) -> int | None:
     """The GPU of `slot` (in lease mode the machine's index; None: no GPU, or no slot)."""
     if slot is None or not config.gpus:
@@ -199,6 +189,15 @@ class EngineSets:
         self.engines.extend(sorted(engines, key=lambda e: e.slot or 0))
         self._update_pidfile()
         return engines
+
+    async def add_warm_many(self, n: int) -> list[Engine]:
+        """`n` warm engines (:meth:`add_warm`), started side by side. Raises the first
+        failure; those that started stay listed and stop with the pool."""
+        started = await asyncio.gather(*(self.add_warm() for _ in range(n)),
+                                       return_exceptions=True)
+        if failed := [e for e in started if isinstance(e, BaseException)]:
+            raise failed[0]
+        return [e for e in started if isinstance(e, Engine)]
 
     async def add_warm(self) -> Engine:
         """Start an engine on no slot (a *warm* engine, this host only: run/warm_engines.py)

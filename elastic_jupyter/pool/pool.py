@@ -24,9 +24,8 @@ from ..arbiter.table import ArbiterError
 from ..config import PoolConfig, UsageError
 from ..owner import background, get_owner
 from .claimant import Claimant
-from .engine_calls import EngineCalls
-from .engine_sets import EngineSets, start_warm
-from .launchers import Job, Launcher, LocalLauncher
+from .engine_sets import EngineSets
+from .launchers import Launcher, LocalLauncher
 from .lease import POLL_S, LeaseFollower, check_weight_usage, pool_lease
 from .processes import Engine, rss
 from .queue_printer import QueuePrinter
@@ -37,6 +36,20 @@ from .supply import EngineSupply
 __all__ = ["EnginePool", "Engine", "Exclusion"]
 
 T = TypeVar("T")
+
+# what each removed forwarding member of EnginePool became (its part's own member)
+MOVED = {
+    "engines": "pool.engine_sets.engines (or pool.status()['engines'])",
+    "client": "pool.engine_sets.client",
+    "calls": "pool.engine_sets.calls",
+    "queued": "pool.engine_sets.queued",
+    "running": "pool.engine_sets.running (or pool.status()['running'])",
+    "resize_idle": "pool.engine_sets.resize",
+    "min_size": "pool.config.min_size (or pool.status()['min'])",
+    "max_size": "pool.config.max_size (or pool.status()['max'])",
+    "excluded_slots": "pool.slots.excluded (or pool.status()['excluded_slots'])",
+    "readmit_slot": "pool.slots.readmit",
+}
 
 
 class EnginePool:
@@ -100,13 +113,14 @@ class EnginePool:
                                 auto, weight, arbiter, gpus, name, notebook, lend)
         self.owner = get_owner()
         self.slots = Slots(self.config.max_size, self.lease,
-                           lambda: {e.slot for e in self.engines if e.slot is not None})
+                           lambda: {e.slot for e in self.engine_sets.engines if e.slot is not None})
         self.engine_sets = EngineSets(self.launcher, self.config, self.slots)
         # a run's one door into the engines and slots (run/ reaches no part of the pool)
-        self.supply = EngineSupply(self.engine_sets, self.slots, self.launcher, self.lease)
+        self.supply = EngineSupply(self.engine_sets, self.slots, self.launcher, self.lease,
+                                   self.config)
         self._claimant: Claimant | None = None  # who trains on this pool (claim / release)
         self._left_by: str | None = None  # the last run to end, which left the pool at its size
-        self._queue_printer = QueuePrinter(self.owner, self.lease, lambda: self.queued,
+        self._queue_printer = QueuePrinter(self.owner, self.lease, lambda: self.engine_sets.queued,
                                            self.config.min_size)
         self._follower = None if self.lease is None else LeaseFollower(
             self.lease, self.engine_sets, lambda: self._claimant,
@@ -115,53 +129,20 @@ class EnginePool:
     # properties --------------------------------------------------------------------------------
 
     @property
-    def engines(self) -> list[Engine]:
-        """The engines, oldest first."""
-        return self.engine_sets.engines
-
-    @property
-    def client(self) -> Any:
-        """ipyparallel's client (None while not running)."""
-        return self.engine_sets.client
-
-    @property
-    def calls(self) -> EngineCalls:
-        return self.engine_sets.calls
-
-    @property
-    def queued(self) -> dict[int, Job]:
-        """slot -> its engine's batch job, waiting in the scheduler's queue."""
-        return self.engine_sets.queued
-
-    @property
     def size(self) -> int:
-        return len(self.engines)
-
-    @property
-    def min_size(self) -> int:
-        return self.config.min_size
-
-    @property
-    def max_size(self) -> int:
-        return self.config.max_size
+        """The number of engines now (``engine_sets.engines``: every one, busy or idle)."""
+        return len(self.engine_sets.engines)
 
     @property
     def backend(self) -> str:
         return "nccl" if self.config.gpus or self.launcher.gpus_per_engine else "gloo"
 
-    @property
-    def running(self) -> bool:
-        return self.engine_sets.running
-
-    @property
-    def excluded_slots(self) -> dict[int, Exclusion]:
-        """Slots left out now (an exclusion whose cooldown ended is not)."""
-        return self.slots.excluded
-
-    def readmit_slot(self, slot: int) -> None:
-        """Take `slot` back now (say, one left out for good after its engine failed to start,
-        once the cause is fixed)."""
-        self.slots.readmit(slot)
+    def __getattr__(self, name: str) -> Any:
+        # the members that only handed a read on to one of the pool's parts were removed in
+        # 0.2.0 (CHANGELOG.md): say where each went rather than a bare AttributeError
+        if name in MOVED:
+            raise AttributeError(f"EnginePool.{name} was removed in 0.2.0: use {MOVED[name]}")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @property
     def run(self) -> Claimant | None:
@@ -191,13 +172,15 @@ class EnginePool:
         the last run left it (its schedule, resizes or faults), while it does; else None. Not
         in lease mode, where the arbiter's grant sets the size."""
         n, size = self.config.n, self.size
-        if self._left_by is None or self.lease is not None or not self.running or size == n:
+        if (self._left_by is None or self.lease is not None or not self.engine_sets.running
+                or size == n):
             return None
         return (f"the pool stands at {size} engine{'s' * (size != 1)}, where run "
                 f"{self._left_by!r} left it (it started with {n})")
 
     def check_size(self, n: Any) -> int:
         """Validate a requested size; returns it as int or raises UsageError saying the bounds."""
+        low, high = self.config.min_size, self.config.max_size
         if isinstance(n, bool) or not isinstance(n, int):
             try:
                 if isinstance(n, str) and n.strip().lstrip("-").isdigit():
@@ -206,11 +189,10 @@ class EnginePool:
                     raise ValueError
             except ValueError:
                 raise UsageError(f"pool size must be an integer in this pool's bounds "
-                                 f"[{self.min_size}, {self.max_size}], got {n!r}") from None
-        if not self.min_size <= n <= self.max_size:
-            raise UsageError(f"pool size {n} is outside this pool's bounds [{self.min_size}, "
-                             f"{self.max_size}]; choose a size in range or start a pool with "
-                             "other --min/--max")
+                                 f"[{low}, {high}], got {n!r}") from None
+        if not low <= n <= high:
+            raise UsageError(f"pool size {n} is outside this pool's bounds [{low}, {high}]; "
+                             "choose a size in range or start a pool with other --min/--max")
         if self.lease is not None and self.lease.grant and n > max(
                 self.lease.grantable, len(self.lease.slots)):
             raise UsageError(f"the machine's arbiter can grant this pool at most "
@@ -252,7 +234,7 @@ class EnginePool:
         if weight is not None:
             check_weight_usage(weight)
             changes["weight"] = weight
-        if not self.running:  # not started (or stopped): the demand it will register
+        if not self.engine_sets.running:  # not started (or stopped): the demand it will register
             self.lease.demand.update(changes)
         elif self.owner.in_owner_thread():  # the control channel (the panel's toggle)
             background(self.lease.update(**changes), self._lease_warning)
@@ -293,27 +275,28 @@ class EnginePool:
         """The pool now (pool.status.PoolStatus): sizes, engines, exclusions, its run, lease."""
         run = self.run if self.run is not None and self.run.active else None
         return PoolStatus(
-            running=self.running, size=self.size, start_size=self.config.n,
-            size_note=self.size_note(), min=self.min_size, max=self.max_size,
+            running=self.engine_sets.running, size=self.size, start_size=self.config.n,
+            size_note=self.size_note(), min=self.config.min_size, max=self.config.max_size,
             backend=self.backend,
             excluded_slots={slot: ExclusionStatus(reason=x.reason, until=x.until)
-                            for slot, x in self.excluded_slots.items()},
-            engines=[cast(EngineStatus, dataclasses.asdict(e)) for e in self.engines],
+                            for slot, x in self.slots.excluded.items()},
+            engines=[cast(EngineStatus, dataclasses.asdict(e)) for e in self.engine_sets.engines],
             warm=[WarmStatus(pid=e.pid, rss_mib=rss(e.pid) / 2**20)
                   for e in self.engine_sets.warm],
             launcher=self.launcher.describe(), run=run.name if run else None,
-            queued={slot: str(q) for slot, q in sorted(self.queued.items())},
+            queued={slot: str(q) for slot, q in sorted(self.engine_sets.queued.items())},
             run_mode=run.memory.mode if run else None, lease=self.lease_status())
 
     def __repr__(self) -> str:
-        return (f"<EnginePool size={self.size} bounds=[{self.min_size}, {self.max_size}] "
+        return (f"<EnginePool size={self.size} "
+                f"bounds=[{self.config.min_size}, {self.config.max_size}] "
                 f"backend={self.backend}>")
 
     # owner thread ------------------------------------------------------------------------------
 
     async def ensure_started(self) -> None:
         """Start the controller and the first ``n`` engines unless running (owner loop)."""
-        if self.running:
+        if self.engine_sets.running:
             return
         await self.engine_sets.start()
         # after the controller started: atexit runs handlers last-in first-out, and
@@ -342,10 +325,10 @@ class EnginePool:
         min's engines start on no slot first (run/warm_engines.py) and are bound once leased."""
         lease = self.lease
         assert lease is not None
-        first = self.launcher.local and await lease.free_slots() < self.min_size
-        warm = await start_warm(self.engine_sets, self.min_size if first else 0)
+        first = self.launcher.local and await lease.free_slots() < self.config.min_size
+        warm = await self.engine_sets.add_warm_many(self.config.min_size if first else 0)
         await lease.register()
-        while lease.kept < self.min_size:
+        while lease.kept < self.config.min_size:
             await asyncio.sleep(POLL_S)
             await lease.poll(engines={})
         for engine, slot in zip(warm, self.slots.next_free(len(warm))):
@@ -353,25 +336,21 @@ class EnginePool:
         if unbound := [e for e in warm if e in self.engine_sets.warm]:
             await self.engine_sets.remove(unbound)  # the slots went back meanwhile
         auto = lease.demand["auto"]  # auto: every slot leased; else n of them
-        await self.resize_idle(lease.kept if auto else min(lease.kept, self.config.n))
+        await self.engine_sets.resize(lease.kept if auto else min(lease.kept, self.config.n))
 
     async def admitted(self) -> None:
         """Wait until the lease keeps ``min`` training slots (lease mode, a run starting on the
         pool: the pool's place in the machine's queue shows meanwhile)."""
-        while self.lease is not None and self.lease.kept < self.min_size:
+        while self.lease is not None and self.lease.kept < self.config.min_size:
             await asyncio.sleep(POLL_S / 5)
 
     def _shutdown_at_exit(self) -> None:
         """Graceful kernel shutdown: stop the run (it writes a checkpoint), then the pool."""
         try:
-            if self.running:
+            if self.engine_sets.running:
                 self.stop()
         except Exception:
             pass  # the reaper still ends what is left
-
-    async def resize_idle(self, n: int) -> None:
-        """Start or stop engines until `n` run (owner loop; no run trains meanwhile)."""
-        await self.engine_sets.resize(n)
 
     async def _resize_to(self, n: int) -> None:
         """An idle pool's resize by the user: in lease mode it asks the arbiter first (auto
@@ -380,14 +359,14 @@ class EnginePool:
             await self.lease.update(wanted=n, auto=False)
             n = min(n, self.lease.kept)
         self._left_by = None  # the size is the user's now
-        await self.resize_idle(n)
+        await self.engine_sets.resize(n)
 
     def _lease_warning(self, message: str) -> None:
         if self._follower is not None:
             self._follower.warn(message)
 
     async def _stop(self) -> None:
-        if not self.running:
+        if not self.engine_sets.running:
             return
         if self._follower is not None:  # first: it must start no engine from now on
             await self._follower.stop()

@@ -15,6 +15,8 @@ from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ..config import PoolConfig
+    from .engine_calls import EngineCalls
     from .engine_sets import EngineSets
     from .lease import SlotLease
     from .launchers import Launcher
@@ -30,11 +32,25 @@ class EngineSupply:
         slots: the pool's slots (pool.slots.Slots).
         launcher: where the engines run (pool.launchers).
         lease: the machine's grant of slots in lease mode (pool.lease.SlotLease), else None.
+        config: the pool's options (its bounds).
     """
 
     def __init__(self, engine_sets: EngineSets, slots: Slots, launcher: Launcher,
-                 lease: SlotLease | None):
+                 lease: SlotLease | None, config: PoolConfig):
         self._sets, self._slots, self._launcher, self._lease = engine_sets, slots, launcher, lease
+        self._config = config
+
+    # ---------------------------------------------------------------- bounds
+
+    @property
+    def min_size(self) -> int:
+        """``--min``: the fewest engines the run trains on (below it, it waits or stops)."""
+        return self._config.min_size
+
+    @property
+    def max_size(self) -> int:
+        """``--max``: the most engines the run grows to."""
+        return self._config.max_size
 
     # ---------------------------------------------------------------- where engines run
 
@@ -108,6 +124,20 @@ class EngineSupply:
     def engines(self) -> list[Engine]:
         """The pool's engines, oldest first (every run's and none: members, spares, idle)."""
         return self._sets.engines
+
+    @property
+    def running(self) -> bool:
+        """Whether the pool's controller runs (False once the pool stopped)."""
+        return self._sets.running
+
+    @property
+    def calls(self) -> EngineCalls:
+        """The calls the run makes on its engines (pool.engine_calls.EngineCalls)."""
+        return self._sets.calls
+
+    async def resize_idle(self, n: int) -> None:
+        """Start or stop engines until `n` run, before the run trains on them."""
+        await self._sets.resize(n)
 
     async def start(self, slots: list[int]) -> list[Engine]:
         """Start one engine on each of `slots`; returns them once registered. Raises as the

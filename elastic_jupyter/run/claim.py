@@ -100,6 +100,6 @@ class RunClaim:
         # auto: start on the engines already up (at least the min), grow into the rest while
         # training, as engines become ready, rather than wait for all of them to start
         size = min(wanted, lease.kept) if not auto else min(
-            lease.kept, max(pool.size, pool.min_size))
+            lease.kept, max(pool.size, self.supply.min_size))
         self.lease_policy = LeasePolicy(lease, size)
         return size

@@ -89,9 +89,8 @@ class Driver:
         self.mode = mode  # where the training state lives (run.run_mode)
         self.supply = pool.supply  # the run's door into the pool's engines and slots
         self.membership = Membership(self.supply, log, self.prepare)
-        self.recovery = Recovery(self.membership, calls, log, sizer, pool, self.supply,
-                                 checkpoint_dir,
-                                 config.standby, POLL)
+        self.recovery = Recovery(self.membership, calls, log, sizer, self.supply,
+                                 checkpoint_dir, config.standby, POLL)
         self.final = mode.final_state(calls, log, checkpoint_dir, config.keep_checkpoints)
         self.rendezvous: Rendezvous | None = None
         self.state = RunState.CREATED
@@ -114,11 +113,11 @@ class Driver:
         schedule checked against the run's steps, a checkpoint loaded on rank 0 (returns its
         path) and the rendezvous. On failure the engines forget the run and it re-raises."""
         self.state = RunState.STARTING
-        pool = self.pool
-        if size != pool.size:
-            await pool.resize_idle(size)
-        self.membership.start_with(pool.engines[:size])
-        self.sizer.begin(size, pool.min_size, self.supply.usable)
+        supply = self.supply
+        if size != len(supply.engines):
+            await supply.resize_idle(size)
+        self.membership.start_with(supply.engines[:size])
+        self.sizer.begin(size, supply.min_size, supply.usable)
         self.look()  # a schedule given up front; how the run grows
         try:
             await self.cell.run_cell(self.members)
@@ -131,7 +130,7 @@ class Driver:
                                          timeout=self.config.collective_timeout)
             await self._connect(self.members)
         except BaseException:
-            if pool.client is not None:
+            if supply.running:
                 await self.calls.drop_run(self.members)
             self.membership.start_with([])
             raise
@@ -288,7 +287,7 @@ class Driver:
             membership.trim(decision.wanted)
         # a new warm engine would slow a boot under way, and one for a size the boot reaches
         # anyway is not needed: it starts when neither holds
-        start = not membership.booting() and decision.wanted < self.pool.max_size
+        start = not membership.booting() and decision.wanted < self.supply.max_size
         membership.warm.keep(self._warm_wanted(), start)
         return decision
 
@@ -305,7 +304,7 @@ class Driver:
         """An auto run below its max keeps ``--warm`` engines set up on no slot (none with
         ``--sync-batchnorm``, which a Worker built on the host refuses)."""
         auto = self.supply.auto and not self.config.sync_batchnorm
-        grows = len(self.members) < self.pool.max_size and self.state in TRAINING_STATES
+        grows = len(self.members) < self.supply.max_size and self.state in TRAINING_STATES
         return self.config.warm if auto and grows else 0
 
     async def _change_membership(self, step: int, handed_over: list) -> set:

@@ -26,7 +26,6 @@ from .sizing import Sizer
 if TYPE_CHECKING:
     from ..pool.engine_calls import EngineCalls
     from ..pool.supply import EngineSupply
-    from ..pool.pool import EnginePool
     from ..pool.processes import Engine
 
 
@@ -45,15 +44,15 @@ class RepeatedFailure(Exception):
 
 
 class Recovery:
-    """Args: membership, calls (EngineCalls), log (RunLog), sizer, pool, supply (its engines and
-    slots: pool.supply), checkpoint_dir, standby (engines kept set up besides the members),
-    poll (s between looks while waiting)."""
+    """Args: membership, calls (EngineCalls), log (RunLog), sizer, supply (the pool's engines,
+    slots and bounds: pool.supply), checkpoint_dir, standby (engines kept set up besides the
+    members), poll (s between looks while waiting)."""
 
     def __init__(self, membership: Membership, calls: EngineCalls, log: RunLog, sizer: Sizer,
-                 pool: EnginePool, supply: EngineSupply, checkpoint_dir: str, standby: int,
+                 supply: EngineSupply, checkpoint_dir: str, standby: int,
                  poll: float):
         self.membership, self.calls, self.log = membership, calls, log
-        self.sizer, self.pool, self.supply = sizer, pool, supply
+        self.sizer, self.supply = sizer, supply
         self.checkpoint_dir, self.standby, self.poll = checkpoint_dir, standby, poll
         self._restored_step = 0
         self._faults_without_progress = 0
@@ -95,7 +94,7 @@ class Recovery:
         if self.log.step > self._restored_step:
             self._faults_without_progress = 0
         self._faults_without_progress += 1
-        if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.pool.max_size):
+        if self._faults_without_progress > faults.MAX_SLOT_FAULTS * max(1, self.supply.max_size):
             raise RuntimeError("the run keeps failing without making progress; see run.logs()")
 
     async def resume(self) -> set:
@@ -109,11 +108,11 @@ class Recovery:
     async def wait_for_minimum(self) -> None:
         """With fewer than --min survivors, wait (visibly) for replacements to join; a stop
         request ends the wait (BelowMinimum: the run stops)."""
-        needed = max(self.pool.min_size, 1) - len(self.membership.members)
+        needed = max(self.supply.min_size, 1) - len(self.membership.members)
         if needed <= 0:
             return
         self.log.event(EventKind.WARNING, message=f"{len(self.membership.members)} engine(s) left, "
-                       f"below the minimum {self.pool.min_size}: waiting up to "
+                       f"below the minimum {self.supply.min_size}: waiting up to "
                        f"{faults.MIN_WAIT_TIMEOUT:.0f} s for replacements")
         deadline = time.monotonic() + faults.MIN_WAIT_TIMEOUT
         if not await self.membership.wait_for_joiners(
@@ -121,11 +120,11 @@ class Recovery:
                 stopped=lambda: self.sizer.stop_requested):
             if self.sizer.stop_requested:
                 raise BelowMinimum("stopped while waiting for replacements below --min "
-                                   f"{self.pool.min_size}")
+                                   f"{self.supply.min_size}")
             why = ("no slot is left to start one on (see the slot events)"
                    if self.membership.hopeless() else
                    f"no replacement started within {faults.MIN_WAIT_TIMEOUT:.0f} s")
-            raise BelowMinimum(f"stopped: fewer than --min {self.pool.min_size} engines and "
+            raise BelowMinimum(f"stopped: fewer than --min {self.supply.min_size} engines and "
                                f"{why}; resume later with --resume")
 
     async def _roll_back_survivors(self) -> tuple[int, int, set]:

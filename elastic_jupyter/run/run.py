@@ -104,14 +104,15 @@ class TrainingRun:
         self._requests = UserRequests()
         self._sizer = Sizer()
         cell_config = dict(config.as_dict(), checkpoint_dir=self.checkpoint_dir,
-                           pool_min_size=pool.min_size, pool_max_size=pool.max_size)
+                           pool_min_size=self._supply.min_size,
+                           pool_max_size=self._supply.max_size)
         self.mode = run_mode(config)  # where the training state lives (run.run_mode)
-        self._cell = CellSetup(pool.calls, self.log, cell_config, source,
+        self._cell = CellSetup(self._supply.calls, self.log, cell_config, source,
                                pickle_by_value(setup) if setup is not None else None,
                                dict(push or {}), self.workdir, self.mode.memory_bound(),
                                self._supply.preload)
         self.memory = self._cell.memory
-        self._driver = Driver(pool, pool.calls, self.log, self._sizer,
+        self._driver = Driver(pool, self._supply.calls, self.log, self._sizer,
                               [self._requests, Schedule(sorted(schedule or []))],
                               self._cell, config, self.mode, self.checkpoint_dir,
                               on_end=self._on_end)

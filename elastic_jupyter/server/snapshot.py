@@ -147,21 +147,22 @@ def of_run(run: Any, run_id: str | None) -> RunSnapshot:
         eta = per_step * (run.total_steps - step)
     sampled = log.records_since(max(0, step - 10 * SPARKLINE_POINTS))[::10][-SPARKLINE_POINTS:]
     checkpoint = log.last_event(EventKind.CHECKPOINT)
+    pool = run.pool
     return RunSnapshot(
         id=run_id, name=run.name, notebook=run.notebook,
         state=run.state,
         step=step, total_steps=run.total_steps, epoch=last.get("epoch"),
         world_size=run.world_size, requested_size=run.requested_size,
-        min_size=run.pool.min_size, max_size=run.pool.max_size, backend=run.pool.backend,
+        min_size=pool.config.min_size, max_size=pool.config.max_size, backend=pool.backend,
         loss=last.get("loss"), recent_loss=[r["loss"] for r in sampled],
         samples_per_s=(sum(r["samples_per_s"] for r in recent[-10:]) / len(recent[-10:])
                        if recent else None),
         eta_s=eta, error=run.error, checkpoint_dir=run.checkpoint_dir,
         checkpoints=run.checkpoints, last_checkpoint=checkpoint["path"] if checkpoint else None,
         log_dir=run.log_dir, slots=[m.device for m in run.members],
-        lease=run.pool.lease_status(), resize=log.resize,
-        queued=[f"slot {slot}: {job}" for slot, job in sorted(run.pool.queued.items())],
-        excluded=[{"slot": slot, **vars(x)} for slot, x in sorted(run.pool.excluded_slots.items())],
+        lease=pool.lease_status(), resize=log.resize,
+        queued=[f"slot {slot}: {job}" for slot, job in sorted(pool.engine_sets.queued.items())],
+        excluded=[{"slot": slot, **vars(x)} for slot, x in sorted(pool.slots.excluded.items())],
         state_mode=run.mode.name)
 
 

@@ -66,7 +66,8 @@ class Dashboard(anywidget.AnyWidget):
 
     def __init__(self, run: TrainingRun, feed: bool | None = None):
         super().__init__(name=run.name, run_id=run.run_id,
-                         min_size=run.pool.min_size, max_size=run.pool.max_size)
+                         min_size=run.pool.config.min_size,
+                         max_size=run.pool.config.max_size)
         self.run = run
         self._store = series.ColumnStore()  # everything sent so far, for snapshots
         self._sent_upto = 0  # newest step in the store (sent as an append or in a snapshot)

@@ -226,16 +226,16 @@ class ElasticMagics(Magics):
     def _pool(self, line: str) -> _PoolStatus | None:
         args = self._parse(_pool_parser(), line)
         if args.action == "start":
-            if self.pool is not None and self.pool.running:
+            if self.pool is not None and self.pool.engine_sets.running:
                 raise UsageError(f"a pool is already running ({self.pool!r}); "
                                  "%elastic_pool stop it first")
             given = values(PoolOptions, args)
             self.pool = EnginePool(**dataclasses.asdict(given), launcher=_launcher(args)).start()
             print(f"Started {self.pool!r} on {self.pool.launcher.describe()}: " + ", ".join(
                 f"slot {e.slot} ({e.device} on {e.host}, pid {e.pid})"
-                for e in self.pool.engines))
+                for e in self.pool.engine_sets.engines))
             return None
-        if self.pool is None or not self.pool.running:
+        if self.pool is None or not self.pool.engine_sets.running:
             raise UsageError("no pool is running: start one with %elastic_pool start")
         if args.action == "status":
             status = self.pool.status()
@@ -285,7 +285,7 @@ class ElasticMagics(Magics):
             raise UsageError(f"{args.variable!r} is not a valid variable name for the run handle")
         push = self._pushed(args.push)
         config = values(RunConfig, args)
-        if self.pool is None or not self.pool.running:
+        if self.pool is None or not self.pool.engine_sets.running:
             self.pool = EnginePool(auto=args.auto, weight=args.weight).start()
             print(f"Started {self.pool!r}")
         elif args.auto or args.weight is not None:
