@@ -10,8 +10,9 @@ to go (SIGTERM: preemption, a time limit) ends the generation at a step boundary
 
 The driver is the only writer of the run's state and error, and holds the run's rendezvous
 store (rendezvous.py) from the setup to the end. Decisions come from the Sizer (sizing.py),
-engines from Membership (membership.py), the final state is kept by FinalState
-(final_state.py), records and events go to the RunLog (runlog.py).
+engines from Membership (membership.py), the membership changes between two generations from
+the Boundary (boundary.py); the final state is kept by FinalState (final_state.py), records
+and events go to the RunLog (runlog.py).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from ..pool.engine_calls import remote_message, remote_summary
 from ..pool.processes import kill
 from ..owner import background
 from ..server.snapshot import TRAINING_STATES, RunState
+from .boundary import Boundary
 from .cellsetup import CellSetup
 from .generation_end import GenerationEnded, GenerationFaulted
 from .membership import Membership
@@ -55,18 +57,6 @@ class GenerationError(Exception):
         self.engine, self.error = engine, error
 
 
-def _let_go(membership: Membership, log: RunLog, step: int, change, handed_over: list,
-            wanted: int) -> None:
-    """A sharded run's members that handed their rows over after `step` leave; where the
-    size `change` adds none back, that was the resize."""
-    membership.let_go(handed_over, wanted)
-    W = len(membership.members)
-    if change.target <= W:
-        log.resize_started(step, W + len(handed_over), W, change.requested_time or time.time(),
-                           change.scheduled)
-        log.resize_settled(W)
-
-
 class Driver:
     """Drives one run's generations.
 
@@ -76,8 +66,9 @@ class Driver:
         on_end: called on the owner loop once the run reached a final state.
 
     Attributes:
-        membership (members, spares), recovery, final (the final state), rendezvous (the
-        run's store, served from the setup to the run's end), state, error.
+        membership (members, spares), recovery, boundary (the membership changes between
+        generations), final (the final state), rendezvous (the run's store, served from the
+        setup to the run's end), state, error.
     """
 
     def __init__(self, pool: EnginePool, calls: EngineCalls, log: RunLog, sizer: Sizer,
@@ -92,6 +83,8 @@ class Driver:
         self.recovery = Recovery(self.membership, calls, log, sizer, self.supply,
                                  checkpoint_dir, config.standby, POLL)
         self.final = mode.final_state(calls, log, checkpoint_dir, config.keep_checkpoints)
+        self.boundary = Boundary(self.membership, sizer, log, mode, self.recovery, self.final,
+                                 calls, config.standby, POLL)
         self.rendezvous: Rendezvous | None = None
         self.state = RunState.CREATED
         self.error: str | None = None
@@ -178,12 +171,12 @@ class Driver:
                 else:
                     # a sharded run's rows are saved once every rank left: else one more to stop
                     saved = self.mode.saved_for_stop(len(end.handed_over), len(self.members))
-                    await self._drain(end.drained)  # (drained members leave the list)
+                    await self.boundary.drain(end.drained)  # (drained members leave the list)
                     if end.reason == "finished" or (self.sizer.stop_requested and saved):
                         return await self._finish(
                             RunState.FINISHED if end.reason == "finished"
                             else RunState.STOPPED)
-                    newcomers = await (self._after_drain() if end.drained else
+                    newcomers = await (self.boundary.after_drain() if end.drained else
                                        self._change_membership(end.step,
                                                                list(end.handed_over)))
                 broadcast = bool(newcomers)
@@ -259,11 +252,11 @@ class Driver:
 
     def look(self) -> Decision:
         """One look at the run: the size policies' new requests go to the sizer, which decides
-        from what the membership shows (sizing.Look); the decision is executed — engines
-        booted and trimmed to what it wants (once requests settled), spares on slots the
-        machine's arbiter wants back stopped, warm engines kept — logged when it changed
-        anything, and returned for the generation's end to follow. Call on the owner loop: at
-        every look at a generation, at the setup and when a request is queued."""
+        from what the membership shows (sizing.Look); the decision is logged when it changed
+        anything, its engines' part carried out by the membership (Membership.follow: boots,
+        trims, spares off slots the arbiter wants back, warm engines), and it is returned for
+        the generation's end to follow. Call on the owner loop: at every look at a generation,
+        at the setup and when a request is queued."""
         now = time.monotonic()
         membership = self.membership
         membership.readmit()  # slots whose cooldown ended: the target grows back
@@ -280,15 +273,7 @@ class Driver:
         if decision != self._decision:
             self.log.log(decision.describe())
         self._decision = decision
-        if leaving := membership.leaving():  # slots the machine's arbiter wants back
-            membership.stop_spares(leaving)
-        if decision.boot:
-            membership.boot(decision.wanted)
-            membership.trim(decision.wanted)
-        # a new warm engine would slow a boot under way, and one for a size the boot reaches
-        # anyway is not needed: it starts when neither holds
-        start = not membership.booting() and decision.wanted < self.supply.max_size
-        membership.warm.keep(self._warm_wanted(), start)
+        membership.follow(decision, self._warm_wanted(), self.supply.max_size)
         return decision
 
     def _leavers(self, decision: Decision) -> list[int]:
@@ -308,69 +293,15 @@ class Driver:
         return self.config.warm if auto and grows else 0
 
     async def _change_membership(self, step: int, handed_over: list) -> set:
-        """Apply the size due after `step`; returns the engine ids that join. A sharded run's
-        members that `handed_over` their rows leave, and no other: the rest of a shrink (a
-        request since) goes at the next step boundary, where the driver names them. Takes no
-        new request: the last look decided this boundary, and the next generation's first
-        look takes what came since."""
-        change = self.sizer.due(step, self.log.record(step).get("time", time.time()))
-        if handed_over:  # exactly they leave, and a shrink is done where nothing joins
-            _let_go(self.membership, self.log, step, change, handed_over, self._wanted())
-        W = len(self.members)
-        target = self.sizer.reachable(  # a sharded shrink: named, at the next step
-            self.mode.size_now(change.target, W), W, len(self.membership.spares),
-            change.scheduled)
-        if target == W:  # off slots the arbiter wants back (sharded: handed over above)
-            newcomers = self.mode.swap(self.membership)
-            if newcomers:
-                self.log.event(EventKind.SLOT, message=f"moved {len(newcomers)} rank(s) off "
-                               "slot(s) the machine's arbiter wants back")
-            self.membership.trim(self._wanted())
-            return {e.engine_id for e in newcomers}
+        """Apply the size due after `step` (boundary.Boundary.plan); returns the engine ids
+        that join. The run is RESIZING while a resize is carried out."""
+        plan = self.boundary.plan(step, handed_over)
+        if plan.resize is None:
+            return set(plan.newcomers)
         self.state = RunState.RESIZING
-        self.log.resize_started(step, W, target, change.requested_time or time.time(),
-                                change.scheduled)
-        newcomers = []
-        if target < W:
-            self.membership.shrink(target, self._wanted(), frozenset(self.membership.leaving()))
-        else:
-            newcomers = await self.membership.grow(target, POLL)
-            if len(self.members) < target:
-                self.sizer.stop_growing_at(len(self.members))
-                why = (f"after {self.membership.boot_failures} failed starts"
-                       if self.membership.gave_up else "no slot is free (see the slot events)")
-                self.log.event(EventKind.WARNING, message=f"could not grow to {target} engines "
-                               f"{why}; training goes on with {len(self.members)}")
-            self.log.resize_settled(len(self.members))
-        self.membership.trim(self._wanted())
-        self.membership.boot(self._wanted())  # standby engines used by this grow are replaced
+        newcomers = await self.boundary.resize(plan.resize)
         self.state = RunState.TRAINING
-        return {e.engine_id for e in newcomers}
-
-    async def _drain(self, drained: tuple[tuple[Engine, float], ...]) -> None:
-        """Ranks told to go (`drained`: (engine, wall time of its SIGTERM)) left the group
-        after the last step, with every other rank: drop them and end their engines (their
-        jobs). Should every rank go, the state is first written to a checkpoint, from which
-        the replacements start."""
-        if not drained:
-            return
-        if len(drained) == len(self.members):
-            await self.final.write_checkpoint(await self.calls.training_state(self.members[0]))
-        self.membership.drain([engine for engine, _ in drained])
-        now = time.time()
-        for engine, asked in drained:
-            self.log.event(EventKind.DRAIN, slot=engine.slot, world_size=len(self.members),
-                           drain_s=round(now - asked, 3),
-                           message=f"slot {engine.slot} drained (told to go by its scheduler)"
-                           f" {now - asked:.2f} s after the signal; world size "
-                           f"{len(self.members)}")
-
-    async def _after_drain(self) -> set:
-        """After a drain: start replacements (the sizer still wants the size) and train on at
-        the smaller size until they are up, or below --min wait for them. Returns the engine
-        ids that receive the state."""
-        self.membership.boot(self._wanted())
-        return await self.recovery.resume()
+        return newcomers
 
     # ---------------------------------------------------------------- end states
 

@@ -28,6 +28,7 @@ from .warm_engines import WarmEngines
 
 if TYPE_CHECKING:
     from ..pool.supply import EngineSupply
+    from .sizing import Decision
     from ..pool.processes import Engine
 
 
@@ -191,6 +192,19 @@ class Membership:
             self._booting = background(self._boot(missing),
                                        lambda e: self.log.event(EventKind.WARNING,
                                                                 message=f"boot: {e}"))
+
+    def follow(self, decision: Decision, warm: int, max_size: int) -> None:
+        """Carry out the engines' part of a look's `decision` (sizing.Decision): spares on
+        slots the machine's arbiter wants back stop; once requests settled, engines boot and
+        trim to what it wants; `warm` engines stay set up on no slot. A new warm engine would
+        slow a boot under way, and one for a size the boot reaches anyway (`max_size`) is not
+        needed: it starts when neither holds."""
+        if leaving := self.leaving():
+            self.stop_spares(leaving)
+        if decision.boot:
+            self.boot(decision.wanted)
+            self.trim(decision.wanted)
+        self.warm.keep(warm, not self.booting() and decision.wanted < max_size)
 
     def trim(self, wanted: int) -> None:
         """Stop ready spares that no pending request or standby needs any more."""
