@@ -36,10 +36,7 @@ from .group import drain
 from .group.network_interface import use_interface_towards
 from .protocol import GenerationResult, GenerationSpec, TrainingState
 from .state import history
-from .state import training_state as state_mod
-from .state.checkpoint import CheckpointError, unloadable
-from .step import schedulers
-from .step.trials import SetupTrials
+from .state.checkpoint import CheckpointError
 from .worker import SetupError, Worker
 
 
@@ -158,7 +155,8 @@ def bind_slot(slot: int, gpu: int | None, threads: int) -> dict:
     worker = _state.worker
     if worker is not None and device != "cpu":  # the cell's objects go from the host there
         with _logging_to(_state.log_path):
-            worker = _state.worker = _on_device(worker, device, slot)
+            namespace = sys.modules["__elastic_cell__"].__dict__
+            worker = _state.worker = worker.moved_to(namespace, device, slot)
     torch.set_num_threads(threads)
     os.environ.update({SLOT.name: str(slot), "OMP_NUM_THREADS": str(threads)})
     _state.slot, _state.device, _state.warm = slot, device, False
@@ -188,20 +186,6 @@ def _bind_gpu(gpu: int) -> str:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as it started: no device
         raise SetupError(f"GPU {gpu} could not be bound on this warm engine ({e})") from None
     return f"cuda:{gpu}"
-
-
-def _on_device(worker: Worker, device: str, slot: int) -> Worker:
-    """The run's Worker built again from the cell's objects, on `device` (bind_slot)."""
-    namespace = sys.modules["__elastic_cell__"].__dict__
-    fingerprint = worker.fingerprint
-    _close(worker)
-    again = Worker(namespace, worker.config, device, slot=slot,
-                   frozen_digests=worker.frozen.digests)  # the same bytes: not hashed again
-    # a cell that chose a device for itself fails here, not mid-step; a sharded run's released
-    # rows (setup_run) cannot run the trials, which ran on the host at its setup
-    _check_worker(again)
-    again.fingerprint = fingerprint
-    return again
 
 
 def _say_bound(slot: int | None, device: str) -> None:
@@ -294,10 +278,10 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
         namespace = _run_setup(source, setup_fn, pushed, log_path)
         worker = Worker(namespace, options, _state.device, slot=_state.slot)
         try:
-            _check_worker(worker)
+            worker.check_setup()
             dataset = dataset_fingerprint(worker.dataset)
         except BaseException:
-            _close(worker)
+            worker.close()
             raise
     worker.fingerprint = dataset  # checkpoints carry it, resumes check it
     _state.worker = w = worker
@@ -314,36 +298,12 @@ def setup_run(config: dict, source: str | None, setup_fn: bytes | None, pushed: 
     return reply
 
 
-def _check_worker(worker: Worker) -> None:
-    """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
-    scheduler options do not fit, or (where the state mode lets the engine try them) whose
-    functions the run calls later fail when tried once, on a small batch
-    (engine.step.trials.SetupTrials.run: nothing they change stays)."""
-    schedulers.check(worker)
-    worker.mode.check_setup(
-        lambda: SetupTrials(worker.config, worker.objects, worker.plan, worker.device,
-                            worker.mode.model_runs_at_setup(worker.device)).run())
-    state = state_mod.capture(worker.model, worker.optimizer, worker.lr_scheduler,
-                              worker.progress, worker.history.records, worker.config_record(),
-                              copy_tensors=False, grad_scaler=worker.precision.scaler)
-    problem = unloadable(state)
-    if problem:
-        raise SetupError(f"the training state could not be checkpointed: {problem}")
-
-
-def _close(worker: Worker) -> None:
-    """Finish the worker's checkpoint writes and end its writer thread (which holds it), and
-    take the gradient reducer's hooks off the parameters (which would hold its buckets)."""
-    worker.checkpoints.close()
-    worker.reducer.close()
-
-
 def _forget_run() -> None:
     """Drop this engine's run and free its memory: the model, optimizer and data of a run
     re-run on the same pool must not stay beside the new one's."""
     worker, _state.worker = _state.worker, None
     if worker is not None:
-        _close(worker)
+        worker.close()
     del worker
     cell = sys.modules.pop("__elastic_cell__", None)  # its namespace holds model and data
     if cell is not None:

@@ -47,6 +47,7 @@ from .notes import after_step_note, micro_batch_note
 from .protocol import TrainingState
 from .sharded.lifecycle import is_pad, pad_source
 from .state import training_state as state_mod
+from .state.checkpoint import unloadable
 from .state.frozen import FrozenWeights
 from .state.history import History
 from .state.whole_checkpoints import WholeCheckpoints
@@ -56,7 +57,9 @@ from .step.losses import floats, weighted
 from .step.objects import CellAttribute, CellObjects, SetupError
 from .step.optimizers import Substep, check_resumed, learning_rates, optimized, owners
 from .step.precision import Precision, PrecisionError
+from .step import schedulers
 from .step.running_stats import RunningStats
+from .step.trials import SetupTrials
 from .step.weighting import StepWeights
 
 __all__ = ["SetupError", "Worker"]  # SetupError is engine.step.objects'; the Worker raises it too
@@ -188,6 +191,43 @@ class Worker:
         # rank 0's whole checkpoints (engine.state.whole_checkpoints; a sharded run writes
         # none: every rank its part)
         self.checkpoints = WholeCheckpoints(self.mode.checkpoint_writer(self._before_write))
+
+    def check_setup(self) -> None:
+        """Refuse, before the first step, a setup whose checkpoints could not be loaded, whose
+        scheduler options do not fit, or (where the state mode lets the engine try them) whose
+        functions the run calls later fail when tried once, on a small batch
+        (engine.step.trials.SetupTrials.run: nothing they change stays). Raises SetupError."""
+        schedulers.check(self.lr_scheduler, self.config.plateau_metric,
+                         self.eval_dataset is not None)
+        self.mode.check_setup(
+            lambda: SetupTrials(self.config, self.objects, self.plan, self.device,
+                                self.mode.model_runs_at_setup(self.device)).run())
+        state = state_mod.capture(self.model, self.optimizer, self.lr_scheduler, self.progress,
+                                  self.history.records, self.config_record(),
+                                  copy_tensors=False, grad_scaler=self.precision.scaler)
+        problem = unloadable(state)
+        if problem:
+            raise SetupError(f"the training state could not be checkpointed: {problem}")
+
+    def moved_to(self, objects: dict, device: str, slot: int) -> Worker:
+        """This run's Worker built again from the cell's `objects` on `device` (a warm engine
+        bound to a GPU slot: engine.entrypoints.bind_slot); this one is closed. A cell that
+        chose a device for itself fails here, not mid-step. Raises SetupError."""
+        self.close()
+        again = Worker(objects, self.config, device, slot=slot,
+                       frozen_digests=self.frozen.digests)  # the same bytes: not hashed again
+        # a sharded run's released rows (entrypoints.setup_run) cannot run the trials, which
+        # ran on the host at its setup: the mode skips them
+        again.check_setup()
+        again.fingerprint = self.fingerprint
+        return again
+
+    def close(self) -> None:
+        """Finish the checkpoint writes and end the writer thread (which holds this Worker),
+        and take the gradient reducer's hooks off the parameters (which would hold its
+        buckets)."""
+        self.checkpoints.close()
+        self.reducer.close()
 
     # state -------------------------------------------------------------------------------------
 

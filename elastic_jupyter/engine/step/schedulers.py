@@ -29,8 +29,6 @@ class Worker(Protocol):
     @property
     def lr_scheduler(self) -> Any: ...
     @property
-    def eval_dataset(self) -> Any: ...
-    @property
     def dataset(self) -> Sized: ...
     @property
     def progress(self) -> Progress: ...
@@ -38,16 +36,16 @@ class Worker(Protocol):
     def history(self) -> History: ...
 
 
-def check(worker: Worker) -> None:
-    """Raise SetupError when ``--plateau-metric`` cannot work with the cell's objects."""
-    metric = worker.config.plateau_metric
+def check(scheduler: Any, metric: str | None, evaluates: bool) -> None:
+    """Raise SetupError when ``--plateau-metric`` `metric` cannot work with the cell's
+    `scheduler` (its lr_scheduler) or without an evaluation (`evaluates`: an eval_dataset)."""
     if not metric:
         return
-    if not isinstance(worker.lr_scheduler, ReduceLROnPlateau):
-        kind = type(worker.lr_scheduler).__name__ if worker.lr_scheduler is not None else "none"
+    if not isinstance(scheduler, ReduceLROnPlateau):
+        kind = type(scheduler).__name__ if scheduler is not None else "none"
         raise SetupError(f"--plateau-metric {metric} is for a ReduceLROnPlateau lr_scheduler; "
                          f"the cell's lr_scheduler is {kind}")
-    if worker.eval_dataset is None:
+    if not evaluates:
         raise SetupError(f"--plateau-metric {metric} needs an evaluation: define eval_dataset "
                          "and metric_fn(model, batch) in the cell")
 
