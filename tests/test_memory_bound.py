@@ -22,7 +22,7 @@ from elastic_jupyter.config import byte_size
 from elastic_jupyter.engine.sharded.memory_need import MemoryNeed, activation_bytes, measure
 from elastic_jupyter.engine.sharded.resizable_model import default_units, skeleton_of
 from elastic_jupyter.engine.worker import Worker
-from elastic_jupyter.run.memory_bound import MemoryBound
+from elastic_jupyter.run.memory_bound import NoMemoryBound, ShardedMemoryBound
 from test_sharded_step import CELL
 from worlds import cell_namespace, config, train
 
@@ -124,7 +124,7 @@ def _found(budget: int | None, given: bool = True) -> list[dict]:
 
 
 def test_a_pool_min_and_a_resize_below_the_bound_are_refused_with_the_numbers():
-    bound = MemoryBound(shard=True)
+    bound = ShardedMemoryBound()
     with pytest.raises(UsageError, match=r"the pool's --min 1 is below this sharded run's "
                        r"memory bound 2: 33.00 GiB per rank at world size 1 .* against 20.00 "
                        r"GiB per rank \(--memory-per-rank\), while 17.00 GiB .* Start the pool "
@@ -142,7 +142,7 @@ def test_a_pool_min_and_a_resize_below_the_bound_are_refused_with_the_numbers():
     with pytest.raises(UsageError, match="world size 1 is below this sharded run's memory "
                        "bound 2: 33.00 GiB per rank at world size 1"):
         bound.check(1)
-    assert MemoryBound(shard=False).mode == "replicated"
+    assert NoMemoryBound().mode == "replicated"
 
 
 def _need_of(options: dict, cell: str = CELL) -> MemoryNeed:

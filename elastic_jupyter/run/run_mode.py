@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from ..config import RunConfig
 from .final_state import FinalState, ShardedFinalState, WholeFinalState
-from .memory_bound import MemoryBound
+from .memory_bound import MemoryBound, NoMemoryBound, ShardedMemoryBound
 from .runlog import RunLog
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class ReplicatedRun(RunMode):
     name = "replicated"
 
     def memory_bound(self) -> MemoryBound:
-        return MemoryBound(shard=False)
+        return NoMemoryBound()
 
     def final_state(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str,
                     keep: int) -> FinalState:
@@ -94,7 +94,7 @@ class ShardedRun(RunMode):
     name = "sharded"
 
     def memory_bound(self) -> MemoryBound:
-        return MemoryBound(shard=True)
+        return ShardedMemoryBound()
 
     def final_state(self, calls: EngineCalls, log: RunLog, checkpoint_dir: str,
                     keep: int) -> FinalState:
