@@ -34,10 +34,14 @@ def pool():
 
 @pytest.fixture
 def idle_pool(pool):
-    """The shared pool, with no run left active by an earlier test."""
+    """The shared pool, with no run left active by an earlier test, at its start size (2
+    engines): a run that leaves it at another size (its resizes, a fault's lost engine)
+    would otherwise start the next test's run at that size."""
     if pool.run is not None and pool.run.active:
         pool.run.stop()
         pool.run.wait(timeout=60)
+    if pool.size != pool.config.n:
+        pool.resize(pool.config.n)
     yield pool
     if pool.run is not None and pool.run.active:
         pool.run.stop()
