@@ -1,4 +1,7 @@
-"""Engine sets: the pool's ipyparallel cluster and client, and starting and stopping engines.
+"""Engine sets: the pool's ipyparallel cluster and client, and which engines it has.
+
+EngineSets starts the controller and engines, binds warm ones, and forgets removed ones at
+once; their processes are then ended in the background by :mod:`.engine_stops`.
 
 Each slot's engine is its own engine set of one, because ipyparallel cannot stop a single engine
 of a larger set (``Cluster.stop_engine`` raises) and forgets per-set environments on restart.
@@ -29,16 +32,14 @@ from ..engine.entrypoints import versions
 from ..host import own_folder, runtime_folder
 from .arrivals import Arrivals
 from .engine_calls import EngineCalls
+from .engine_stops import STOP_GRACE, EngineStops
 from .launchers import Job, Launcher, StartWithdrawn
-from .processes import (Engine, alive, children, signal_all, terminate, with_descendants,
+from .processes import (Engine, alive, signal_all, terminate, with_descendants,
                         processes)
 from .reaper import Reaper
 from .slots import Slots
 
 CONTROLLER_ARGS = ["--ping=500", "--nodb", "--log-level=ERROR"]
-# Seconds the controller gets to exit on SIGTERM (it takes ~0.4 s and removes its connection
-# files) before SIGKILL, and a removed engine's nanny after its engine is gone.
-STOP_GRACE = 1.0
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +105,8 @@ class EngineSets:
         self.calls = EngineCalls(lambda: self.client)
         self.queued: dict[int, Job] = {}
         self.resizing = asyncio.Lock()  # held by an idle resize and the lease's follower
-        self._stopping: set[asyncio.Future] = set()  # background tasks stopping engines
-        self._removing: set[psutil.Process] = set()  # the engines those tasks stop
+        # the engines removed and still stopping, in the background
+        self._stops = EngineStops(lambda: self.cluster, lambda: self.client, slots)
         self._folder: str | None = None  # the pool's private folder (batch scripts)
         self._reaper = Reaper()
         self.warm: list[Engine] = []  # engines set up without a slot (run/warm_engines.py)
@@ -117,8 +118,8 @@ class EngineSets:
 
     @property
     def stopping(self) -> bool:
-        """Whether removed engines are still stopping."""
-        return bool(self._removing)
+        """Whether removed engines are still stopping (pool.engine_stops)."""
+        return self._stops.busy
 
     @property
     def pidfile(self) -> str | None:
@@ -269,17 +270,7 @@ class EngineSets:
         """Stop engine sets of a start that failed (each on its own: one that cannot be
         stopped must not keep the others), and never take their engines for new ones."""
         self._arrivals.forget(set_ids)  # an engine of theirs that registers later is shut down
-        await self._stop_sets(set_ids)
-
-    async def _stop_sets(self, set_ids: Any) -> None:
-        """ipyparallel's stop of these engine sets, each on its own (one that cannot be
-        reached, a lost host, must not leave the others' stops pending), then forgotten: a
-        stop that failed is not tried again when the Cluster is collected."""
-        cluster = self.cluster
-        sets = [s for s in set_ids if s in cluster.engines]
-        await asyncio.gather(*(cluster.stop_engines(s) for s in sets), return_exceptions=True)
-        for s in sets:
-            cluster.engines.pop(s, None)
+        await self._stops.stop_sets(set_ids)
 
     async def _wait_registered(self, set_ids: dict[int | None, str]) -> list[int]:
         """Wait until the engine of each set in `set_ids` (slot -> set id) registered; returns
@@ -326,27 +317,7 @@ class EngineSets:
             self._arrivals.gone(e.engine_id)  # still registered a while: no new arrival
         self._update_pidfile()
         # the processes now (psutil then checks that a pid was not reused before signalling)
-        procs = processes([e.pid for e in engines if e.local])
-        self._removing.update(procs)
-        self.slots.stopping(e.slot for e in engines if e.slot is not None)
-        task = asyncio.ensure_future(self._stop_engines(engines, procs, grace))
-        self._stopping.add(task)
-        task.add_done_callback(self._stopping.discard)
-        return task
-
-    async def _stop_engines(self, engines: list[Engine], procs: list[psutil.Process],
-                            grace: float) -> None:
-        # a background task nobody may await: it reports its failure here, in one line,
-        # rather than leaving asyncio to print "Task exception was never retrieved"
-        freed: set[int] = set()  # slots freed once their engine was gone
-        try:
-            await self._end_engines(engines, procs, grace, freed)
-        except Exception as err:
-            log.warning("elastic_jupyter: stopping the engine(s) of slot %s failed: %s: %s",
-                        ", ".join(str(e.slot) for e in engines), type(err).__name__, err)
-        finally:
-            self._removing.difference_update(procs)
-            self.slots.stopped(s for e in engines if (s := e.slot) is not None and s not in freed)
+        return self._stops.start(engines, processes([e.pid for e in engines if e.local]), grace)
 
     def alive(self, engine: Engine) -> bool:
         """Whether `engine` runs: its process on this host; another host's while the
@@ -356,62 +327,19 @@ class EngineSets:
             return alive(engine)
         return self.client is not None and engine.engine_id in self.client.ids
 
-    async def _shut_down_remote(self, engines: list[Engine]) -> None:
-        """Ask other hosts' engines to exit, through the controller (no ssh round trip, and a
-        lost host costs no connection timeout), and forget the engine sets of those that did:
-        ipyparallel's stop then reaches out only to engines that did not (ssh kill, scancel).
-        An engine's batch job ends with its engine."""
-        if not engines or self.client is None:
-            return
-        ids = [e.engine_id for e in engines if e.engine_id in self.client.ids]
-        if ids:
-            self.client.shutdown(targets=ids, hub=False, block=False)
-        deadline = time.monotonic() + 5 * STOP_GRACE
-        while set(ids) & set(self.client.ids) and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        for e in engines:
-            if e.engine_id not in self.client.ids:
-                self.cluster.engines.pop(e.set_id, None)
-
-    async def _end_engines(self, engines: list[Engine], procs: list[psutil.Process],
-                           grace: float, freed: set[int]) -> None:
-        if self.cluster is not None:
-            await self._shut_down_remote([e for e in engines if not e.local])
-        nannies = [c for p in procs for c in children(p)]
-        # ipyparallel's stop waits for the process with a blocking join, which would freeze
-        # the owner loop for seconds: end the processes here first, then let it clean up. A
-        # slot is free once its engine is gone: what follows (bookkeeping, nanny) holds none.
-        await terminate(procs, grace)
-        freed.update(e.slot for e in engines if e.local and e.slot is not None)
-        self.slots.stopped(freed)
-        if self.cluster is not None:  # else the pool stopped meanwhile and cleaned up itself
-            await self._stop_sets([e.set_id for e in engines])
-            for e in engines:
-                await self._wait_unregistered(e.engine_id)
-        # each nanny has told the controller its engine is gone; without a controller it
-        # would linger for seconds
-        await terminate(nannies, grace=STOP_GRACE)
-
-    async def _wait_unregistered(self, engine_id: int, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while (self.client is not None and engine_id in self.client.ids
-               and time.monotonic() < deadline):
-            await asyncio.sleep(0.02)
-
     async def stop(self) -> None:
         """End every engine, the controller and the reaper, at once and without blocking the
         loop; then forget the cluster. Call once nothing starts engines any more."""
-        # removals in flight: their engines need no grace either (the nannies, still alive,
-        # tell the controller at once), then the tasks finish quickly and report their own errors
-        signal_all(list(self._removing), psutil.Process.kill)
-        await asyncio.gather(*self._stopping, return_exceptions=True)
+        # removals in flight: their engines need no grace either, then the tasks finish
+        # quickly and report their own errors
+        await self._stops.finish_now()
         # We end every process ourselves, at once and without blocking the loop: ipyparallel's
         # stop joins each launcher's wait thread in turn, blocking this loop for each engine's
         # SIGTERM grace, and knows nothing of the nannies, which outlive their engine by seconds
         # once the controller is gone. Engines get SIGKILL: they hold nothing by now (the run
         # has stopped and drained its checkpoint writes). Other hosts' engines are asked to
         # exit; batch jobs still queued are cancelled (below).
-        await self._shut_down_remote([e for e in self.engines if not e.local])
+        await self._stops.shut_down_remote([e for e in self.engines if not e.local])
         engines = with_descendants([e.pid for e in self.engines + self.warm if e.local])
         signal_all(engines, psutil.Process.kill)
         others = [self.cluster.controller.pid]  # with its schedulers
@@ -420,7 +348,7 @@ class EngineSets:
         try:
             await terminate(engines + with_descendants(others), grace=STOP_GRACE)
             try:
-                await self._stop_sets(list(self.cluster.engines))  # ssh, queued jobs
+                await self._stops.stop_sets(list(self.cluster.engines))  # ssh, queued jobs
                 await self.cluster.stop_cluster()  # now only its bookkeeping: state, files, logs
             except Exception as e:
                 log.warning("elastic_jupyter: ipyparallel's cleanup after stopping the pool "
