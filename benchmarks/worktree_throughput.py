@@ -1,17 +1,18 @@
 """Throughput of two commits side by side: a refactoring must not slow training down.
 
 Checks out `--base` and `--head` (default: c2f1eda, the commit before issue 51's reshaping,
-and HEAD) as git worktrees in a scratch folder and measures each on the same models, the two
-alternating (base first on even pairs, head first on odd ones) `--pairs` times, because this
-machine's speed drifts by tens of percent within minutes; the table gives the median of the
-per-pair ratios head / base and their range.
+and HEAD) as git worktrees in a scratch folder and measures each on the same models `--pairs`
+times. This machine's speed drifts by tens of percent within minutes, and the second of two
+runs in a row reads a few percent slower, so each pair runs base, head, head, base and its
+ratio is sqrt(head1 head2 / (base1 base2)): a linear drift and the order cancel. The table
+gives the median of the per-pair ratios head / base and their range.
 
 Each measurement is a fresh Python process whose ``elastic_jupyter`` is the worktree's (by
 ``PYTHONPATH``; the process checks which one it imported): a fresh pool of 2 CPU engines, one
 run at world size 2 with no checkpoint and no resize, its throughput read from the per-step
 time stamps of ``run.history`` after the warm-up steps. The models:
 
-- ``quickstart``: notebooks/01_quickstart.ipynb's digits MLP (global batch 64), 300 steps: a
+- ``quickstart``: notebooks/01_quickstart.ipynb's digits MLP (global batch 64), 1,500 steps: a
   step is milliseconds, so the control plane's cost per step (the vote, the driver's looks)
   is what is measured;
 - ``50M``: benchmarks/gpt.py's 50.1 M-parameter decoder (global batch 8 sequences of 64
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -50,7 +52,8 @@ def loss_fn(model, batch):
 """
 
 # model: (global batch, warm-up steps, timed steps)
-MODELS = {"quickstart": (64, 20, 300), "50M": (8, 3, 12)}
+# (300 quick-start steps, 1.5 s, gave ratios from 0.90 to 1.01 for the same code)
+MODELS = {"quickstart": (64, 20, 1500), "50M": (8, 3, 12)}
 
 
 def child(model: str, tree: str) -> dict:
@@ -118,12 +121,14 @@ def main() -> None:
             rows = []
             for model in args.models:
                 speeds: dict[str, list[float]] = {"base": [], "head": []}
+                ratios = []
                 for pair in range(args.pairs):
-                    for side in (("base", "head") if pair % 2 == 0 else ("head", "base")):
-                        speeds[side].append(measure(model, trees[side]))
-                    print(f"{model} pair {pair + 1}: base {speeds['base'][-1]:.1f}, head "
-                          f"{speeds['head'][-1]:.1f} samples/s", flush=True)
-                ratios = [h / b for h, b in zip(speeds["head"], speeds["base"])]
+                    got = [measure(model, trees[side]) for side in ("base", "head", "head", "base")]
+                    speeds["base"] += [got[0], got[3]]
+                    speeds["head"] += [got[1], got[2]]
+                    ratios.append(math.sqrt(got[1] * got[2] / (got[0] * got[3])))
+                    print(f"{model} pair {pair + 1}: base {got[0]:.1f} {got[3]:.1f}, head "
+                          f"{got[1]:.1f} {got[2]:.1f} samples/s: {ratios[-1]:.3f}", flush=True)
                 rows.append((model, statistics.median(speeds["base"]),
                              statistics.median(speeds["head"]), statistics.median(ratios),
                              min(ratios), max(ratios)))
