@@ -16,6 +16,17 @@ order as every other collective, so the two modes issue the same sequence on all
 
 The idea of one interface over the ways a state is placed follows torchft's small abstract
 seams (``torchft/checkpointing/transport.py``); the methods are this run's protocol steps.
+
+Where the planned work goes, so that it is written once per mode and not as branches:
+
+- A step whose finished micro-batches survive a fault into the next generation: what a rank
+  has reduced of the step so far is kept by the mode (the replicated mode's summed gradient;
+  the sharded mode's reduce-scattered rows), offered in :meth:`agree` and taken up in
+  :meth:`start`, so that :meth:`passes` returns only the passes not yet done.
+- More sharded state (an EMA, a gradient scaler, several optimizers): each lifts one refusal
+  of engine.modes.sharded.Sharded (``_no_extra_state``, ``_no_fp16``, ``_one_optimizer``) and
+  adds its rows to what :meth:`capture`, :meth:`model_loader`, :meth:`checkpoint` and
+  :meth:`leave` already carry.
 """
 from __future__ import annotations
 
